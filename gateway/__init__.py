@@ -1,0 +1,3 @@
+"""Prefix Gateway: a prefix-aware load-balancing gateway for OpenAI-compatible inference."""
+
+__version__ = "0.1.0"

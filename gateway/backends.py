@@ -1,0 +1,172 @@
+"""The backend pool: membership, the models each backend serves, health and load.
+
+A backend given as `MODEL=URL` serves that model only; a bare URL serves whatever its
+`GET /v1/models` lists, refreshed on an interval. Health is probed actively (`GET /health`) and
+passively (a connection error ejects a backend until a probe succeeds again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import httpx
+
+from gateway.config import ConfigError
+
+log = logging.getLogger("gateway.backends")
+
+
+@dataclass(eq=False)
+class Backend:
+    name: str
+    url: str
+    models: frozenset[str] = frozenset()
+    pinned_model: str | None = None
+    healthy: bool = False
+    in_flight: int = 0
+    queued: int = 0
+    """Requests waiting in the engine's own queue, where scraped."""
+
+    @property
+    def load(self) -> int:
+        return self.in_flight + self.queued
+
+
+@dataclass
+class BackendPool:
+    backends: list[Backend] = field(default_factory=list)
+    _by_model: dict[str, list[Backend]] = field(default_factory=dict)
+
+    @classmethod
+    def from_specs(cls, specs: Sequence[str]) -> BackendPool:
+        pool = cls()
+        for spec in specs:
+            pool.add(parse_backend_spec(spec))
+        return pool
+
+    def add(self, backend: Backend) -> None:
+        if any(existing.name == backend.name for existing in self.backends):
+            raise ConfigError(f"backend {backend.name} given twice")
+        self.backends.append(backend)
+        self.backends.sort(key=lambda item: item.name)
+        self.rebuild()
+
+    def get(self, name: str) -> Backend | None:
+        return next((backend for backend in self.backends if backend.name == name), None)
+
+    def rebuild(self) -> None:
+        """Recompute the per-model candidate lists after a health or membership change."""
+        by_model: dict[str, list[Backend]] = {}
+        for backend in self.backends:
+            if backend.healthy:
+                for model in backend.models:
+                    by_model.setdefault(model, []).append(backend)
+        self._by_model = by_model
+
+    def candidates(self, model: str) -> list[Backend]:
+        return self._by_model.get(model, [])
+
+    def knows_model(self, model: str) -> bool:
+        return any(model in backend.models for backend in self.backends)
+
+    def served_models(self) -> list[str]:
+        return sorted(self._by_model)
+
+    def set_health(self, backend: Backend, healthy: bool) -> bool:
+        """Record a health observation; True when it changed the backend's state."""
+        if backend.healthy == healthy:
+            return False
+        backend.healthy = healthy
+        log.warning("backend %s is now %s", backend.name, "healthy" if healthy else "unhealthy")
+        self.rebuild()
+        return True
+
+    @contextmanager
+    def lease(self, backend: Backend) -> Iterator[Backend]:
+        """Count a request in flight to `backend` for exactly as long as it runs."""
+        backend.in_flight += 1
+        try:
+            yield backend
+        finally:
+            backend.in_flight -= 1
+
+
+def parse_backend_spec(spec: str) -> Backend:
+    model: str | None = None
+    url = spec.strip()
+    if "=" in url and not url.split("=", 1)[0].startswith(("http://", "https://")):
+        model, url = (part.strip() for part in url.split("=", 1))
+    if "://" not in url:
+        url = "http://" + url
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"backend {spec!r} is not an http(s) URL")
+    base = url.rstrip("/")
+    if base.endswith("/v1"):
+        base = base[: -len("/v1")]
+    name = parts.netloc
+    models = frozenset({model}) if model else frozenset()
+    return Backend(name=name, url=base, models=models, pinned_model=model)
+
+
+class BackendMonitor:
+    """Probes health and refreshes model lists in the background."""
+
+    def __init__(
+        self,
+        pool: BackendPool,
+        client: httpx.AsyncClient,
+        health_interval: float,
+        models_interval: float,
+    ) -> None:
+        self._pool = pool
+        self._client = client
+        self._health_interval = health_interval
+        self._models_interval = models_interval
+        self._task: asyncio.Task[None] | None = None
+
+    async def refresh_all(self) -> None:
+        await asyncio.gather(*(self._refresh(backend) for backend in self._pool.backends))
+
+    async def _refresh(self, backend: Backend, with_models: bool = True) -> None:
+        try:
+            response = await self._client.get(backend.url + "/health")
+            healthy = response.status_code == 200
+            if healthy and with_models and backend.pinned_model is None:
+                listing = await self._client.get(backend.url + "/v1/models")
+                listing.raise_for_status()
+                models = frozenset(
+                    str(item["id"]) for item in listing.json().get("data", []) if "id" in item
+                )
+                if models != backend.models:
+                    backend.models = models
+                    self._pool.rebuild()
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            healthy = False
+        self._pool.set_health(backend, healthy)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="backend-monitor")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_models = loop.time() + self._models_interval
+        while True:
+            await asyncio.sleep(self._health_interval)
+            with_models = loop.time() >= next_models
+            if with_models:
+                next_models = loop.time() + self._models_interval
+            await asyncio.gather(
+                *(self._refresh(backend, with_models) for backend in self._pool.backends)
+            )

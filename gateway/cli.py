@@ -1,0 +1,84 @@
+"""The `prefix-gateway` command: serve, emulate."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import shlex
+import sys
+from collections.abc import Sequence
+
+from gateway import config as gateway_config
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import GatewayApp
+    from gateway.fleet import EmulatedFleet
+
+    try:
+        settings = gateway_config.load_settings(args)
+        from gateway.policy import build_policy
+
+        build_policy(settings)
+    except (gateway_config.ConfigError, OSError) as exc:
+        print(f"prefix-gateway: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    fleet = None
+    if settings.emulate > 0:
+        fleet = EmulatedFleet(
+            settings.emulate, settings.emulate_model, shlex.split(settings.emulate_args)
+        ).start()
+        settings = dataclasses.replace(
+            settings, backend=(*settings.backend, *(f"{url}" for url in fleet.urls))
+        )
+        print(f"emulated replicas: {' '.join(fleet.urls)}", flush=True)
+    try:
+        uvicorn.run(
+            GatewayApp(settings),
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level,
+            access_log=False,
+            loop="auto",
+            http="auto",
+            lifespan="on",
+            timeout_graceful_shutdown=30,
+        )
+    finally:
+        if fleet is not None:
+            fleet.stop()
+    return 0
+
+
+def _emulate(args: argparse.Namespace) -> int:
+    from gateway.emulator import config_from_args, serve
+
+    serve(config_from_args(args))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from gateway.emulator import add_arguments as add_emulator_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="prefix-gateway", description="Prefix-aware load-balancing gateway for LLM inference"
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the gateway")
+    gateway_config.add_arguments(serve)
+    serve.set_defaults(handler=_serve)
+    emulate = commands.add_parser("emulate", help="run one emulated vLLM-like replica")
+    add_emulator_arguments(emulate)
+    emulate.set_defaults(handler=_emulate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    raise SystemExit(args.handler(args))

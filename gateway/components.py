@@ -1,0 +1,58 @@
+"""Everything one gateway process runs, built from Settings in the app's lifespan."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import httpx
+
+from gateway.backends import BackendMonitor, BackendPool
+from gateway.config import Settings
+from gateway.index import InMemoryPrefixIndex, PrefixIndex
+from gateway.metrics import Metrics
+from gateway.policy import build_policy
+from gateway.proxy import ProxyHandler
+from gateway.router import Router
+from gateway.sessions import InMemorySessionStore, SessionStore
+from gateway.upstream import Upstream
+
+
+@dataclass
+class Components:
+    settings: Settings
+    pool: BackendPool
+    metrics: Metrics
+    index: PrefixIndex
+    sessions: SessionStore
+    router: Router
+    upstream: Upstream
+    probes: httpx.AsyncClient
+    monitor: BackendMonitor
+    proxy: ProxyHandler
+
+    @classmethod
+    def build(cls, settings: Settings, pool: BackendPool | None = None) -> Components:
+        pool = pool or BackendPool.from_specs(settings.backend)
+        metrics = Metrics()
+        index = InMemoryPrefixIndex(settings.affinity_ttl, settings.index_max_blocks)
+        sessions = InMemorySessionStore(settings.affinity_ttl, settings.session_max)
+        policy = build_policy(settings, random.Random())
+        router = Router(settings, pool, index, sessions, policy, metrics)
+        upstream = Upstream(settings.connect_timeout, settings.first_byte_timeout)
+        probes = httpx.AsyncClient(timeout=httpx.Timeout(2.0, connect=settings.connect_timeout))
+        monitor = BackendMonitor(pool, probes, settings.health_interval, settings.models_interval)
+        proxy = ProxyHandler(router, upstream, metrics)
+        return cls(
+            settings, pool, metrics, index, sessions, router, upstream, probes, monitor, proxy
+        )
+
+    async def start(self) -> None:
+        await self.upstream.start()
+        await self.monitor.refresh_all()
+        self.monitor.start()
+
+    async def stop(self) -> None:
+        await self.monitor.stop()
+        await self.upstream.close()
+        await self.probes.aclose()

@@ -1,0 +1,159 @@
+"""Settings: one typed object built once from CLI flags, `GATEWAY_*` variables and a YAML file.
+
+Precedence, highest first: command-line flag, environment variable, YAML file, default.
+Every field `foo_bar` is the flag `--foo-bar` and the variable `GATEWAY_FOO_BAR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+POLICY_NAMES = ("prefix", "consistent_hash", "least_loaded", "round_robin", "random")
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; raised at start-up, never while serving."""
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: str = _opt("127.0.0.1", "address to listen on")
+    port: int = _opt(8080, "port to listen on")
+    backend: tuple[str, ...] = _opt(
+        (), "replica URL, or MODEL=URL for a per-model pool; repeat for several", env="BACKENDS"
+    )
+    policy: str = _opt("prefix", f"routing policy: {', '.join(POLICY_NAMES)}")
+    emulate: int = _opt(0, "also start N emulated replicas and route to them")
+    emulate_model: str = _opt("emulated-model", "model name served by emulated replicas")
+    emulate_args: str = _opt(
+        "", "extra flags for every emulated replica, e.g. '--cache-blocks 512'"
+    )
+    load_factor: float = _opt(1.25, "bounded-load factor c: no backend above ceil(c * mean load)")
+    load_floor: int = _opt(2, "in-flight requests every backend may take whatever the mean")
+    block_tokens: int = _opt(16, "tokens per prefix block")
+    chars_per_token: float = _opt(4.0, "characters per token assumed by the block chunking")
+    affinity_tokens: int = _opt(256, "tokens hashed into the affinity key of the hash ring")
+    min_match_tokens: int = _opt(64, "shortest indexed prefix match worth routing on")
+    affinity_ttl: float = _opt(600.0, "seconds an index entry or sticky session lives unused")
+    index_max_blocks: int = _opt(2_000_000, "prefix blocks the in-memory index keeps at most")
+    session_max: int = _opt(1_000_000, "sticky sessions the in-memory store keeps at most")
+    session_from_user: bool = _opt(False, "use the request's `user` field as a session key")
+    default_model: str = _opt("", "model used when a request names none")
+    max_body_bytes: int = _opt(32 * 1024 * 1024, "largest request body accepted")
+    connect_timeout: float = _opt(3.0, "seconds to connect to a replica")
+    first_byte_timeout: float = _opt(600.0, "seconds to wait for a replica's response headers")
+    max_attempts: int = _opt(3, "replicas tried for one request before giving up")
+    health_interval: float = _opt(5.0, "seconds between active health probes of each replica")
+    models_interval: float = _opt(30.0, "seconds between refreshes of each replica's model list")
+    log_level: str = _opt("info", "log level")
+
+    @property
+    def block_chars(self) -> int:
+        return max(1, round(self.block_tokens * self.chars_per_token))
+
+    def validate(self) -> Settings:
+        if self.policy not in POLICY_NAMES:
+            raise ConfigError(
+                f"unknown policy {self.policy!r}; choose one of {', '.join(POLICY_NAMES)}"
+            )
+        if self.load_factor < 1.0:
+            raise ConfigError("load_factor must be at least 1.0")
+        if self.block_tokens < 1 or self.chars_per_token <= 0:
+            raise ConfigError("block_tokens and chars_per_token must be positive")
+        if not self.backend and self.emulate <= 0:
+            raise ConfigError(
+                "no backends: give --backend URL (or GATEWAY_BACKENDS) or --emulate N"
+            )
+        return self
+
+
+def _env_name(f: dataclasses.Field[Any]) -> str:
+    return "GATEWAY_" + str(f.metadata.get("env", f.name.upper()))
+
+
+def _field_type(f: dataclasses.Field[Any]) -> Any:
+    hints = typing.get_type_hints(Settings)
+    return hints[f.name]
+
+
+def _coerce(f: dataclasses.Field[Any], raw: Any) -> Any:
+    kind = _field_type(f)
+    if typing.get_origin(kind) is tuple:
+        if isinstance(raw, str):
+            return tuple(part.strip() for part in raw.split(",") if part.strip())
+        if isinstance(raw, Sequence):
+            return tuple(str(part) for part in raw)
+        raise ConfigError(f"{f.name} must be a list")
+    if kind is bool:
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off", ""):
+            return False
+        raise ConfigError(f"{f.name} must be true or false, not {raw!r}")
+    try:
+        return kind(raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{f.name}: cannot read {raw!r} as {kind.__name__}") from exc
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML file of settings (keys as the flags, with _)")
+    for f in dataclasses.fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{f.metadata['help']} (env {_env_name(f)}; default {f.default!r})"
+        kind = _field_type(f)
+        if typing.get_origin(kind) is tuple:
+            parser.add_argument(flag, action="append", default=None, help=help_text)
+        elif kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            parser.add_argument(flag, default=None, help=help_text)
+
+
+def load_settings(
+    args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
+) -> Settings:
+    environ = os.environ if environ is None else environ
+    given = vars(args) if args is not None else {}
+    from_file: dict[str, Any] = {}
+    config_path = given.get("config") or environ.get("GATEWAY_CONFIG")
+    if config_path:
+        with open(config_path, encoding="utf-8") as handle:
+            loaded = yaml.safe_load(handle) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{config_path}: expected a mapping of settings")
+        known = {f.name for f in dataclasses.fields(Settings)}
+        unknown = set(loaded) - known
+        if unknown:
+            raise ConfigError(f"{config_path}: unknown settings {sorted(unknown)}")
+        from_file = loaded
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(Settings):
+        if given.get(f.name) is not None:
+            raw = given[f.name]
+            if isinstance(raw, list):
+                raw = [part for item in raw for part in str(item).split(",") if part]
+            values[f.name] = _coerce(f, raw)
+        elif _env_name(f) in environ:
+            values[f.name] = _coerce(f, environ[_env_name(f)])
+        elif f.name in from_file:
+            values[f.name] = _coerce(f, from_file[f.name])
+    return Settings(**values).validate()
+
+
+__all__ = ["POLICY_NAMES", "ConfigError", "Settings", "add_arguments", "load_settings"]

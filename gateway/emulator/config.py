@@ -1,0 +1,108 @@
+"""The emulated replica's settings: one frozen value, checked once, built from CLI flags."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+CHAT_TEMPLATES = ("plain", "chatml")
+
+
+@dataclass(frozen=True)
+class EmulatorConfig:
+    model: str = "emulated-model"
+    host: str = "127.0.0.1"
+    port: int = 8001
+    block_size: int = 16
+    cache_blocks: int = 8192
+    max_running: int = 64
+    prefill_seconds_per_token: float = 0.0
+    decode_seconds_per_token: float = 0.0
+    chat_template: str = "plain"
+    default_max_tokens: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("the model name must not be empty")
+        if self.block_size < 1 or self.cache_blocks < 1 or self.max_running < 1:
+            raise ValueError("block_size, cache_blocks and max_running must be at least 1")
+        if self.prefill_seconds_per_token < 0 or self.decode_seconds_per_token < 0:
+            raise ValueError("per-token costs must not be negative")
+        if self.chat_template not in CHAT_TEMPLATES:
+            raise ValueError(
+                f"unknown chat template {self.chat_template!r}; "
+                f"choose one of {', '.join(CHAT_TEMPLATES)}"
+            )
+        if self.default_max_tokens < 1:
+            raise ValueError("default_max_tokens must be at least 1")
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt plus completion accepted: a sequence that fits the whole cache."""
+        return self.block_size * self.cache_blocks
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = EmulatorConfig()
+    parser.add_argument("--host", default=defaults.host, help="address to listen on")
+    parser.add_argument("--port", type=int, default=defaults.port, help="port to listen on")
+    parser.add_argument("--name", default=defaults.model, help="model name served")
+    parser.add_argument(
+        "--cache-blocks",
+        type=int,
+        default=defaults.cache_blocks,
+        help="KV-cache capacity in blocks",
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=defaults.block_size, help="tokens per KV-cache block"
+    )
+    parser.add_argument(
+        "--max-running",
+        type=int,
+        default=defaults.max_running,
+        help="sequences run concurrently; more wait in a FIFO queue",
+    )
+    parser.add_argument(
+        "--prefill-us-per-token",
+        type=float,
+        default=defaults.prefill_seconds_per_token * 1e6,
+        help="microseconds of prefill per uncached prompt token (prefills run one at a time)",
+    )
+    parser.add_argument(
+        "--decode-ms-per-token",
+        type=float,
+        default=defaults.decode_seconds_per_token * 1e3,
+        help="milliseconds per generated token of every running sequence",
+    )
+    parser.add_argument(
+        "--chat-template",
+        choices=CHAT_TEMPLATES,
+        default=defaults.chat_template,
+        help="plain: message contents only; chatml: with role and turn tokens",
+    )
+    parser.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=defaults.default_max_tokens,
+        help="tokens generated when a request sets no max_tokens",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=defaults.seed, help="seed of the generated text"
+    )
+
+
+def config_from_args(ns: argparse.Namespace) -> EmulatorConfig:
+    return EmulatorConfig(
+        model=ns.name,
+        host=ns.host,
+        port=ns.port,
+        block_size=ns.block_size,
+        cache_blocks=ns.cache_blocks,
+        max_running=ns.max_running,
+        prefill_seconds_per_token=ns.prefill_us_per_token / 1e6,
+        decode_seconds_per_token=ns.decode_ms_per_token / 1e3,
+        chat_template=ns.chat_template,
+        default_max_tokens=ns.default_max_tokens,
+        seed=ns.seed,
+    )

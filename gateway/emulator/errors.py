@@ -1,0 +1,48 @@
+"""Errors answered to clients, rendered in the shape vLLM's OpenAI server uses.
+
+vLLM names the error type after the HTTP status (`BadRequestError`, `NotFoundError`) and puts
+the status number in `code`; clients and the gateway's error mapping see the same body here.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+
+class EmulatorError(Exception):
+    status = 500
+    error_type = "InternalServerError"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> bytes:
+        return render_error(self.status, self.error_type, self.message, self.param)
+
+
+class InvalidRequest(EmulatorError):
+    status = 400
+    error_type = "BadRequestError"
+
+
+class NotFound(EmulatorError):
+    status = 404
+    error_type = "NotFoundError"
+
+
+class MethodNotAllowed(EmulatorError):
+    status = 405
+    error_type = "MethodNotAllowed"
+
+
+class PayloadTooLarge(EmulatorError):
+    status = 413
+    error_type = "RequestEntityTooLarge"
+
+
+def render_error(status: int, error_type: str, message: str, param: str | None = None) -> bytes:
+    return orjson.dumps(
+        {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+    )

@@ -1,0 +1,51 @@
+"""The emulated engine's time model, free of clocks: every time is an argument.
+
+Prefill costs a fixed time per uncached prompt token and prefills run one after another, as on
+a GPU whose prefill is compute-bound: uncached work queues up and raises time to first token on
+a busy replica. Decode costs a fixed time per generated token, for every running sequence in
+parallel, as in a batched decode step whose cost is dominated by reading the weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    prefill_seconds_per_token: float = 0.0
+    decode_seconds_per_token: float = 0.0
+
+    @property
+    def is_instant(self) -> bool:
+        return self.prefill_seconds_per_token == 0 and self.decode_seconds_per_token == 0
+
+    def prefill_seconds(self, uncached_tokens: int) -> float:
+        return uncached_tokens * self.prefill_seconds_per_token
+
+    def token_time(self, first_token_at: float, index: int) -> float:
+        """When the token at `index` (0 is the first) of a sequence is produced."""
+        return first_token_at + index * self.decode_seconds_per_token
+
+
+class PrefillLane:
+    """The one prefill lane: a prefill starts when it is asked for and the lane is free.
+
+    A reservation is final: a sequence aborted before its prefill ran still holds its slot, so
+    the prefills queued behind it start no earlier than they were told.
+    """
+
+    def __init__(self) -> None:
+        self._free_at = float("-inf")
+
+    @property
+    def free_at(self) -> float:
+        return self._free_at
+
+    def reserve(self, now: float, seconds: float) -> float:
+        """Book `seconds` of prefill asked for at `now`; returns when that prefill ends."""
+        if seconds <= 0:
+            return now
+        start = max(now, self._free_at)
+        self._free_at = start + seconds
+        return self._free_at

@@ -1,0 +1,38 @@
+"""Prefix hashing: a canonical prompt stream cut into blocks and hashed as a chain.
+
+Block i's hash covers block i and, through its seed, every block before it, so equal hashes at
+depth i mean equal prefixes. Only full blocks are hashed: a trailing partial block changes as
+soon as the prompt grows, so it could never match a later request.
+"""
+
+from __future__ import annotations
+
+import xxhash
+
+_hash = xxhash.xxh3_64_intdigest
+
+
+def chain_hashes(data: bytes, block_chars: int, seed: int = 0, start: int = 0) -> list[int]:
+    """Chained hashes of the full blocks of `data` from byte `start`, continuing from `seed`."""
+    view = memoryview(data)
+    hashes: list[int] = []
+    append = hashes.append
+    prev = seed
+    for offset in range(start, len(data) - block_chars + 1, block_chars):
+        prev = _hash(view[offset : offset + block_chars], prev)
+        append(prev)
+    return hashes
+
+
+def extend_hashes(
+    prefix_hashes: list[int], data: bytes, block_chars: int, seed: int = 0
+) -> list[int]:
+    """The chain of `data`, reusing `prefix_hashes` already computed for its beginning."""
+    done = len(prefix_hashes)
+    last = prefix_hashes[-1] if done else seed
+    return prefix_hashes + chain_hashes(data, block_chars, last, done * block_chars)
+
+
+def key_hash(data: bytes | str) -> int:
+    """A 64-bit hash for affinity keys and session keys."""
+    return _hash(data.encode() if isinstance(data, str) else data)

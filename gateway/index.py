@@ -1,0 +1,89 @@
+"""The prefix index: which backends were sent which prefix blocks.
+
+Every backend that was sent a block is remembered (never a single owner that flips), so each
+backend has its own matched depth. Entries expire after a TTL of disuse and the index is
+bounded: the least recently touched blocks go first, deepest first within a prompt, so a
+prefix is cut from its end and never loses its beginning.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Protocol
+
+from gateway.clock import Clock, monotonic
+
+
+class PrefixIndex(Protocol):
+    async def match(self, model: str, hashes: Sequence[int]) -> dict[str, int]:
+        """Matched depth in blocks for every backend holding at least the first block."""
+        ...
+
+    async def record(self, model: str, backend: str, hashes: Sequence[int]) -> None:
+        """Remember that `backend` was sent (or now holds) every block of `hashes`."""
+        ...
+
+    async def forget(self, model: str, backend: str, hashes: Sequence[int]) -> None:
+        """`backend` no longer holds these blocks (its cache evicted them)."""
+        ...
+
+
+class InMemoryPrefixIndex:
+    def __init__(self, ttl: float, max_blocks: int, clock: Clock = monotonic) -> None:
+        self._ttl = ttl
+        self._max_blocks = max_blocks
+        self._clock = clock
+        # (model, block hash) -> {backend: last touched}; ordered by last touch, oldest first.
+        self._blocks: OrderedDict[tuple[str, int], dict[str, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    async def match(self, model: str, hashes: Sequence[int]) -> dict[str, int]:
+        depths: dict[str, int] = {}
+        oldest = self._clock() - self._ttl
+        blocks = self._blocks
+        for depth, block in enumerate(hashes):
+            holders = blocks.get((model, block))
+            if holders is None:
+                break
+            extended = False
+            for backend, touched in holders.items():
+                if touched >= oldest and depths.get(backend, 0) == depth:
+                    depths[backend] = depth + 1
+                    extended = True
+            if not extended:
+                break
+        return depths
+
+    async def record(self, model: str, backend: str, hashes: Sequence[int]) -> None:
+        now = self._clock()
+        blocks = self._blocks
+        # Deepest first, so that the beginning of the prompt is the most recently touched.
+        for block in reversed(hashes):
+            key = (model, block)
+            holders = blocks.get(key)
+            if holders is None:
+                blocks[key] = {backend: now}
+            else:
+                holders[backend] = now
+                blocks.move_to_end(key)
+        self._trim(now)
+
+    async def forget(self, model: str, backend: str, hashes: Sequence[int]) -> None:
+        for block in hashes:
+            holders = self._blocks.get((model, block))
+            if holders is not None and holders.pop(backend, None) is not None and not holders:
+                del self._blocks[(model, block)]
+
+    def _trim(self, now: float) -> None:
+        blocks = self._blocks
+        while len(blocks) > self._max_blocks:
+            blocks.popitem(last=False)
+        oldest = now - self._ttl
+        while blocks:
+            _key, holders = next(iter(blocks.items()))
+            if max(holders.values()) >= oldest:
+                break
+            blocks.popitem(last=False)

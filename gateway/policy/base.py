@@ -1,0 +1,53 @@
+"""What every policy sees and returns: a snapshot of plain values in, a decision out."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol
+
+
+class Route(Enum):
+    """Why a backend was chosen: the metric label, the response header and what tests check."""
+
+    SESSION = "session"
+    PREFIX = "prefix"
+    HASH = "hash"
+    OVERFLOW = "overflow"
+    FALLBACK = "fallback"
+    RETRY = "retry"
+    LEAST_LOADED = "least_loaded"
+    ROUND_ROBIN = "round_robin"
+    RANDOM = "random"
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingState:
+    candidates: Sequence[str]
+    """Healthy backends serving the model, not yet tried for this request."""
+    loads: Mapping[str, int]
+    """Load per candidate: requests in flight (plus engine-reported queue where known)."""
+    hashes: Sequence[int] = ()
+    """The prompt's block hash chain."""
+    matched: Mapping[str, int] = field(default_factory=dict)
+    """Matched prefix depth in blocks per backend, from the index."""
+    affinity_key: int = 0
+    sticky: str | None = None
+    """The backend bound to the request's session key, if any."""
+    recent: Mapping[str, float] = field(default_factory=dict)
+    """Recent request counts per backend (decaying), for spreading ties."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    backend: str
+    route: Route
+    matched_blocks: int = 0
+    load_bound: int = 0
+
+
+class Policy(Protocol):
+    def choose(self, state: RoutingState) -> Decision:
+        """Pick one of `state.candidates`; there is always at least one."""
+        ...

@@ -1,0 +1,179 @@
+"""The router: from a parsed request to a decision, and from a response back to the index.
+
+It gathers what the policy needs (candidates, loads, index matches, the session's backend,
+recent traffic), asks the policy, and records what was decided and what came back. It knows
+no HTTP; the proxy calls it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from gateway.backends import Backend, BackendPool
+from gateway.clock import Clock, monotonic
+from gateway.config import Settings
+from gateway.errors import NoHealthyBackend, NotFound
+from gateway.hashing import chain_hashes, extend_hashes, key_hash
+from gateway.index import PrefixIndex
+from gateway.metrics import Metrics
+from gateway.parsing import Endpoint, RoutingInput, message_segment
+from gateway.policy import Decision, Policy, Route, RoutingState
+from gateway.sessions import SessionStore
+
+_RECENT_HALF_LIFE = 30.0
+
+
+@dataclass(slots=True)
+class RoutedRequest:
+    input: RoutingInput
+    hashes: list[int]
+    affinity_key: int
+    decision: Decision
+    backend: Backend
+    tried: list[str] = field(default_factory=list)
+
+    @property
+    def route(self) -> Route:
+        return self.decision.route
+
+
+class RecentTraffic:
+    """Exponentially decaying request counts per backend."""
+
+    def __init__(self, clock: Clock, half_life: float = _RECENT_HALF_LIFE) -> None:
+        self._clock = clock
+        self._rate = math.log(2) / half_life
+        self._counts: dict[str, tuple[float, float]] = {}
+
+    def snapshot(self, names: Sequence[str]) -> dict[str, float]:
+        now = self._clock()
+        counts = self._counts
+        rate = self._rate
+        result: dict[str, float] = {}
+        for name in names:
+            entry = counts.get(name)
+            if entry is not None:
+                value, stamp = entry
+                result[name] = value * math.exp(rate * (stamp - now))
+        return result
+
+    def add(self, name: str) -> None:
+        now = self._clock()
+        value, stamp = self._counts.get(name, (0.0, now))
+        self._counts[name] = (value * math.exp(self._rate * (stamp - now)) + 1.0, now)
+
+
+class Router:
+    def __init__(
+        self,
+        settings: Settings,
+        pool: BackendPool,
+        index: PrefixIndex,
+        sessions: SessionStore,
+        policy: Policy,
+        metrics: Metrics,
+        clock: Clock = monotonic,
+    ) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.index = index
+        self.sessions = sessions
+        self.policy = policy
+        self.metrics = metrics
+        self.recent = RecentTraffic(clock)
+        self._block_chars = settings.block_chars
+        self._affinity_chars = round(settings.affinity_tokens * settings.chars_per_token)
+        self._decision_seconds = metrics.decision_seconds.labels(settings.policy)
+
+    def affinity_key(self, request: RoutingInput) -> int:
+        if request.session_key is not None:
+            return key_hash(request.session_key)
+        start = request.distinct_from
+        return key_hash(request.canonical[start : start + self._affinity_chars])
+
+    async def route(self, request: RoutingInput) -> RoutedRequest:
+        began = time.perf_counter()
+        candidates = self._candidates(request.model)
+        hashes = chain_hashes(request.canonical, self._block_chars)
+        affinity_key = self.affinity_key(request)
+        matched = await self.index.match(request.model, hashes)
+        sticky = None
+        if request.session_key is not None:
+            sticky = await self.sessions.get(request.session_key)
+        decision = self._decide(candidates, hashes, matched, affinity_key, sticky)
+        backend = next(item for item in candidates if item.name == decision.backend)
+        self._decision_seconds.observe(time.perf_counter() - began)
+        routed = RoutedRequest(request, hashes, affinity_key, decision, backend, [backend.name])
+        await self._record_choice(routed)
+        return routed
+
+    async def reroute(self, routed: RoutedRequest) -> bool:
+        """Move a request that failed before its first byte to the next candidate."""
+        candidates = [
+            item for item in self._candidates(routed.input.model) if item.name not in routed.tried
+        ]
+        if not candidates:
+            return False
+        matched = await self.index.match(routed.input.model, routed.hashes)
+        choice = self._decide(candidates, routed.hashes, matched, routed.affinity_key, None)
+        routed.decision = Decision(
+            choice.backend, Route.RETRY, choice.matched_blocks, choice.load_bound
+        )
+        routed.backend = next(item for item in candidates if item.name == choice.backend)
+        routed.tried.append(choice.backend)
+        await self._record_choice(routed)
+        return True
+
+    async def learn_answer(self, routed: RoutedRequest, answer: str) -> None:
+        """The answer joins the conversation's history: index it on the backend that wrote it."""
+        if routed.input.endpoint is not Endpoint.CHAT or not answer:
+            return
+        history = routed.input.canonical + message_segment("assistant", answer)
+        hashes = extend_hashes(routed.hashes, history, self._block_chars)
+        await self.index.record(routed.input.model, routed.backend.name, hashes)
+
+    def _candidates(self, model: str) -> list[Backend]:
+        candidates = self.pool.candidates(model)
+        if not candidates:
+            if not self.pool.knows_model(model):
+                raise NotFound(
+                    f"The model `{model}` does not exist.", param="model", code="model_not_found"
+                )
+            raise NoHealthyBackend(
+                f"no healthy backend serves model `{model}`", code="no_healthy_backend"
+            )
+        return candidates
+
+    def _decide(
+        self,
+        candidates: list[Backend],
+        hashes: list[int],
+        matched: dict[str, int],
+        affinity_key: int,
+        sticky: str | None,
+    ) -> Decision:
+        names = [item.name for item in candidates]
+        state = RoutingState(
+            candidates=names,
+            loads={item.name: item.load for item in candidates},
+            hashes=hashes,
+            matched=matched,
+            affinity_key=affinity_key,
+            sticky=sticky,
+            recent=self.recent.snapshot(names),
+        )
+        return self.policy.choose(state)
+
+    async def _record_choice(self, routed: RoutedRequest) -> None:
+        request = routed.input
+        name = routed.backend.name
+        self.recent.add(name)
+        if request.endpoint is not Endpoint.EMBEDDINGS:
+            await self.index.record(request.model, name, routed.hashes)
+        if request.session_key is not None:
+            await self.sessions.put(request.session_key, name)
+        if routed.decision.route is Route.OVERFLOW:
+            self.metrics.overflows.labels(request.model).inc()

@@ -1,0 +1,136 @@
+"""The contract every PrefixIndex and SessionStore implementation must keep."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+
+from gateway.clock import ManualClock
+from gateway.index import InMemoryPrefixIndex, PrefixIndex
+from gateway.sessions import InMemorySessionStore, SessionStore
+
+IndexFactory = Callable[[ManualClock, float, int], PrefixIndex]
+SessionFactory = Callable[[ManualClock, float, int], SessionStore]
+
+INDEXES: dict[str, IndexFactory] = {
+    "memory": lambda clock, ttl, size: InMemoryPrefixIndex(ttl, size, clock),
+}
+SESSIONS: dict[str, SessionFactory] = {
+    "memory": lambda clock, ttl, size: InMemorySessionStore(ttl, size, clock),
+}
+
+
+def run(coroutine: Coroutine[Any, Any, Any]) -> Any:
+    return asyncio.run(coroutine)
+
+
+@pytest.fixture(params=sorted(INDEXES))
+def make_index(request: pytest.FixtureRequest) -> IndexFactory:
+    return INDEXES[request.param]
+
+
+@pytest.fixture(params=sorted(SESSIONS))
+def make_sessions(request: pytest.FixtureRequest) -> SessionFactory:
+    return SESSIONS[request.param]
+
+
+def test_match_depth_per_backend(make_index: IndexFactory) -> None:
+    index = make_index(ManualClock(), 600, 10_000)
+
+    async def scenario() -> None:
+        await index.record("m", "a", [1, 2, 3, 4, 5])
+        await index.record("m", "b", [1, 2, 9])
+        assert await index.match("m", [1, 2, 3, 4, 5, 6]) == {"a": 5, "b": 2}
+        assert await index.match("m", [1, 2, 9, 10]) == {"a": 2, "b": 3}
+        assert await index.match("m", [7, 1, 2]) == {}
+        assert await index.match("other-model", [1, 2, 3]) == {}
+
+    run(scenario())
+
+
+def test_every_holder_is_remembered(make_index: IndexFactory) -> None:
+    index = make_index(ManualClock(), 600, 10_000)
+
+    async def scenario() -> None:
+        for backend in ("a", "b", "c"):
+            await index.record("m", backend, [1, 2, 3])
+        assert await index.match("m", [1, 2, 3]) == {"a": 3, "b": 3, "c": 3}
+
+    run(scenario())
+
+
+def test_entries_expire_after_the_ttl_unless_touched(make_index: IndexFactory) -> None:
+    clock = ManualClock()
+    index = make_index(clock, 600, 10_000)
+
+    async def scenario() -> None:
+        await index.record("m", "a", [1, 2, 3])
+        await index.record("m", "b", [1, 2, 3])
+        clock.advance(500)
+        await index.record("m", "b", [1, 2, 3])
+        clock.advance(200)
+        assert await index.match("m", [1, 2, 3]) == {"b": 3}
+        clock.advance(601)
+        assert await index.match("m", [1, 2, 3]) == {}
+
+    run(scenario())
+
+
+def test_forget_cuts_a_backend_at_the_first_forgotten_block(make_index: IndexFactory) -> None:
+    index = make_index(ManualClock(), 600, 10_000)
+
+    async def scenario() -> None:
+        await index.record("m", "a", [1, 2, 3, 4])
+        await index.record("m", "b", [1, 2, 3, 4])
+        await index.forget("m", "a", [3, 4])
+        assert await index.match("m", [1, 2, 3, 4]) == {"a": 2, "b": 4}
+
+    run(scenario())
+
+
+def test_size_bound_drops_the_deepest_blocks_of_the_oldest_prompt(
+    make_index: IndexFactory,
+) -> None:
+    index = make_index(ManualClock(), 600, 6)
+
+    async def scenario() -> None:
+        await index.record("m", "a", [1, 2, 3, 4])
+        await index.record("m", "b", [11, 12, 13, 14])
+        # The older prompt lost its end, never its beginning.
+        assert await index.match("m", [1, 2, 3, 4]) == {"a": 2}
+        assert await index.match("m", [11, 12, 13, 14]) == {"b": 4}
+
+    run(scenario())
+
+
+def test_sessions_stick_and_expire(make_sessions: SessionFactory) -> None:
+    clock = ManualClock()
+    sessions = make_sessions(clock, 600, 100)
+
+    async def scenario() -> None:
+        assert await sessions.get("s1") is None
+        await sessions.put("s1", "a")
+        clock.advance(599)
+        assert await sessions.get("s1") == "a"
+        await sessions.put("s1", "b")  # moved: the TTL restarts
+        clock.advance(599)
+        assert await sessions.get("s1") == "b"
+        clock.advance(2)
+        assert await sessions.get("s1") is None
+
+    run(scenario())
+
+
+def test_sessions_are_bounded(make_sessions: SessionFactory) -> None:
+    sessions = make_sessions(ManualClock(), 600, 2)
+
+    async def scenario() -> None:
+        for key in ("s1", "s2", "s3"):
+            await sessions.put(key, "a")
+        assert await sessions.get("s1") is None
+        assert await sessions.get("s3") == "a"
+
+    run(scenario())

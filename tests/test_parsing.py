@@ -1,0 +1,95 @@
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from gateway.errors import BadRequest
+from gateway.parsing import Endpoint, message_segment, parse_request
+
+
+def chat(**fields: object) -> bytes:
+    return orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]} | fields)
+
+
+def test_chat_history_only_appends() -> None:
+    turn1 = [{"role": "system", "content": "S"}, {"role": "user", "content": "q1"}]
+    turn2 = [*turn1, {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}]
+    first = parse_request(Endpoint.CHAT, chat(messages=turn1), None)
+    second = parse_request(Endpoint.CHAT, chat(messages=turn2), None)
+    assert second.canonical.startswith(first.canonical + message_segment("assistant", "a1"))
+
+
+def test_roles_and_tools_change_the_stream() -> None:
+    user = parse_request(Endpoint.CHAT, chat(messages=[{"role": "user", "content": "x"}]), None)
+    system = parse_request(Endpoint.CHAT, chat(messages=[{"role": "system", "content": "x"}]), None)
+    tools = parse_request(Endpoint.CHAT, chat(tools=[{"type": "function"}]), None)
+    assert len({user.canonical, system.canonical, tools.canonical}) == 3
+
+
+def test_content_parts_match_plain_text() -> None:
+    parts = [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]
+    as_parts = parse_request(
+        Endpoint.CHAT, chat(messages=[{"role": "user", "content": parts}]), None
+    )
+    as_text = parse_request(
+        Endpoint.CHAT, chat(messages=[{"role": "user", "content": "hello world"}]), None
+    )
+    assert as_parts.canonical == as_text.canonical
+
+
+def test_distinct_part_starts_at_the_first_user_message() -> None:
+    messages = [{"role": "system", "content": "S" * 100}, {"role": "user", "content": "q"}]
+    parsed = parse_request(Endpoint.CHAT, chat(messages=messages), None)
+    assert parsed.canonical[parsed.distinct_from :].startswith(message_segment("user", "q"))
+
+
+def test_session_key_sources() -> None:
+    assert parse_request(Endpoint.CHAT, chat(), "h1").session_key == "h1"
+    assert parse_request(Endpoint.CHAT, chat(prompt_cache_key="k1"), None).session_key == "k1"
+    assert parse_request(Endpoint.CHAT, chat(user="u1"), None).session_key is None
+    assert (
+        parse_request(Endpoint.CHAT, chat(user="u1"), None, session_from_user=True).session_key
+        == "u1"
+    )
+
+
+def test_completion_prompts() -> None:
+    text = parse_request(Endpoint.COMPLETIONS, orjson.dumps({"model": "m", "prompt": "abc"}), None)
+    assert text.canonical == b"abc"
+    ids = orjson.dumps({"model": "m", "prompt": [1, 2, 3]})
+    assert parse_request(Endpoint.COMPLETIONS, ids, None).canonical != b""
+
+
+def test_default_model_and_stream_flags() -> None:
+    body = orjson.dumps(
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
+    parsed = parse_request(Endpoint.CHAT, body, None, default_model="fallback")
+    assert (parsed.model, parsed.stream, parsed.wants_usage) == ("fallback", True, True)
+
+
+BAD = [
+    (b"{not json", "invalid_json"),
+    (b"[1, 2]", "invalid_type"),
+    (orjson.dumps({"messages": [{"role": "user", "content": "x"}]}), "missing_model"),
+    (orjson.dumps({"model": 5, "messages": []}), "invalid_type"),
+    (orjson.dumps({"model": "m", "messages": []}), "invalid_messages"),
+    (orjson.dumps({"model": "m", "messages": "hi"}), "invalid_messages"),
+    (orjson.dumps({"model": "m", "messages": [{"role": "user", "content": 5}]}), "invalid_type"),
+    (orjson.dumps({"model": "m", "messages": [{"role": "user", "content": [5]}]}), "invalid_type"),
+    (chat(stream="yes"), "invalid_type"),
+]
+
+
+@pytest.mark.parametrize(("body", "code"), BAD)
+def test_bad_input_is_a_clear_400(body: bytes, code: str) -> None:
+    with pytest.raises(BadRequest) as caught:
+        parse_request(Endpoint.CHAT, body, None)
+    assert caught.value.code == code
+    error = orjson.loads(caught.value.body())["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"

@@ -1,0 +1,162 @@
+"""The proxy surface, end to end with the official client and raw HTTP."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from gateway.fleet import EmulatedFleet, free_port
+from tests.conftest import MODEL
+from tests.support import GatewayProcess, metric_value
+from tests.words import words
+
+
+def test_chat_carries_the_routing_headers(client: openai.OpenAI) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": words(30)}], max_tokens=4
+    )
+    reply = raw.parse()
+    assert reply.choices[0].message.content
+    assert raw.headers["x-gateway-route"] in ("hash", "prefix", "overflow")
+    assert raw.headers["x-gateway-backend"].startswith("127.0.0.1:")
+    assert raw.headers["x-request-id"]
+
+
+def test_chat_stream_relays_every_chunk_with_usage(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": words(40)}],
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces: list[str] = []
+    usage = None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert len(pieces) == 12
+    assert usage is not None and usage.completion_tokens == 12
+
+
+def test_completions_plain_and_streamed(client: openai.OpenAI) -> None:
+    prompt = words(64)
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5)
+    assert reply.choices[0].text
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5)
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens == 48  # 3 of 4 blocks; one recomputed
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, stream=True))
+    assert sum(1 for chunk in chunks if chunk.choices and chunk.choices[0].text) == 6
+
+
+def test_models_and_embeddings(client: openai.OpenAI) -> None:
+    assert [model.id for model in client.models.list()] == [MODEL]
+    vectors = client.embeddings.create(model=MODEL, input=["one", "two"])
+    assert len(vectors.data) == 2 and vectors.data[0].embedding
+
+
+def test_stream_chunks_are_not_held_back(gateway: GatewayProcess, fleet: EmulatedFleet) -> None:
+    """The first chunk is relayed as it arrives: no buffering, no Nagle-style stall."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": words(30)}],
+        "max_tokens": 3,
+        "stream": True,
+    }
+    with (
+        httpx.Client(base_url=gateway.url, timeout=10) as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line.startswith("data:")]
+    assert events[-1] == "data: [DONE]"
+    assert len(events) >= 4
+
+
+BAD_REQUESTS = [
+    (b"{oops", 400, "invalid_json"),
+    (b'{"messages": [{"role": "user", "content": "x"}]}', 400, "missing_model"),
+    (b'{"model": "m", "messages": "x"}', 400, "invalid_messages"),
+    (
+        b'{"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}',
+        404,
+        "model_not_found",
+    ),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "code"), BAD_REQUESTS)
+def test_bad_input_gets_an_openai_error(
+    gateway: GatewayProcess, body: bytes, status: int, code: str
+) -> None:
+    response = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        content=body,
+        headers={"content-type": "application/json"},
+    )
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["code"] == code
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_unknown_model_through_the_client(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+def test_unknown_path_and_method_are_openai_errors(gateway: GatewayProcess) -> None:
+    missing = httpx.get(gateway.url + "/v1/nothing")
+    assert missing.status_code == 404 and "error" in missing.json()
+    wrong = httpx.get(gateway.url + "/v1/chat/completions")
+    assert wrong.status_code == 405 and "error" in wrong.json()
+
+
+def test_metrics_count_routes_and_tokens(client: openai.OpenAI, gateway: GatewayProcess) -> None:
+    client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": words(80)}], max_tokens=2
+    )
+    text = gateway.metrics()
+    assert metric_value(text, "gateway_requests_total", model=MODEL, status="200") >= 1
+    assert metric_value(text, "gateway_upstream_prompt_tokens_total", model=MODEL) >= 80
+    assert metric_value(text, "gateway_routing_decision_seconds_count") >= 1
+    assert metric_value(text, "gateway_backend_healthy") == 4
+
+
+def test_no_healthy_backend_is_a_503() -> None:
+    dead = f"{MODEL}=http://127.0.0.1:{free_port()}"
+    with GatewayProcess([dead]) as lonely:
+        response = httpx.post(
+            lonely.url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+        )
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "no_healthy_backend"
+        assert httpx.get(lonely.url + "/ready").status_code == 503
+
+
+def test_a_dead_replica_is_failed_over_before_the_first_byte() -> None:
+    with (
+        EmulatedFleet(2, MODEL) as pair,
+        GatewayProcess(pair.urls, "--health-interval", "60") as gateway,
+    ):
+        pair.replicas[1].stop()  # dies after its last probe: still a candidate
+        statuses = []
+        for attempt in range(12):
+            response = httpx.post(
+                gateway.url + "/v1/chat/completions",
+                json={
+                    "model": MODEL,
+                    "max_tokens": 2,
+                    "messages": [{"role": "user", "content": words(10, f"fo{attempt}")}],
+                },
+            )
+            statuses.append(response.status_code)
+        assert statuses == [200] * 12
+        text = gateway.metrics()
+        assert metric_value(text, "gateway_upstream_retries_total", cause="connect") >= 1
+        assert metric_value(text, "gateway_backend_healthy") == 1
