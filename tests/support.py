@@ -2,66 +2,31 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Sequence
-from types import TracebackType
 
-import httpx
+from gateway.child import ChildProcess, free_port
 
-from gateway.fleet import free_port, stop_process, wait_healthy
+__all__ = ["GatewayProcess", "free_port", "metric_value"]
 
 
-class GatewayProcess:
+class GatewayProcess(ChildProcess):
     def __init__(self, backends: Sequence[str], *args: str, env: dict[str, str] | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.command = [
-            sys.executable,
-            "-m",
+        super().__init__(
             "gateway",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--health-interval",
-            "0.5",
-            "--log-level",
-            "warning",
-            *(part for backend in backends for part in ("--backend", backend)),
-            *args,
-        ]
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> GatewayProcess:
-        self.process = subprocess.Popen(self.command, env=self.env)
-        try:
-            wait_healthy(self.url, process=self.process)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def stop(self) -> None:
-        if self.process is not None:
-            stop_process(self.process)
+            (
+                "serve",
+                "--health-interval",
+                "0.5",
+                "--log-level",
+                "warning",
+                *(part for backend in backends for part in ("--backend", backend)),
+                *args,
+            ),
+            env=env,
+        )
 
     def metrics(self) -> str:
-        return httpx.get(self.url + "/metrics", timeout=5).text
-
-    def __enter__(self) -> GatewayProcess:
-        return self.start()
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        trace: TracebackType | None,
-    ) -> None:
-        self.stop()
+        return self.metrics_text()
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:

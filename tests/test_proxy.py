@@ -6,7 +6,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.fleet import EmulatedFleet, free_port
+from gateway.child import free_port
+from gateway.fleet import EmulatedFleet
 from tests.conftest import MODEL
 from tests.support import GatewayProcess, metric_value
 from tests.words import words

@@ -1,0 +1,165 @@
+"""A server in a child process on a loopback port: started, checked healthy, stopped.
+
+Used to run emulated replicas for `serve --emulate N`, and by tests and benchmarks to run real
+gateways and replicas side by side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from types import TracebackType
+from typing import IO, Self
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+class ChildProcess:
+    """`python -m MODULE ARGS --host H --port P`, healthy once `GET health_path` answers 200."""
+
+    health_path = "/health"
+
+    def __init__(
+        self,
+        module: str,
+        args: Sequence[str] = (),
+        host: str = "127.0.0.1",
+        port: int = 0,
+        env: dict[str, str] | None = None,
+        startup_seconds: float = 20.0,
+        stop_seconds: float = 5.0,
+        capture_output: bool = True,
+    ) -> None:
+        self.module = module
+        self.args = tuple(args)
+        self.host = host
+        self.port = port
+        self.env = env or {}
+        self._startup_seconds = startup_seconds
+        self._stop_seconds = stop_seconds
+        self._capture = capture_output
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    base_url = url
+
+    @property
+    def pid(self) -> int:
+        if self._process is None:
+            raise RuntimeError("the process is not running")
+        return self._process.pid
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def start(self) -> Self:
+        """Start and wait until healthy; a port chosen here that was taken meanwhile is retried."""
+        fixed = self.port != 0
+        for _ in range(1 if fixed else 3):
+            if not fixed:
+                self.port = free_port(self.host)
+            self._spawn()
+            if self._wait_healthy():
+                return self
+            self.stop()
+            if not fixed:
+                self.port = 0
+        raise RuntimeError(f"{self.module} did not start: {self.log()[-2000:]}")
+
+    def stop(self) -> int | None:
+        """SIGTERM, then SIGKILL after the grace period; returns the exit status."""
+        process, self._process = self._process, None
+        if process is None:
+            return None
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(self._stop_seconds)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        return process.returncode
+
+    def kill(self) -> None:
+        """Die at once, as a crashed process would."""
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait()
+            self._process = None
+
+    def log(self) -> str:
+        if self._log is None:
+            return ""
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")
+
+    def metrics_text(self) -> str:
+        return httpx.get(self.url + "/metrics", timeout=5).text
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the scraped samples named `name` that carry `labels`."""
+        total = 0.0
+        for family in text_string_to_metric_families(self.metrics_text()):
+            for sample in family.samples:
+                if sample.name == name and all(
+                    sample.labels.get(key) == value for key, value in labels.items()
+                ):
+                    total += sample.value
+        return total
+
+    def _spawn(self) -> None:
+        output: IO[bytes] | None = None
+        if self._capture:
+            if self._log is None:
+                self._log = tempfile.TemporaryFile()  # noqa: SIM115 - kept across restarts
+            output = self._log
+        command = [sys.executable, "-m", self.module, *self.args]
+        command += ["--host", self.host, "--port", str(self.port)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        self._process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=output, stderr=output, env=env
+        )
+
+    def _wait_healthy(self) -> bool:
+        deadline = time.monotonic() + self._startup_seconds
+        while time.monotonic() < deadline:
+            if self._process is None or self._process.poll() is not None:
+                return False
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(self.url + self.health_path, timeout=1).status_code == 200:
+                    return True
+            time.sleep(0.02)
+        return False
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
