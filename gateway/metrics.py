@@ -1,12 +1,16 @@
 """Every Prometheus series the gateway exports, defined in one place.
 
-Names and labels are a public interface (dashboards and alerts depend on them); labels carry
-only bounded values: model names the pool serves, backend names, route reasons, status codes.
+Names and labels are a public interface (dashboards and alerts depend on them; docs/metrics.md
+lists every one); labels carry only bounded values: model names the pool serves, backend names,
+route reasons, status codes and fixed cause names — never session ids or prompts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -28,11 +32,25 @@ _LATENCY_BUCKETS = (
     120,
 )
 _DECISION_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.01)
+_REDIS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+
+
+class _Registry(CollectorRegistry):
+    """Leaves out the `*_created` series the client library adds to every counter and histogram:
+    they double the series a scrape stores and no dashboard or alert reads them."""
+
+    def collect(self) -> Iterable[Metric]:
+        for family in super().collect():
+            if family.type in ("counter", "histogram"):
+                family.samples = [
+                    sample for sample in family.samples if not sample.name.endswith("_created")
+                ]
+            yield family
 
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
+        self.registry = registry or _Registry()
         r = self.registry
         self.requests = Counter(
             "gateway_requests",
@@ -130,6 +148,79 @@ class Metrics:
         self.index_blocks = Gauge(
             "gateway_index_blocks",
             "Prefix blocks held by the local prefix index.",
+            registry=r,
+        )
+        self.queued = Gauge(
+            "gateway_backend_queued",
+            "Requests waiting in each backend engine's own queue, as last scraped.",
+            ["backend"],
+            registry=r,
+        )
+        self.load_bound = Gauge(
+            "gateway_backend_load_bound",
+            "The load bound a new request meets at each backend (the largest over its models).",
+            ["backend"],
+            registry=r,
+        )
+        self.failovers = Counter(
+            "gateway_failovers",
+            "Requests answered by another backend after their first choice failed.",
+            ["model"],
+            registry=r,
+        )
+        self.affinity_hits = Counter(
+            "gateway_affinity_hits",
+            "Requests continuing a conversation served by its previous request's backend.",
+            ["model"],
+            registry=r,
+        )
+        self.affinity_misses = Counter(
+            "gateway_affinity_misses",
+            "Requests continuing a conversation served elsewhere, by cause.",
+            ["model", "cause"],
+            registry=r,
+        )
+        self.cache_breaks = Counter(
+            "gateway_cache_breaks",
+            "Conversation requests whose prompt no longer extends the previous one, by cause.",
+            ["model", "cause"],
+            registry=r,
+        )
+        self.conversations = Gauge(
+            "gateway_conversations_tracked",
+            "Conversation keys remembered for affinity and cache-break accounting.",
+            registry=r,
+        )
+
+        # --- Shared state in Redis and sticky sessions ---------------------------------------
+        self.redis_seconds = Histogram(
+            "gateway_redis_operation_seconds",
+            "Time of one Redis operation that completed, by operation.",
+            ["operation"],
+            buckets=_REDIS_BUCKETS,
+            registry=r,
+        )
+        self.redis_errors = Counter(
+            "gateway_redis_errors",
+            "Redis operations that failed or timed out, by operation.",
+            ["operation"],
+            registry=r,
+        )
+        self.redis_fallbacks = Counter(
+            "gateway_redis_fallbacks",
+            "Operations served by local state alone because Redis was down, slow or busy.",
+            ["operation"],
+            registry=r,
+        )
+        self.redis_up = Gauge(
+            "gateway_redis_up",
+            "1 while Redis answers within its timeout, 0 when down or not configured.",
+            registry=r,
+        )
+        self.session_moves = Counter(
+            "gateway_session_moves",
+            "Sticky sessions moved to another backend, by cause.",
+            ["cause"],
             registry=r,
         )
 
