@@ -29,6 +29,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     fleet = None
     if settings.emulate > 0:
         fleet = EmulatedFleet(
@@ -49,6 +50,9 @@ def _serve(args: argparse.Namespace) -> int:
             http="auto",
             lifespan="on",
             timeout_graceful_shutdown=30,
+            # The proxied replica's own Date and Server headers pass through unchanged.
+            server_header=False,
+            date_header=False,
         )
     finally:
         if fleet is not None:

@@ -7,12 +7,21 @@ no HTTP; the proxy calls it.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gateway.backends import Backend, BackendPool
+from gateway.breaks import (
+    AffinityMiss,
+    ConversationTracker,
+    Turn,
+    answer_hash,
+    fingerprint,
+    miss_cause,
+)
 from gateway.clock import Clock, monotonic
 from gateway.config import Settings
 from gateway.errors import NoHealthyBackend, NotFound
@@ -21,6 +30,7 @@ from gateway.index import PrefixIndex
 from gateway.metrics import Metrics
 from gateway.parsing import Endpoint, RoutingInput, message_segment
 from gateway.policy import Decision, Policy, Route, RoutingState
+from gateway.ring import load_bound
 from gateway.sessions import SessionStore
 
 _RECENT_HALF_LIFE = 30.0
@@ -34,10 +44,30 @@ class RoutedRequest:
     decision: Decision
     backend: Backend
     tried: list[str] = field(default_factory=list)
+    turn: Turn | None = None
+    """The request's place in its conversation (chat, or any request with a session key)."""
+    first_byte_at: float = 0.0
+    """`time.perf_counter()` when the response's first byte came back."""
 
     @property
     def route(self) -> Route:
         return self.decision.route
+
+
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    """What `Router.explain` found: the decision and everything the policy was shown."""
+
+    request: RoutingInput
+    blocks: int
+    affinity_key: int
+    sticky: str | None
+    loads: dict[str, int]
+    """Load per candidate."""
+    matched: dict[str, int]
+    recent: dict[str, float]
+    decision: Decision
+    turn: Turn
 
 
 class RecentTraffic:
@@ -84,6 +114,9 @@ class Router:
         self.policy = policy
         self.metrics = metrics
         self.recent = RecentTraffic(clock)
+        self.conversations = ConversationTracker(
+            settings.affinity_ttl, settings.conversations_max, clock
+        )
         self._block_chars = settings.block_chars
         self._affinity_chars = round(settings.affinity_tokens * settings.chars_per_token)
         self._decision_seconds = metrics.decision_seconds.labels(settings.policy)
@@ -96,19 +129,53 @@ class Router:
 
     async def route(self, request: RoutingInput) -> RoutedRequest:
         began = time.perf_counter()
-        candidates = self._candidates(request.model)
-        hashes = chain_hashes(request.canonical, self._block_chars)
-        affinity_key = self.affinity_key(request)
-        matched = await self.index.match(request.model, hashes)
-        sticky = None
-        if request.session_key is not None:
-            sticky = await self.sessions.get(request.session_key)
-        decision = self._decide(candidates, hashes, matched, affinity_key, sticky)
+        candidates, hashes, affinity_key, matched, sticky = await self._gather(request)
+        decision = self._decide(request, candidates, hashes, matched, affinity_key, sticky)
         backend = next(item for item in candidates if item.name == decision.backend)
         self._decision_seconds.observe(time.perf_counter() - began)
         routed = RoutedRequest(request, hashes, affinity_key, decision, backend, [backend.name])
+        routed.turn = self._follow(routed, candidates, matched)
         await self._record_choice(routed)
         return routed
+
+    async def explain(self, request: RoutingInput) -> Explanation:
+        """The decision `route` would make for `request` now, recording nothing."""
+        candidates, hashes, affinity_key, matched, sticky = await self._gather(request)
+        # A copy, so that a policy keeping a turn (round robin) does not move on.
+        decision = self._decide(
+            request,
+            candidates,
+            hashes,
+            matched,
+            affinity_key,
+            sticky,
+            policy=copy.copy(self.policy),
+        )
+        names = [item.name for item in candidates]
+        prompt = fingerprint(request.canonical) if request.endpoint is Endpoint.CHAT else None
+        return Explanation(
+            request,
+            len(hashes),
+            affinity_key,
+            sticky,
+            {item.name: item.load for item in candidates},
+            matched,
+            self.recent.snapshot(names),
+            decision,
+            self.conversations.peek(request.session_key, prompt),
+        )
+
+    def load_bounds(self) -> dict[str, int]:
+        """The bound a new request meets at each serving backend now (largest over its models)."""
+        settings = self.settings
+        bounds: dict[str, int] = {}
+        for model in self.pool.served_models():
+            candidates = self.pool.candidates(model)
+            total = sum(item.load for item in candidates)
+            bound = load_bound(total, len(candidates), settings.load_factor, settings.load_floor)
+            for item in candidates:
+                bounds[item.name] = max(bound, bounds.get(item.name, 0))
+        return bounds
 
     async def reroute(self, routed: RoutedRequest) -> bool:
         """Move a request that failed before its first byte to the next candidate."""
@@ -118,7 +185,9 @@ class Router:
         if not candidates:
             return False
         matched = await self.index.match(routed.input.model, routed.hashes)
-        choice = self._decide(candidates, routed.hashes, matched, routed.affinity_key, None)
+        choice = self._decide(
+            routed.input, candidates, routed.hashes, matched, routed.affinity_key, None
+        )
         routed.decision = Decision(
             choice.backend, Route.RETRY, choice.matched_blocks, choice.load_bound
         )
@@ -129,11 +198,66 @@ class Router:
 
     async def learn_answer(self, routed: RoutedRequest, answer: str) -> None:
         """The answer joins the conversation's history: index it on the backend that wrote it."""
+        segment = message_segment("assistant", answer) if answer else b""
+        self._settle(routed, segment)
         if routed.input.endpoint is not Endpoint.CHAT or not answer:
             return
-        history = routed.input.canonical + message_segment("assistant", answer)
+        history = routed.input.canonical + segment
         hashes = extend_hashes(routed.hashes, history, self._block_chars)
         await self.index.record(routed.input.model, routed.backend.name, hashes)
+
+    async def _gather(
+        self, request: RoutingInput
+    ) -> tuple[list[Backend], list[int], int, dict[str, int], str | None]:
+        candidates = self._candidates(request.model)
+        hashes = chain_hashes(request.canonical, self._block_chars)
+        affinity_key = self.affinity_key(request)
+        matched = await self.index.match(request.model, hashes)
+        sticky = None
+        if request.session_key is not None:
+            sticky = await self.sessions.get(request.session_key)
+        return candidates, hashes, affinity_key, matched, sticky
+
+    def _follow(
+        self, routed: RoutedRequest, candidates: list[Backend], matched: dict[str, int]
+    ) -> Turn | None:
+        """Place the request in its conversation; count a cache break when it has one."""
+        request = routed.input
+        is_chat = request.endpoint is Endpoint.CHAT
+        if not is_chat and request.session_key is None:
+            return None
+        prompt = fingerprint(request.canonical) if is_chat else None
+        chosen = routed.backend.name
+        turn = self.conversations.follow(request.session_key, prompt, chosen)
+        if turn.cause is not None:
+            self.metrics.cache_breaks.labels(request.model, turn.cause.value).inc()
+        previous = turn.previous_backend
+        if turn.continues and previous is not None and previous != chosen:
+            loads = {item.name: item.load for item in candidates}
+            turn.miss = miss_cause(previous, loads, routed.decision.load_bound, matched, chosen)
+        return turn
+
+    def _settle(self, routed: RoutedRequest, answer_segment: bytes) -> None:
+        """Once answered: count failover and affinity, remember who answered and what."""
+        model = routed.input.model
+        served = routed.backend.name
+        if len(routed.tried) > 1:
+            self.metrics.failovers.labels(model).inc()
+        turn = routed.turn
+        if turn is None:
+            return
+        turn.record.backend = served
+        if answer_segment:
+            turn.record.answer = answer_hash(answer_segment)
+        if not turn.continues:
+            return
+        if turn.previous_backend == served:
+            self.metrics.affinity_hits.labels(model).inc()
+            return
+        miss = turn.miss or AffinityMiss.SPREAD
+        if turn.previous_backend in routed.tried:
+            miss = AffinityMiss.RETRY
+        self.metrics.affinity_misses.labels(model, miss.value).inc()
 
     def _candidates(self, model: str) -> list[Backend]:
         candidates = self.pool.candidates(model)
@@ -149,11 +273,13 @@ class Router:
 
     def _decide(
         self,
+        request: RoutingInput,
         candidates: list[Backend],
         hashes: list[int],
         matched: dict[str, int],
         affinity_key: int,
         sticky: str | None,
+        policy: Policy | None = None,
     ) -> Decision:
         names = [item.name for item in candidates]
         state = RoutingState(
@@ -162,10 +288,11 @@ class Router:
             hashes=hashes,
             matched=matched,
             affinity_key=affinity_key,
+            private_from=request.distinct_from // self._block_chars,
             sticky=sticky,
             recent=self.recent.snapshot(names),
         )
-        return self.policy.choose(state)
+        return (policy or self.policy).choose(state)
 
     async def _record_choice(self, routed: RoutedRequest) -> None:
         request = routed.input

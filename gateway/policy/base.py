@@ -33,6 +33,8 @@ class RoutingState:
     matched: Mapping[str, int] = field(default_factory=dict)
     """Matched prefix depth in blocks per backend, from the index."""
     affinity_key: int = 0
+    private_from: int = 0
+    """The block where the request's own part begins (after a shared system prompt)."""
     sticky: str | None = None
     """The backend bound to the request's session key, if any."""
     recent: Mapping[str, float] = field(default_factory=dict)

@@ -1,0 +1,283 @@
+"""Routing-quality benchmark: the shapes of prefix sharing through the gateway, per policy.
+
+For every workload and policy it starts fresh emulated replicas (finite caches, a prefill and
+decode time model) and a gateway in front of them, drives the workload with a bounded number of
+concurrent sessions, and prints one table: prompt tokens, prefilled tokens (prompt tokens not
+reported as cached), the fewest possible for that workload (one unbounded cache that saw every
+earlier request), token hit rate from observed `cached_tokens`, requests per replica
+(max/mean) and time to first token.
+
+    python loadtest/benchmark.py                      # every workload, every policy
+    python loadtest/benchmark.py --workloads conversation --policies prefix,round_robin
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gateway.config import POLICY_NAMES
+from gateway.emulator import block_hashes
+from gateway.emulator.prompts import chat_prompt_ids
+from gateway.fleet import EmulatedFleet
+from gateway.workloads import SHAPES, Session, build_workload
+from tests.support import GatewayProcess
+
+MODEL = "bench-model"
+BLOCK = 16
+
+
+@dataclass
+class Outcome:
+    messages: list[dict[str, str]]
+    answer: str
+    backend: str
+    prompt_tokens: int
+    cached_tokens: int
+    ttft: float
+    status: int
+    sent_at: float = 0.0
+    done_at: float = 0.0
+
+
+@dataclass
+class Run:
+    outcomes: list[Outcome] = field(default_factory=list)
+    failures: int = 0
+
+
+async def one_request(
+    http: httpx.AsyncClient, messages: list[dict[str, str]], max_tokens: int
+) -> Outcome:
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.perf_counter()
+    ttft = 0.0
+    parts: list[str] = []
+    usage: dict[str, object] = {}
+    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        backend = response.headers.get("x-gateway-backend", "?")
+        if response.status_code != 200:
+            await response.aread()
+            return Outcome(list(messages), "", backend, 0, 0, 0.0, response.status_code)
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = orjson.loads(line[6:])
+            for choice in chunk.get("choices") or []:
+                content = choice.get("delta", {}).get("content")
+                if content:
+                    if not parts:
+                        ttft = time.perf_counter() - started
+                    parts.append(content)
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    details = usage.get("prompt_tokens_details") or {}
+    assert isinstance(details, dict)
+    return Outcome(
+        list(messages),
+        "".join(parts),
+        backend,
+        int(usage.get("prompt_tokens", 0)),  # type: ignore[call-overload]
+        int(details.get("cached_tokens") or 0),
+        ttft,
+        200,
+        started,
+        time.perf_counter(),
+    )
+
+
+async def run_session(http: httpx.AsyncClient, session: Session, run: Run) -> None:
+    messages = [{"role": "system", "content": session.system}]
+    for question in session.questions:
+        messages.append({"role": "user", "content": question})
+        try:
+            outcome = await one_request(http, messages, session.max_tokens)
+        except httpx.HTTPError:
+            run.failures += 1
+            return
+        run.outcomes.append(outcome)
+        if outcome.status != 200:
+            run.failures += 1
+            return
+        messages.append({"role": "assistant", "content": outcome.answer})
+
+
+async def drive(url: str, sessions: list[Session], concurrency: int, stagger: float) -> Run:
+    run = Run()
+    queue: asyncio.Queue[Session] = asyncio.Queue()
+    for session in sessions:
+        queue.put_nowait(session)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
+
+        async def worker(position: int) -> None:
+            # Sessions begin over a short ramp, as real traffic does, not all in one instant.
+            await asyncio.sleep(position * stagger)
+            while not queue.empty():
+                await run_session(http, queue.get_nowait(), run)
+
+        await asyncio.gather(*(worker(position) for position in range(concurrency)))
+    return run
+
+
+def fewest_prefill(outcomes: list[Outcome], replicas: int = 1, balance: float = 1.25) -> int:
+    """Prefill with one unbounded cache and the same timing.
+
+    A prompt block is reusable once the request that computed it has finished its prefill
+    (its first token came back), an answer block once its request is done; a request can only
+    reuse what was reusable when it was sent.
+
+    With several replicas and no replica allowed more than `balance` times the mean number of
+    requests, a block that R requests use must be computed on at least ceil(R / cap) replicas
+    (cap = balance · requests / replicas): that many copies are added for it.
+    """
+    events: list[tuple[float, int, int, list[int]]] = []  # (time, order, kind, blocks)
+    for outcome in outcomes:
+        prompt = chat_prompt_ids(outcome.messages, None, "plain")
+        answered = [*outcome.messages, {"role": "assistant", "content": outcome.answer}]
+        prompt_blocks = block_hashes(prompt, BLOCK)
+        events.append((outcome.sent_at, 1, len(prompt), prompt_blocks))
+        events.append((outcome.sent_at + outcome.ttft, 0, 0, prompt_blocks))
+        events.append(
+            (outcome.done_at, 0, 0, block_hashes(chat_prompt_ids(answered, None, "plain"), BLOCK))
+        )
+    events.sort(key=lambda event: (event[0], event[1]))
+    ready: set[int] = set()
+    users: Counter[int] = Counter()
+    total = 0
+    for _, kind, prompt_tokens, blocks in events:
+        if kind == 0:
+            ready.update(blocks)
+            continue
+        hits = 0
+        for block in blocks:
+            if block not in ready:
+                break
+            hits += 1
+        total += prompt_tokens - min(hits, (prompt_tokens - 1) // BLOCK) * BLOCK
+        users.update(blocks)
+    if replicas > 1:
+        cap = max(1.0, balance * len(outcomes) / replicas)
+        total += sum((math.ceil(count / cap) - 1) * BLOCK for count in users.values())
+    return total
+
+
+def percentile(values: list[float], share: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+
+
+def summarise(workload: str, policy: str, run: Run, replicas: list[str]) -> dict[str, object]:
+    done = [outcome for outcome in run.outcomes if outcome.status == 200]
+    prompt = sum(outcome.prompt_tokens for outcome in done)
+    cached = sum(outcome.cached_tokens for outcome in done)
+    per_replica = Counter(outcome.backend for outcome in done)
+    counts = [per_replica.get(name, 0) for name in replicas]
+    mean = statistics.mean(counts) if counts else 0.0
+    ttfts = [outcome.ttft * 1000 for outcome in done]
+    return {
+        "workload": workload,
+        "policy": policy,
+        "requests": len(done),
+        "failed": run.failures,
+        "prompt": prompt,
+        "prefilled": prompt - cached,
+        "fewest": fewest_prefill(done),
+        "fewest_balanced": fewest_prefill(done, len(replicas)),
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "max_mean": max(counts) / mean if mean else 0.0,
+        "ttft_p50": percentile(ttfts, 0.5),
+        "ttft_p99": percentile(ttfts, 0.99),
+    }
+
+
+def print_table(rows: list[dict[str, object]]) -> None:
+    header = (
+        "| workload | policy | requests | failed | prompt tok | prefilled tok | fewest (1 cache) "
+        "| fewest (balanced) | hit rate | max/mean req | TTFT p50 ms | TTFT p99 ms |"
+    )
+    print(header)
+    print("|" + "---|" * 12)
+    for row in rows:
+        print(
+            f"| {row['workload']} | {row['policy']} | {row['requests']} | {row['failed']} "
+            f"| {row['prompt']:,} | {row['prefilled']:,} | {row['fewest']:,} "
+            f"| {row['fewest_balanced']:,} "
+            f"| {row['hit_rate']:.1%} | {row['max_mean']:.2f} "
+            f"| {row['ttft_p50']:.1f} | {row['ttft_p99']:.1f} |",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default=",".join(SHAPES))
+    parser.add_argument("--policies", default=",".join(POLICY_NAMES))
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--cache-blocks", type=int, default=1024)
+    parser.add_argument(
+        "--stagger",
+        type=float,
+        default=0.05,
+        help="seconds between the starts of the concurrent session loops",
+    )
+    parser.add_argument("--prefill-us-per-token", type=float, default=50.0)
+    parser.add_argument("--decode-ms-per-token", type=float, default=0.2)
+    args = parser.parse_args()
+    emulator_args = [
+        "--chat-template",
+        "plain",
+        "--cache-blocks",
+        str(args.cache_blocks),
+        "--prefill-us-per-token",
+        str(args.prefill_us_per_token),
+        "--decode-ms-per-token",
+        str(args.decode_ms_per_token),
+    ]
+    print(
+        f"# {args.replicas} emulated replicas, {args.cache_blocks} cache blocks of {BLOCK} tokens "
+        f"each, prefill {args.prefill_us_per_token} us/token, decode {args.decode_ms_per_token} "
+        f"ms/token; {args.concurrency} concurrent sessions started {args.stagger} s apart; "
+        f"seed {args.seed}, scale {args.scale}",
+        flush=True,
+    )
+    rows = []
+    for workload in args.workloads.split(","):
+        sessions = build_workload(workload, args.seed, args.scale)
+        for policy in args.policies.split(","):
+            with (
+                EmulatedFleet(args.replicas, MODEL, emulator_args) as fleet,
+                GatewayProcess(fleet.urls, "--policy", policy) as gateway,
+            ):
+                run = asyncio.run(drive(gateway.url, sessions, args.concurrency, args.stagger))
+                names = [url.removeprefix("http://") for url in fleet.urls]
+            rows.append(summarise(workload, policy, run, names))
+            print(f"done: {workload} / {policy}", file=sys.stderr, flush=True)
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
