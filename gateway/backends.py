@@ -3,6 +3,9 @@
 A backend given as `MODEL=URL` serves that model only; a bare URL serves whatever its
 `GET /v1/models` lists, refreshed on an interval. Health is probed actively (`GET /health`) and
 passively (a connection error ejects a backend until a probe succeeds again).
+
+Membership changes while serving: discovery and the admin API add backends, and remove them
+either at once or by draining (no new requests; removed once its requests in flight finish).
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ class Backend:
     in_flight: int = 0
     queued: int = 0
     """Requests waiting in the engine's own queue, where scraped."""
+    source: str = "static"
+    """Who added it: `static`, `admin`, or the discovery source that found it."""
+    draining: bool = False
+    idle: asyncio.Event | None = field(default=None, repr=False)
+    """Set when a draining backend's last request in flight ends."""
 
     @property
     def load(self) -> int:
@@ -59,11 +67,58 @@ class BackendPool:
     def get(self, name: str) -> Backend | None:
         return next((backend for backend in self.backends if backend.name == name), None)
 
+    def remove(self, name: str) -> Backend | None:
+        """Take a backend out at once; requests already sent to it run to their end."""
+        backend = self.get(name)
+        if backend is not None:
+            self.backends.remove(backend)
+            self.rebuild()
+            log.warning("backend %s removed", name)
+        return backend
+
+    def start_drain(self, name: str) -> Backend | None:
+        """Stop sending `name` new requests; `drain` then waits for the rest and removes it."""
+        backend = self.get(name)
+        if backend is not None and not backend.draining:
+            backend.draining = True
+            backend.idle = asyncio.Event()
+            self.rebuild()
+            log.warning("backend %s draining (%d in flight)", name, backend.in_flight)
+        return backend
+
+    async def drain(self, name: str, timeout: float) -> bool:
+        """Send `name` no new requests, wait for those in flight (at most `timeout` s), remove it.
+
+        False when the backend is unknown, or was restored (`undrain`) while it drained.
+        """
+        backend = self.start_drain(name)
+        return backend is not None and await self.finish_drain(backend, timeout)
+
+    async def finish_drain(self, backend: Backend, timeout: float) -> bool:
+        """The second half of `drain`, for a backend `start_drain` already marked."""
+        idle = backend.idle
+        if backend.in_flight > 0 and idle is not None:
+            with suppress(TimeoutError):
+                await asyncio.wait_for(idle.wait(), timeout)
+        if not backend.draining or self.get(backend.name) is not backend:
+            return False
+        self.remove(backend.name)
+        return True
+
+    def undrain(self, backend: Backend) -> None:
+        """Route to a draining backend again (it came back before its drain ended)."""
+        if backend.draining:
+            backend.draining = False
+            self.rebuild()
+            if backend.idle is not None:
+                backend.idle.set()
+                backend.idle = None
+
     def rebuild(self) -> None:
         """Recompute the per-model candidate lists after a health or membership change."""
         by_model: dict[str, list[Backend]] = {}
         for backend in self.backends:
-            if backend.healthy:
+            if backend.healthy and not backend.draining:
                 for model in backend.models:
                     by_model.setdefault(model, []).append(backend)
         self._by_model = by_model
@@ -94,6 +149,8 @@ class BackendPool:
             yield backend
         finally:
             backend.in_flight -= 1
+            if backend.idle is not None and backend.in_flight == 0:
+                backend.idle.set()
 
 
 def parse_backend_spec(spec: str) -> Backend:
@@ -131,9 +188,10 @@ class BackendMonitor:
         self._task: asyncio.Task[None] | None = None
 
     async def refresh_all(self) -> None:
-        await asyncio.gather(*(self._refresh(backend) for backend in self._pool.backends))
+        await asyncio.gather(*(self.refresh(backend) for backend in self._pool.backends))
 
-    async def _refresh(self, backend: Backend, with_models: bool = True) -> None:
+    async def refresh(self, backend: Backend, with_models: bool = True) -> None:
+        """Probe one backend now: health, and its model list unless pinned to a model."""
         try:
             response = await self._client.get(backend.url + "/health")
             healthy = response.status_code == 200
@@ -168,5 +226,5 @@ class BackendMonitor:
             if with_models:
                 next_models = loop.time() + self._models_interval
             await asyncio.gather(
-                *(self._refresh(backend, with_models) for backend in self._pool.backends)
+                *(self.refresh(backend, with_models) for backend in self._pool.backends)
             )

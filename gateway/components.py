@@ -9,6 +9,7 @@ import httpx
 
 from gateway.backends import BackendMonitor, BackendPool
 from gateway.config import Settings
+from gateway.discovery import Discovery
 from gateway.index import InMemoryPrefixIndex, PrefixIndex
 from gateway.metrics import Metrics
 from gateway.policy import build_policy
@@ -30,6 +31,7 @@ class Components:
     probes: httpx.AsyncClient
     monitor: BackendMonitor
     proxy: ProxyHandler
+    discovery: Discovery
 
     @classmethod
     def build(cls, settings: Settings, pool: BackendPool | None = None) -> Components:
@@ -43,16 +45,29 @@ class Components:
         probes = httpx.AsyncClient(timeout=httpx.Timeout(2.0, connect=settings.connect_timeout))
         monitor = BackendMonitor(pool, probes, settings.health_interval, settings.models_interval)
         proxy = ProxyHandler(router, upstream, metrics)
+        discovery = Discovery.build(settings, pool, monitor.refresh)
         return cls(
-            settings, pool, metrics, index, sessions, router, upstream, probes, monitor, proxy
+            settings,
+            pool,
+            metrics,
+            index,
+            sessions,
+            router,
+            upstream,
+            probes,
+            monitor,
+            proxy,
+            discovery,
         )
 
     async def start(self) -> None:
         await self.upstream.start()
         await self.monitor.refresh_all()
+        await self.discovery.start()
         self.monitor.start()
 
     async def stop(self) -> None:
+        await self.discovery.stop()
         await self.monitor.stop()
         await self.upstream.close()
         await self.probes.aclose()

@@ -57,6 +57,28 @@ class Settings:
     max_attempts: int = _opt(3, "replicas tried for one request before giving up")
     health_interval: float = _opt(5.0, "seconds between active health probes of each replica")
     models_interval: float = _opt(30.0, "seconds between refreshes of each replica's model list")
+    backend_dns: tuple[str, ...] = _opt(
+        (), "headless Service name whose A/AAAA records are replicas, HOST:PORT or MODEL=HOST:PORT"
+    )
+    k8s_service: tuple[str, ...] = _opt(
+        (), "Kubernetes Service whose ready endpoints are replicas: NAME[:PORT], MODEL=NAME[:PORT]"
+    )
+    k8s_namespace: str = _opt("", "namespace of --k8s-service (default: the pod's own)")
+    k8s_api_url: str = _opt(
+        "",
+        "Kubernetes API URL (default: https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT)",
+    )
+    k8s_credentials: str = _opt(
+        "/var/run/secrets/kubernetes.io/serviceaccount",
+        "folder holding the service account's token, ca.crt and namespace files",
+    )
+    dns_nameserver: str = _opt("", "DNS server HOST:PORT for --backend-dns (default: the system's)")
+    discovery_interval: float = _opt(
+        10.0, "seconds between DNS lookups, and before re-opening a broken Kubernetes watch"
+    )
+    drain_timeout: float = _opt(
+        30.0, "seconds a leaving replica's requests in flight may run before it is dropped"
+    )
     log_level: str = _opt("info", "log level")
 
     @property
@@ -72,10 +94,13 @@ class Settings:
             raise ConfigError("load_factor must be at least 1.0")
         if self.block_tokens < 1 or self.chars_per_token <= 0:
             raise ConfigError("block_tokens and chars_per_token must be positive")
-        if not self.backend and self.emulate <= 0:
+        if not (self.backend or self.backend_dns or self.k8s_service) and self.emulate <= 0:
             raise ConfigError(
-                "no backends: give --backend URL (or GATEWAY_BACKENDS) or --emulate N"
+                "no backends: give --backend URL (or GATEWAY_BACKENDS), --backend-dns HOST:PORT,"
+                " --k8s-service NAME or --emulate N"
             )
+        if self.discovery_interval <= 0 or self.drain_timeout < 0:
+            raise ConfigError("discovery_interval must be positive, drain_timeout not negative")
         return self
 
 

@@ -56,9 +56,13 @@ def build_control_app(components: Components) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
+        # Cleared first so that a backend that left the pool leaves the metrics too.
+        metrics.in_flight.clear()
+        metrics.healthy.clear()
         for backend in pool.backends:
             metrics.in_flight.labels(backend.name).set(backend.in_flight)
-            metrics.healthy.labels(backend.name).set(1 if backend.healthy else 0)
+            serving = backend.healthy and not backend.draining
+            metrics.healthy.labels(backend.name).set(1 if serving else 0)
         size = getattr(components.index, "__len__", None)
         if size is not None:
             metrics.index_blocks.set(size())

@@ -1,0 +1,642 @@
+"""Service discovery against a real UDP DNS server and a fake Kubernetes API on loopback.
+
+The DNS server (dnspython) and the Kubernetes API (aiohttp: list and watch of EndpointSlices)
+are small stand-ins for other people's systems; everything of ours runs for real, and the
+end-to-end tests run the gateway and emulated replicas as processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any
+
+import dns.message
+import dns.rcode
+import dns.rdatatype
+import dns.rrset
+import httpx
+import orjson
+import pytest
+from aiohttp import web
+
+from gateway.backends import Backend, BackendPool
+from gateway.child import free_port
+from gateway.config import ConfigError, Settings
+from gateway.discovery import Discovery, DnsSource, KubernetesSource, Membership, Target
+from gateway.emulator.process import EmulatorProcess
+from tests.support import GatewayProcess
+
+MODEL = "emulated-model"
+SERVICE = "llm"
+NAMESPACE = "inference"
+
+
+class FakeDns:
+    """An authoritative-looking UDP DNS server answering A/AAAA from a dict, in a thread."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, list[str]] = {}
+        self.silent = False
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self._socket.bind(("127.0.0.1", 0))
+        self._socket.settimeout(0.05)
+        self.address = f"127.0.0.1:{self._socket.getsockname()[1]}"
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _serve(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                data, peer = self._socket.recvfrom(4096)
+            except TimeoutError:
+                continue
+            if self.silent:
+                continue
+            query = dns.message.from_wire(data)
+            response = dns.message.make_response(query)
+            question = query.question[0]
+            addresses = self.records.get(question.name.to_text(omit_final_dot=True))
+            if addresses is None:
+                response.set_rcode(dns.rcode.NXDOMAIN)
+            else:
+                want_v6 = question.rdtype == dns.rdatatype.AAAA
+                matching = [item for item in addresses if (":" in item) == want_v6]
+                if matching:
+                    kind = dns.rdatatype.to_text(question.rdtype)
+                    response.answer.append(
+                        dns.rrset.from_text(question.name, 1, "IN", kind, *matching)
+                    )
+            self._socket.sendto(response.to_wire(), peer)
+
+    def __enter__(self) -> FakeDns:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stopped.set()
+        self._thread.join()
+        self._socket.close()
+
+
+def endpoint_slice(
+    name: str, addresses: dict[str, str], port: int, version: int, port_name: str = "http"
+) -> dict[str, Any]:
+    """An EndpointSlice; `addresses` maps each IP to `ready`, `not-ready` or `terminating`."""
+    endpoints = [
+        {
+            "addresses": [address],
+            "conditions": {
+                "ready": state == "ready",
+                "serving": state != "not-ready",
+                "terminating": state == "terminating",
+            },
+        }
+        for address, state in addresses.items()
+    ]
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": name,
+            "namespace": NAMESPACE,
+            "resourceVersion": str(version),
+            "labels": {"kubernetes.io/service-name": SERVICE},
+        },
+        "addressType": "IPv6" if any(":" in item for item in addresses) else "IPv4",
+        "endpoints": endpoints,
+        "ports": [{"name": port_name, "port": port, "protocol": "TCP"}],
+    }
+
+
+class FakeKubernetes:
+    """List and watch of EndpointSlices, as the API server serves them, in a thread."""
+
+    def __init__(self) -> None:
+        self.slices: dict[str, dict[str, Any]] = {}
+        self.history: list[tuple[int, dict[str, Any]]] = []
+        self.version = 100
+        self.lists = 0
+        self.authorizations: set[str] = set()
+        self._watchers: set[asyncio.Queue[dict[str, Any] | None]] = set()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_get(
+            "/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices", self._handle
+        )
+        self._runner = web.AppRunner(app)
+        self._loop.run_until_complete(self._runner.setup())
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        self._loop.run_until_complete(site.start())
+        server = site._server
+        assert server is not None
+        port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        self.url = f"http://127.0.0.1:{port}"
+        self._ready.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(self._runner.cleanup())
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        self.authorizations.add(request.headers.get("Authorization", ""))
+        wrong_place = request.match_info["namespace"] != NAMESPACE
+        selector = request.query.get("labelSelector")
+        if wrong_place or selector != f"kubernetes.io/service-name={SERVICE}":
+            return web.json_response({"kind": "Status", "code": 404}, status=404)
+        if request.query.get("watch") != "true":
+            self.lists += 1
+            items = list(self.slices.values())
+            metadata = {"resourceVersion": str(self.version)}
+            return web.json_response(
+                {"kind": "EndpointSliceList", "metadata": metadata, "items": items}
+            )
+        since = int(request.query.get("resourceVersion") or 0)
+        response = web.StreamResponse()
+        await response.prepare(request)
+        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        for version, event in self.history:
+            if version > since:
+                queue.put_nowait(event)
+        self._watchers.add(queue)
+        try:
+            while True:
+                event = await queue.get()
+                if event is None:
+                    break
+                await response.write(orjson.dumps(event) + b"\n")
+                if event["type"] == "ERROR":
+                    break
+        finally:
+            self._watchers.discard(queue)
+        return response
+
+    def _emit(self, kind: str, item: dict[str, Any]) -> None:
+        event = {"type": kind, "object": item}
+        if kind != "ERROR":
+            self.history.append((self.version, event))
+        for queue in self._watchers:
+            queue.put_nowait(event)
+
+    def _call(self, work: Callable[[], None]) -> None:
+        done = threading.Event()
+
+        def run() -> None:
+            work()
+            done.set()
+
+        self._loop.call_soon_threadsafe(run)
+        done.wait(5)
+
+    def put(self, name: str, addresses: dict[str, str], port: int, port_name: str = "http") -> None:
+        def work() -> None:
+            self.version += 1
+            kind = "MODIFIED" if name in self.slices else "ADDED"
+            item = endpoint_slice(name, addresses, port, self.version, port_name)
+            self.slices[name] = item
+            self._emit(kind, item)
+
+        self._call(work)
+
+    def delete(self, name: str) -> None:
+        def work() -> None:
+            self.version += 1
+            item = dict(self.slices.pop(name))
+            item["metadata"] = {**item["metadata"], "resourceVersion": str(self.version)}
+            self._emit("DELETED", item)
+
+        self._call(work)
+
+    def expire_watches(self) -> None:
+        """Tell every open watch its version is gone, as after a long disconnect."""
+        gone = {"kind": "Status", "code": 410, "reason": "Expired", "message": "too old"}
+
+        def work() -> None:
+            self.history.clear()
+            self._emit("ERROR", gone)
+
+        self._call(work)
+
+    def __enter__(self) -> FakeKubernetes:
+        self._thread.start()
+        self._ready.wait(5)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        def close_watches() -> None:
+            for queue in self._watchers:
+                queue.put_nowait(None)
+
+        self._call(close_watches)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.02)
+
+
+async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+def mark_healthy(pool: BackendPool) -> Callable[[Backend], Coroutine[Any, Any, None]]:
+    """Stands in for the health probe, which the end-to-end tests run for real."""
+
+    async def probe(backend: Backend) -> None:
+        backend.models = backend.models or frozenset({MODEL})
+        pool.set_health(backend, True)
+
+    return probe
+
+
+def names(pool: BackendPool, model: str = MODEL) -> set[str]:
+    return {backend.name for backend in pool.candidates(model)}
+
+
+# --- parsing ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "required", "expected"),
+    [
+        ("vllm.ns.svc:8000", True, Target("vllm.ns.svc", "8000")),
+        ("llama=vllm.ns.svc:8000", True, Target("vllm.ns.svc", "8000", "llama")),
+        ("http://vllm:8000", True, Target("vllm", "8000")),
+        ("vllm", False, Target("vllm", "")),
+        ("vllm:http", False, Target("vllm", "http")),
+        ("llama=vllm:8000", False, Target("vllm", "8000", "llama")),
+    ],
+)
+def test_targets_parse(spec: str, required: bool, expected: Target) -> None:
+    assert Target.parse(spec, port_required=required) == expected
+
+
+@pytest.mark.parametrize("spec", ["vllm.ns.svc", "vllm:http", "=:8000"])
+def test_dns_targets_need_a_port(spec: str) -> None:
+    with pytest.raises(ConfigError):
+        Target.parse(spec, port_required=True)
+
+
+def test_discovery_alone_is_a_valid_configuration() -> None:
+    Settings(backend_dns=("vllm.ns.svc:8000",)).validate()
+    Settings(k8s_service=("vllm",)).validate()
+    with pytest.raises(ConfigError):
+        Settings().validate()
+
+
+def test_kubernetes_needs_an_api_and_a_namespace(tmp_path: Path) -> None:
+    settings = Settings(k8s_service=("vllm",), k8s_credentials=str(tmp_path))
+    with pytest.raises(ConfigError, match="k8s-api-url"):
+        Discovery.build(settings, BackendPool(), mark_healthy(BackendPool()), environ={})
+    with pytest.raises(ConfigError, match="k8s-namespace"):
+        Discovery.build(
+            settings, BackendPool(), mark_healthy(BackendPool()), {"KUBERNETES_SERVICE_HOST": "h"}
+        )
+    (tmp_path / "namespace").write_text("team-a\n")
+    discovery = Discovery.build(
+        settings, BackendPool(), mark_healthy(BackendPool()), {"KUBERNETES_SERVICE_HOST": "fd00::1"}
+    )
+    source = discovery.sources[0]
+    assert isinstance(source, KubernetesSource)
+    assert source._access.api_url == "https://[fd00::1]:443"
+    assert source._access.namespace == "team-a"
+    asyncio.run(discovery.stop())
+
+
+# --- membership ------------------------------------------------------------------------------
+
+
+def test_membership_adds_drains_and_restores() -> None:
+    async def scenario() -> None:
+        pool = BackendPool.from_specs([f"{MODEL}=http://10.9.9.9:8000"])
+        static = pool.backends[0]
+        static.healthy = True
+        membership = Membership(pool, "dns:vllm", None, mark_healthy(pool), drain_timeout=5)
+        membership.update(["http://10.0.0.1:8000", "http://10.0.0.2:8000"])
+        await membership.probed()
+        assert names(pool) == {"10.9.9.9:8000", "10.0.0.1:8000", "10.0.0.2:8000"}
+
+        leaving = pool.get("10.0.0.2:8000")
+        assert leaving is not None
+        with pool.lease(leaving):
+            membership.update(["http://10.0.0.1:8000"])
+            assert names(pool) == {"10.9.9.9:8000", "10.0.0.1:8000"}
+            await asyncio.sleep(0.05)
+            assert pool.get("10.0.0.2:8000") is leaving, "removed with a request in flight"
+        await until(lambda: pool.get("10.0.0.2:8000") is None)
+
+        # A replica that comes back while it drains is simply routed to again.
+        returning = pool.get("10.0.0.1:8000")
+        assert returning is not None
+        with pool.lease(returning):
+            membership.update([])
+            assert returning.draining
+            membership.update(["http://10.0.0.1:8000"])
+            assert not returning.draining
+        await asyncio.sleep(0.05)
+        assert pool.get("10.0.0.1:8000") is returning
+        assert pool.get("10.9.9.9:8000") is static, "a static backend is never discovered away"
+        await membership.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_stuck_request_does_not_hold_a_drain_forever() -> None:
+    async def scenario() -> None:
+        pool = BackendPool()
+        membership = Membership(pool, "k8s:llm", MODEL, mark_healthy(pool), drain_timeout=0.1)
+        membership.update(["http://10.0.0.1:8000"])
+        await membership.probed()
+        backend = pool.backends[0]
+        assert backend.pinned_model == MODEL
+        with pool.lease(backend):
+            membership.update([])
+            await until(lambda: not pool.backends, timeout=2)
+
+    asyncio.run(scenario())
+
+
+# --- DNS -------------------------------------------------------------------------------------
+
+
+def test_dns_source_follows_a_and_aaaa_records() -> None:
+    async def scenario(server: FakeDns) -> None:
+        pool = BackendPool()
+        settings = Settings(
+            backend_dns=("vllm.inference.svc:8000",),
+            dns_nameserver=server.address,
+            discovery_interval=0.3,
+            drain_timeout=1,
+        )
+        discovery = Discovery.build(settings, pool, mark_healthy(pool))
+        server.records["vllm.inference.svc"] = ["10.0.0.1", "10.0.0.2", "fd00::3"]
+        await discovery.start()
+        assert names(pool) == {"10.0.0.1:8000", "10.0.0.2:8000", "[fd00::3]:8000"}
+        assert pool.get("[fd00::3]:8000") is not None
+        assert pool.backends[0].url == "http://10.0.0.1:8000"
+
+        server.records["vllm.inference.svc"] = ["10.0.0.2", "fd00::3", "10.0.0.4"]
+        await until(lambda: names(pool) == {"10.0.0.2:8000", "[fd00::3]:8000", "10.0.0.4:8000"})
+
+        # An unanswered lookup changes nothing; a name that no longer exists empties the pool.
+        server.silent = True
+        await asyncio.sleep(1.0)
+        assert len(names(pool)) == 3
+        server.silent = False
+        del server.records["vllm.inference.svc"]
+        await until(lambda: not pool.backends)
+        await discovery.stop()
+
+    with FakeDns() as server:
+        asyncio.run(scenario(server))
+
+
+def test_dns_lookup_failure_raises_for_the_caller() -> None:
+    async def scenario(server: FakeDns) -> None:
+        from gateway.discovery import build_resolver
+
+        pool = BackendPool()
+        membership = Membership(pool, "dns:vllm", None, mark_healthy(pool), 1)
+        source = DnsSource(Target("vllm", "8000"), membership, build_resolver(server.address), 0.2)
+        server.silent = True
+        with pytest.raises(dns.exception.Timeout):
+            await source.sync()
+        await source.close()
+
+    import dns.exception
+
+    with FakeDns() as server:
+        asyncio.run(scenario(server))
+
+
+# --- Kubernetes ------------------------------------------------------------------------------
+
+
+def kubernetes_settings(api: FakeKubernetes, credentials: Path, spec: str) -> Settings:
+    (credentials / "token").write_text("secret-token\n")
+    (credentials / "namespace").write_text(NAMESPACE)
+    return Settings(
+        k8s_service=(spec,),
+        k8s_api_url=api.url,
+        k8s_credentials=str(credentials),
+        discovery_interval=0.2,
+        drain_timeout=1,
+    )
+
+
+def test_kubernetes_source_routes_only_to_ready_endpoints(tmp_path: Path) -> None:
+    async def scenario(api: FakeKubernetes) -> None:
+        pool = BackendPool()
+        settings = kubernetes_settings(api, tmp_path, "llm:http")
+        api.put("llm-a", {"10.0.0.1": "ready", "10.0.0.2": "not-ready"}, 8000)
+        api.put("llm-b", {"10.0.1.1": "ready"}, 8000)
+        discovery = Discovery.build(settings, pool, mark_healthy(pool))
+        await discovery.start()
+        assert names(pool) == {"10.0.0.1:8000", "10.0.1.1:8000"}
+
+        api.put("llm-a", {"10.0.0.1": "terminating", "10.0.0.2": "ready"}, 8000)
+        await until(lambda: names(pool) == {"10.0.0.2:8000", "10.0.1.1:8000"})
+        api.delete("llm-b")
+        await until(lambda: names(pool) == {"10.0.0.2:8000"})
+        await until(lambda: len(pool.backends) == 1)
+
+        # After the watch expires the source lists again and misses nothing.
+        lists = api.lists
+        api.expire_watches()
+        api.put("llm-c", {"10.0.2.1": "ready"}, 8000)
+        await until(lambda: names(pool) == {"10.0.0.2:8000", "10.0.2.1:8000"})
+        await until(lambda: api.lists > lists)
+        assert api.authorizations == {"Bearer secret-token"}
+        await discovery.stop()
+
+    with FakeKubernetes() as api:
+        asyncio.run(scenario(api))
+
+
+def test_kubernetes_port_by_name_number_or_first(tmp_path: Path) -> None:
+    async def scenario(api: FakeKubernetes) -> None:
+        api.put("llm-a", {"10.0.0.1": "ready"}, 30000, port_name="sglang")
+        for spec, expected in [
+            ("llm", "10.0.0.1:30000"),
+            ("llm:sglang", "10.0.0.1:30000"),
+            ("llm:9000", "10.0.0.1:9000"),
+        ]:
+            pool = BackendPool()
+            discovery = Discovery.build(
+                kubernetes_settings(api, tmp_path, spec), pool, mark_healthy(pool)
+            )
+            await discovery.start()
+            assert names(pool) == {expected}, spec
+            await discovery.stop()
+        pool = BackendPool()
+        discovery = Discovery.build(
+            kubernetes_settings(api, tmp_path, "llm:http"), pool, mark_healthy(pool)
+        )
+        await discovery.start()
+        assert not pool.backends, "no port of that name: no replicas"
+        await discovery.stop()
+
+    with FakeKubernetes() as api:
+        asyncio.run(scenario(api))
+
+
+# --- end to end: a replica leaves while requests keep succeeding -----------------------------
+
+
+@contextlib.contextmanager
+def loopback_replicas(count: int) -> Iterator[list[EmulatorProcess]]:
+    """Replicas on 127.0.0.2, .3, ... sharing one port, as pods behind one Service do."""
+    port = free_port("127.0.0.2")
+    replicas = [
+        EmulatorProcess(
+            "--seed",
+            str(position),
+            "--decode-ms-per-token",
+            "4",
+            host=f"127.0.0.{position + 2}",
+            port=port,
+        )
+        for position in range(count)
+    ]
+    try:
+        for replica in replicas:
+            replica.start()
+        yield replicas
+    finally:
+        for replica in replicas:
+            replica.stop()
+
+
+class Traffic:
+    """Conversations sent one after another from a thread, with every answer recorded."""
+
+    def __init__(self, url: str) -> None:
+        self._client = httpx.Client(base_url=url, timeout=10)
+        self.results: list[tuple[float, int, str, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def send(self, session: str) -> tuple[int, str]:
+        response = self._client.post(
+            "/v1/chat/completions",
+            headers={"x-session-id": session},
+            json={
+                "model": MODEL,
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": f"conversation {session} goes on"}],
+            },
+        )
+        return response.status_code, response.headers.get("x-gateway-backend", "")
+
+    def _run(self) -> None:
+        turn = 0
+        while not self._stop.is_set():
+            session = f"s{turn % 24}"
+            status, backend = self.send(session)
+            self.results.append((time.monotonic(), status, backend, session))
+            turn += 1
+
+    def __enter__(self) -> Traffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self._client.close()
+
+
+def leave_mid_run(
+    gateway: GatewayProcess, replicas: list[EmulatorProcess], leave: Callable[[], None]
+) -> None:
+    wait_for(lambda: httpx.get(gateway.url + "/ready").status_code == 200)
+    wait_for(lambda: gateway.metric("gateway_backend_healthy") == len(replicas), timeout=10)
+    leaving = f"{replicas[-1].host}:{replicas[-1].port}"
+    with Traffic(gateway.url) as traffic:
+        before = {session: traffic.send(session)[1] for session in (f"s{n}" for n in range(24))}
+        assert leaving in before.values()
+        wait_for(lambda: len(traffic.results) > 10)
+        leave()
+        left_at = time.monotonic()
+        wait_for(lambda: gateway.metric("gateway_backend_healthy", backend=leaving) == 0)
+        replicas[-1].stop()  # the pod is gone for good
+        settled = time.monotonic()
+        wait_for(lambda: any(stamp > settled + 0.5 for stamp, *_ in traffic.results))
+        after = {session: traffic.send(session)[1] for session in before}
+    statuses = {status for _, status, _, _ in traffic.results}
+    assert statuses == {200}, "a request failed while a replica left"
+    late = [backend for stamp, _, backend, _ in traffic.results if stamp > left_at + 0.5]
+    assert late and leaving not in late
+    # Only the sessions of the replica that left moved; every other session stayed put.
+    for session, backend in before.items():
+        if backend != leaving:
+            assert after[session] == backend, session
+        else:
+            assert after[session] != leaving
+
+
+@pytest.mark.slow
+def test_replica_leaving_a_kubernetes_service_mid_run(tmp_path: Path) -> None:
+    with FakeKubernetes() as api, loopback_replicas(3) as replicas:
+        port = replicas[0].port
+        ready = {replica.host: "ready" for replica in replicas}
+        api.put("llm-a", ready, port)
+        settings = kubernetes_settings(api, tmp_path, "llm:http")
+        with GatewayProcess(
+            [],
+            "--k8s-service",
+            "llm:http",
+            "--k8s-api-url",
+            settings.k8s_api_url,
+            "--k8s-credentials",
+            settings.k8s_credentials,
+            "--discovery-interval",
+            "0.2",
+        ) as gateway:
+            leave_mid_run(
+                gateway,
+                replicas,
+                lambda: api.put("llm-a", {**ready, replicas[-1].host: "terminating"}, port),
+            )
+
+
+@pytest.mark.slow
+def test_replica_leaving_a_headless_service_mid_run() -> None:
+    with FakeDns() as server, loopback_replicas(3) as replicas:
+        port = replicas[0].port
+        server.records["llm.inference.svc"] = [replica.host for replica in replicas]
+        with GatewayProcess(
+            [],
+            "--backend-dns",
+            f"llm.inference.svc:{port}",
+            "--dns-nameserver",
+            server.address,
+            "--discovery-interval",
+            "0.2",
+        ) as gateway:
+            leave_mid_run(
+                gateway,
+                replicas,
+                lambda: server.records.__setitem__(
+                    "llm.inference.svc", [replica.host for replica in replicas[:-1]]
+                ),
+            )
