@@ -193,11 +193,16 @@ class Turn:
     continuity: Continuity = Continuity.NEW
     cause: BreakCause | None = None
     miss: AffinityMiss | None = field(default=None)
+    by_session: bool = False
+    """Found by an explicit session key: it continues the session whatever its prompt."""
 
     @property
     def continues(self) -> bool:
-        """Whether this request counts for affinity: it follows a known previous request."""
-        return self.previous_backend is not None and self.continuity is not Continuity.BREAK
+        """Whether this request counts for affinity: it follows a known previous request of its
+        session, or extends (or branches from) its conversation's previous prompt."""
+        if self.previous_backend is None:
+            return False
+        return self.by_session or self.continuity is not Continuity.BREAK
 
 
 class ConversationTracker:
@@ -242,7 +247,7 @@ class ConversationTracker:
     def _compare(
         self, key: int | str, prompt: Fingerprint | None, backend: str, now: float
     ) -> Turn:
-        turn = Turn(Record(backend, prompt, touched=now))
+        turn = Turn(Record(backend, prompt, touched=now), by_session=isinstance(key, str))
         previous = self._entries.get(key)
         if previous is None or previous.touched < now - self._ttl:
             return turn

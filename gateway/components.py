@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from gateway.access_log import configure_access_logger
 from gateway.backends import BackendMonitor, BackendPool
 from gateway.config import Settings
 from gateway.discovery import Discovery
@@ -36,6 +37,8 @@ class Components:
     @classmethod
     def build(cls, settings: Settings, pool: BackendPool | None = None) -> Components:
         pool = pool or BackendPool.from_specs(settings.backend)
+        if settings.access_log:
+            configure_access_logger()
         metrics = Metrics()
         index = InMemoryPrefixIndex(settings.affinity_ttl, settings.index_max_blocks)
         sessions = InMemorySessionStore(settings.affinity_ttl, settings.session_max)

@@ -80,6 +80,11 @@ class Settings:
         30.0, "seconds a leaving replica's requests in flight may run before it is dropped"
     )
     log_level: str = _opt("info", "log level")
+    access_log: bool = _opt(True, "write one JSON line per request to the `gateway.access` log")
+    admin_token: str = _opt("", "bearer token required by /admin endpoints (empty: no check)")
+    conversations_max: int = _opt(
+        100_000, "conversation keys kept for affinity and cache-break accounting"
+    )
 
     @property
     def block_chars(self) -> int:

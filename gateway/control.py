@@ -14,12 +14,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from gateway.admin import build_admin_router
 from gateway.components import Components
 from gateway.errors import render_error
 
 
 def build_control_app(components: Components) -> FastAPI:
     app = FastAPI(title="Prefix Gateway", docs_url="/docs", redoc_url=None)
+    app.include_router(build_admin_router(components))
     pool = components.pool
     metrics = components.metrics
 
@@ -63,6 +65,13 @@ def build_control_app(components: Components) -> FastAPI:
             metrics.in_flight.labels(backend.name).set(backend.in_flight)
             serving = backend.healthy and not backend.draining
             metrics.healthy.labels(backend.name).set(1 if serving else 0)
+        metrics.queued.clear()
+        for backend in pool.backends:
+            metrics.queued.labels(backend.name).set(backend.queued)
+        metrics.load_bound.clear()
+        for name, bound in components.router.load_bounds().items():
+            metrics.load_bound.labels(name).set(bound)
+        metrics.conversations.set(len(components.router.conversations))
         size = getattr(components.index, "__len__", None)
         if size is not None:
             metrics.index_blocks.set(size())

@@ -15,6 +15,7 @@ import uuid
 
 import aiohttp
 
+from gateway.access_log import AccessLog
 from gateway.asgi import Receive, Scope, Send, header, read_body, send_error
 from gateway.errors import GatewayError
 from gateway.metrics import Metrics
@@ -34,6 +35,7 @@ class ProxyHandler:
         self.upstream = upstream
         self.metrics = metrics
         self.settings = router.settings
+        self.access_log = AccessLog(router.settings)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers: list[tuple[bytes, bytes]] = scope["headers"]
@@ -50,6 +52,7 @@ class ProxyHandler:
             routed = await self.router.route(request)
         except GatewayError as error:
             self.metrics.rejected.labels(str(error.status), error.code or error.error_type).inc()
+            self.access_log.rejected(request_id, scope["path"], error)
             await send_error(send, error, [(b"x-request-id", request_id.encode())])
             return
         await self._forward(routed, body, headers, request_id, receive, send)
@@ -79,6 +82,8 @@ class ProxyHandler:
 
         watcher = asyncio.create_task(watch_disconnect())
         status = 0
+        began = time.perf_counter()
+        seen: Observation | None = None
         try:
             while True:
                 backend = routed.backend
@@ -119,6 +124,7 @@ class ProxyHandler:
             self.metrics.requests.labels(
                 routed.input.model, routed.backend.name, routed.route.value, str(status)
             ).inc()
+            self.access_log.answered(routed, status, seen, request_id, began)
 
     async def _relay(
         self,
@@ -134,8 +140,9 @@ class ProxyHandler:
         streaming = routed.input.stream and response.status == 200
         if not streaming:
             payload = await response.read()
+            routed.first_byte_at = time.perf_counter()
             self.metrics.first_byte_seconds.labels(backend_name).observe(
-                time.perf_counter() - started
+                routed.first_byte_at - started
             )
             out_headers.append((b"content-length", str(len(payload)).encode()))
             await send(
@@ -154,8 +161,9 @@ class ProxyHandler:
         first = True
         async for chunk in response.content.iter_any():
             if first:
+                routed.first_byte_at = time.perf_counter()
                 self.metrics.first_byte_seconds.labels(backend_name).observe(
-                    time.perf_counter() - started
+                    routed.first_byte_at - started
                 )
                 first = False
             await send({"type": "http.response.body", "body": chunk, "more_body": True})

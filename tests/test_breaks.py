@@ -224,7 +224,7 @@ def test_a_front_trim_is_found_without_a_session_key() -> None:
     conversations.follow(None, prompt(*history), "a:1")
     trimmed = conversations.follow(None, prompt(S, *history[3:], A1, U1), "a:1")
     assert (trimmed.continuity, trimmed.cause) == (Continuity.BREAK, BreakCause.FRONT_TRIM)
-    assert not trimmed.continues
+    assert not trimmed.continues  # no session key: a broken prompt is a new conversation
 
 
 def test_trims_deeper_than_the_aliases_start_a_new_conversation() -> None:
@@ -244,6 +244,7 @@ def test_a_session_key_follows_any_prompt() -> None:
     changed = conversations.follow("chat-7", prompt(S2, U1, A1, U2, A2, U3), "a:2")
     assert changed.previous_backend == "a:1"
     assert (changed.continuity, changed.cause) == (Continuity.BREAK, BreakCause.SYSTEM_PROMPT)
+    assert changed.continues  # a session's request counts for affinity whatever its prompt
     completion = conversations.follow("chat-7", None, "a:3")
     assert (completion.previous_backend, completion.continuity) == ("a:2", Continuity.UNKNOWN)
     assert completion.continues
