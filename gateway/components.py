@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from gateway import redis_store
 from gateway.access_log import configure_access_logger
 from gateway.backends import BackendMonitor, BackendPool
 from gateway.config import Settings
@@ -33,6 +34,7 @@ class Components:
     monitor: BackendMonitor
     proxy: ProxyHandler
     discovery: Discovery
+    redis: redis_store.RedisLink | None = None
 
     @classmethod
     def build(cls, settings: Settings, pool: BackendPool | None = None) -> Components:
@@ -40,8 +42,14 @@ class Components:
         if settings.access_log:
             configure_access_logger()
         metrics = Metrics()
-        index = InMemoryPrefixIndex(settings.affinity_ttl, settings.index_max_blocks)
-        sessions = InMemorySessionStore(settings.affinity_ttl, settings.session_max)
+        local_index = InMemoryPrefixIndex(settings.affinity_ttl, settings.index_max_blocks)
+        local_sessions = InMemorySessionStore(settings.affinity_ttl, settings.session_max)
+        index: PrefixIndex = local_index
+        sessions: SessionStore = local_sessions
+        redis = None
+        if settings.redis_url:
+            shared = redis_store.connect(settings, metrics, local_index, local_sessions)
+            redis, index, sessions = shared.link, shared.index, shared.sessions
         policy = build_policy(settings, random.Random())
         router = Router(settings, pool, index, sessions, policy, metrics)
         upstream = Upstream(settings.connect_timeout, settings.first_byte_timeout)
@@ -61,9 +69,12 @@ class Components:
             monitor,
             proxy,
             discovery,
+            redis,
         )
 
     async def start(self) -> None:
+        if self.redis is not None:
+            await self.redis.start()
         await self.upstream.start()
         await self.monitor.refresh_all()
         await self.discovery.start()
@@ -74,3 +85,5 @@ class Components:
         await self.monitor.stop()
         await self.upstream.close()
         await self.probes.aclose()
+        if self.redis is not None:
+            await self.redis.close()

@@ -79,6 +79,17 @@ class Settings:
     drain_timeout: float = _opt(
         30.0, "seconds a leaving replica's requests in flight may run before it is dropped"
     )
+    redis_url: str = _opt(
+        "",
+        "share the prefix index and sessions through Redis: redis://HOST:PORT/DB, rediss://..., "
+        "or redis+cluster://HOST:PORT for a Redis Cluster (default: in-memory only)",
+    )
+    redis_prefix: str = _opt("pgw", "namespace prefix of every Redis key")
+    redis_timeout: float = _opt(0.05, "seconds a Redis call may take before local state answers")
+    redis_max_connections: int = _opt(32, "Redis connections per gateway process at most")
+    sticky_cookie: str = _opt(
+        "", "cookie name: issue a session key as a cookie that then acts like x-session-id"
+    )
     log_level: str = _opt("info", "log level")
     access_log: bool = _opt(True, "write one JSON line per request to the `gateway.access` log")
     admin_token: str = _opt("", "bearer token required by /admin endpoints (empty: no check)")
@@ -106,6 +117,8 @@ class Settings:
             )
         if self.discovery_interval <= 0 or self.drain_timeout < 0:
             raise ConfigError("discovery_interval must be positive, drain_timeout not negative")
+        if self.redis_timeout <= 0 or self.redis_max_connections < 2:
+            raise ConfigError("redis_timeout must be positive, redis_max_connections at least 2")
         return self
 
 

@@ -9,6 +9,7 @@ stops generating.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -42,14 +43,23 @@ class ProxyHandler:
         request_id = header(headers, b"x-request-id") or uuid.uuid4().hex
         try:
             body = await read_body(receive, self.settings.max_body_bytes)
+            cookie = self.settings.sticky_cookie
+            session_header = header(headers, b"x-session-id")
+            if cookie and session_header is None:
+                session_header = _cookie_value(headers, cookie)
             request = parse_request(
                 ENDPOINTS[scope["path"]],
                 body,
-                header(headers, b"x-session-id"),
+                session_header,
                 self.settings.default_model,
                 self.settings.session_from_user,
             )
+            issued = None
+            if cookie and request.session_key is None:
+                issued = uuid.uuid4().hex
+                request = dataclasses.replace(request, session_key=issued)
             routed = await self.router.route(request)
+            routed.issued_session = issued
         except GatewayError as error:
             self.metrics.rejected.labels(str(error.status), error.code or error.error_type).inc()
             self.access_log.rejected(request_id, scope["path"], error)
@@ -203,10 +213,26 @@ class ProxyHandler:
             self.metrics.upstream_cached_tokens.labels(model, backend_name).inc(seen.cached_tokens)
         await self.router.learn_answer(routed, seen.answer)
 
-    @staticmethod
-    def _gateway_headers(routed: RoutedRequest, request_id: str) -> list[tuple[bytes, bytes]]:
-        return [
+    def _gateway_headers(self, routed: RoutedRequest, request_id: str) -> list[tuple[bytes, bytes]]:
+        headers = [
             (b"x-gateway-backend", routed.backend.name.encode()),
             (b"x-gateway-route", routed.route.value.encode()),
             (b"x-request-id", request_id.encode()),
         ]
+        if routed.issued_session is not None:
+            # No Max-Age: the binding itself expires after the TTL of inactivity; a key sent
+            # back after that simply binds again.
+            cookie = f"{self.settings.sticky_cookie}={routed.issued_session}"
+            headers.append((b"set-cookie", f"{cookie}; Path=/; HttpOnly; SameSite=Lax".encode()))
+        return headers
+
+
+def _cookie_value(headers: list[tuple[bytes, bytes]], name: str) -> str | None:
+    """The value of cookie `name` in the request's Cookie headers."""
+    for key, value in headers:
+        if key == b"cookie":
+            for pair in value.decode("latin-1").split(";"):
+                cookie, _, content = pair.strip().partition("=")
+                if cookie == name and content:
+                    return content
+    return None

@@ -30,7 +30,7 @@ from gateway.index import PrefixIndex
 from gateway.metrics import Metrics
 from gateway.parsing import Endpoint, RoutingInput, message_segment
 from gateway.policy import Decision, Policy, Route, RoutingState
-from gateway.ring import load_bound
+from gateway.ring import load_bound, within_bound
 from gateway.sessions import SessionStore
 
 _RECENT_HALF_LIFE = 30.0
@@ -48,6 +48,8 @@ class RoutedRequest:
     """The request's place in its conversation (chat, or any request with a session key)."""
     first_byte_at: float = 0.0
     """`time.perf_counter()` when the response's first byte came back."""
+    issued_session: str | None = None
+    """A session key the gateway minted for this request, sent back as a sticky cookie."""
 
     @property
     def route(self) -> Route:
@@ -133,6 +135,8 @@ class Router:
         decision = self._decide(request, candidates, hashes, matched, affinity_key, sticky)
         backend = next(item for item in candidates if item.name == decision.backend)
         self._decision_seconds.observe(time.perf_counter() - began)
+        if sticky is not None and sticky != backend.name:
+            self.metrics.session_moves.labels(_move_cause(sticky, candidates, decision)).inc()
         routed = RoutedRequest(request, hashes, affinity_key, decision, backend, [backend.name])
         routed.turn = self._follow(routed, candidates, matched)
         await self._record_choice(routed)
@@ -193,6 +197,8 @@ class Router:
         )
         routed.backend = next(item for item in candidates if item.name == choice.backend)
         routed.tried.append(choice.backend)
+        if routed.input.session_key is not None:
+            self.metrics.session_moves.labels("failover").inc()
         await self._record_choice(routed)
         return True
 
@@ -304,3 +310,13 @@ class Router:
             await self.sessions.put(request.session_key, name)
         if routed.decision.route is Route.OVERFLOW:
             self.metrics.overflows.labels(request.model).inc()
+
+
+def _move_cause(sticky: str, candidates: list[Backend], decision: Decision) -> str:
+    """Why a session left its backend: gone from the candidates, over the bound, or the policy."""
+    backend = next((item for item in candidates if item.name == sticky), None)
+    if backend is None:
+        return "unhealthy"
+    if decision.load_bound > 0 and not within_bound(backend.load, decision.load_bound):
+        return "load_bound"
+    return "policy"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import pytest
@@ -11,6 +11,7 @@ import pytest
 from gateway.clock import ManualClock
 from gateway.index import InMemoryPrefixIndex, PrefixIndex
 from gateway.sessions import InMemorySessionStore, SessionStore
+from tests.redis_server import RedisServer, redis_index_factory, redis_session_factory
 
 IndexFactory = Callable[[ManualClock, float, int], PrefixIndex]
 SessionFactory = Callable[[ManualClock, float, int], SessionStore]
@@ -21,19 +22,43 @@ INDEXES: dict[str, IndexFactory] = {
 SESSIONS: dict[str, SessionFactory] = {
     "memory": lambda clock, ttl, size: InMemorySessionStore(ttl, size, clock),
 }
+# Implementations on a server the `redis_url` fixture starts: name -> (URL -> factory). They are
+# bounded by the server's maxmemory, not by a count, so the size tests run on the others only.
+SHARED_INDEXES: dict[str, Callable[[str], IndexFactory]] = {"redis": redis_index_factory}
+SHARED_SESSIONS: dict[str, Callable[[str], SessionFactory]] = {"redis": redis_session_factory}
 
 
 def run(coroutine: Coroutine[Any, Any, Any]) -> Any:
     return asyncio.run(coroutine)
 
 
-@pytest.fixture(params=sorted(INDEXES))
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    with RedisServer() as server:
+        yield server.url
+
+
+@pytest.fixture(params=[*sorted(INDEXES), *sorted(SHARED_INDEXES)])
 def make_index(request: pytest.FixtureRequest) -> IndexFactory:
+    if request.param in SHARED_INDEXES:
+        return SHARED_INDEXES[request.param](request.getfixturevalue("redis_url"))
+    return INDEXES[request.param]
+
+
+@pytest.fixture(params=[*sorted(SESSIONS), *sorted(SHARED_SESSIONS)])
+def make_sessions(request: pytest.FixtureRequest) -> SessionFactory:
+    if request.param in SHARED_SESSIONS:
+        return SHARED_SESSIONS[request.param](request.getfixturevalue("redis_url"))
+    return SESSIONS[request.param]
+
+
+@pytest.fixture(params=sorted(INDEXES))
+def make_bounded_index(request: pytest.FixtureRequest) -> IndexFactory:
     return INDEXES[request.param]
 
 
 @pytest.fixture(params=sorted(SESSIONS))
-def make_sessions(request: pytest.FixtureRequest) -> SessionFactory:
+def make_bounded_sessions(request: pytest.FixtureRequest) -> SessionFactory:
     return SESSIONS[request.param]
 
 
@@ -92,9 +117,9 @@ def test_forget_cuts_a_backend_at_the_first_forgotten_block(make_index: IndexFac
 
 
 def test_size_bound_drops_the_deepest_blocks_of_the_oldest_prompt(
-    make_index: IndexFactory,
+    make_bounded_index: IndexFactory,
 ) -> None:
-    index = make_index(ManualClock(), 600, 6)
+    index = make_bounded_index(ManualClock(), 600, 6)
 
     async def scenario() -> None:
         await index.record("m", "a", [1, 2, 3, 4])
@@ -124,8 +149,8 @@ def test_sessions_stick_and_expire(make_sessions: SessionFactory) -> None:
     run(scenario())
 
 
-def test_sessions_are_bounded(make_sessions: SessionFactory) -> None:
-    sessions = make_sessions(ManualClock(), 600, 2)
+def test_sessions_are_bounded(make_bounded_sessions: SessionFactory) -> None:
+    sessions = make_bounded_sessions(ManualClock(), 600, 2)
 
     async def scenario() -> None:
         for key in ("s1", "s2", "s3"):

@@ -1,0 +1,60 @@
+"""Prefix index and sticky sessions shared through Redis by every gateway replica.
+
+`connect(settings, metrics, index, sessions)` wraps the local stores so that Redis is asked
+first and the local stores answer whenever Redis cannot. See docs/redis.md for the data model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.config import Settings
+from gateway.index import InMemoryPrefixIndex
+from gateway.metrics import Metrics
+from gateway.redis_store.connection import RedisLink, RedisUnavailable, open_client
+from gateway.redis_store.fallback import FallbackPrefixIndex, FallbackSessionStore
+from gateway.redis_store.index import RedisPrefixIndex
+from gateway.redis_store.keys import KeySpace
+from gateway.redis_store.sessions import RedisSessionStore
+from gateway.sessions import InMemorySessionStore
+
+
+@dataclass
+class SharedState:
+    link: RedisLink
+    index: FallbackPrefixIndex
+    sessions: FallbackSessionStore
+
+
+def connect(
+    settings: Settings,
+    metrics: Metrics,
+    index: InMemoryPrefixIndex,
+    sessions: InMemorySessionStore,
+) -> SharedState:
+    """Build (without I/O) the link and the Redis-backed stores; `link.start()` connects."""
+    client = open_client(settings.redis_url, settings.redis_timeout, settings.redis_max_connections)
+    # Half the connections at most carry background writes: lookups always find one free.
+    link = RedisLink(client, settings.redis_timeout, metrics, settings.redis_max_connections // 2)
+    keys = KeySpace(settings.redis_prefix)
+    shared_index = RedisPrefixIndex(client, keys, settings.affinity_ttl)
+    shared_sessions = RedisSessionStore(client, keys, settings.affinity_ttl)
+    return SharedState(
+        link,
+        FallbackPrefixIndex(index, shared_index, link),
+        FallbackSessionStore(sessions, shared_sessions, link),
+    )
+
+
+__all__ = [
+    "FallbackPrefixIndex",
+    "FallbackSessionStore",
+    "KeySpace",
+    "RedisLink",
+    "RedisPrefixIndex",
+    "RedisSessionStore",
+    "RedisUnavailable",
+    "SharedState",
+    "connect",
+    "open_client",
+]

@@ -1,0 +1,201 @@
+"""The link to Redis: one bounded client, a deadline on every call, health and reconnection.
+
+Every operation goes through `RedisLink.call` (awaited, on a request's path) or
+`RedisLink.submit` (fire-and-forget, at most `max_pending` in flight). Either gives up after
+`timeout` seconds. A connection failure or a timeout marks the link down: from then on calls
+fail at once — no request waits on a Redis that is known to be away — and a background task
+probes with PING, backing off exponentially, until Redis answers in time again.
+
+URLs: `redis://`, `rediss://` and `unix://` name one server; `redis+cluster://host:port` (or
+`rediss+cluster://`) names any node of a Redis Cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ClusterError, RedisClusterException, RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from gateway.metrics import Metrics
+
+log = logging.getLogger("gateway.redis")
+
+T = TypeVar("T")
+RedisClient = Redis | RedisCluster
+
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+SCHEMES = ("redis", "rediss", "unix", *CLUSTER_SCHEMES)
+
+# Errors that say "the link is broken or too slow", as opposed to an error reply to one command.
+_LINK_ERRORS = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    TimeoutError,
+    OSError,
+    ClusterError,
+    RedisClusterException,
+)
+
+
+class RedisUnavailable(Exception):
+    """Redis did not answer this operation in time (or is known to be down): use local state."""
+
+
+def open_client(url: str, timeout: float, max_connections: int) -> RedisClient:
+    """A client whose connections are bounded and whose commands are retried at most once."""
+    parts = urlsplit(url)
+    if parts.scheme not in SCHEMES:
+        raise ValueError(f"Redis URL {url!r}: scheme must be one of {', '.join(SCHEMES)}")
+    # Sockets get a generous deadline of their own; requests are bounded by `timeout` above it.
+    socket_timeout = max(1.0, 10 * timeout)
+    if parts.scheme in CLUSTER_SCHEMES:
+        plain = urlunsplit(parts._replace(scheme=CLUSTER_SCHEMES[parts.scheme]))
+        return RedisCluster.from_url(
+            plain,
+            max_connections=max_connections,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=socket_timeout,
+        )
+    pool = BlockingConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        timeout=timeout,
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=socket_timeout,
+        # One immediate retry replaces a pooled connection that died with a restarted server.
+        retry=Retry(NoBackoff(), 1),
+    )
+    return Redis(connection_pool=pool)
+
+
+class RedisLink:
+    def __init__(
+        self,
+        client: RedisClient,
+        timeout: float,
+        metrics: Metrics,
+        max_pending: int,
+        backoff_min: float = 0.05,
+        backoff_max: float = 1.0,
+    ) -> None:
+        self.client = client
+        self.timeout = timeout
+        self._metrics = metrics
+        self._max_pending = max(1, max_pending)
+        self._backoff = (backoff_min, backoff_max)
+        self._up = False
+        self._down_since = time.monotonic()
+        self._reconnecting: asyncio.Task[None] | None = None
+        self._pending: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    @property
+    def up(self) -> bool:
+        return self._up
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    async def start(self) -> None:
+        """Connect if Redis answers now; otherwise serve locally and keep trying."""
+        if not await self._ping():
+            log.warning("Redis does not answer; serving from local state until it does")
+            self._mark_down()
+
+    async def call(self, operation: str, work: Callable[[], Awaitable[T]]) -> T:
+        """Run `work` against Redis within the timeout, or raise RedisUnavailable."""
+        if not self._up:
+            raise RedisUnavailable(operation)
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.timeout):
+                result = await work()
+        except _LINK_ERRORS as error:
+            self._metrics.redis_errors.labels(operation).inc()
+            log.warning("Redis %s failed (%s); falling back to local state", operation, error)
+            self._mark_down()
+            raise RedisUnavailable(operation) from error
+        except RedisError as error:
+            # An error reply (out of memory, a script error): this operation only.
+            self._metrics.redis_errors.labels(operation).inc()
+            log.warning("Redis %s: %s", operation, error)
+            raise RedisUnavailable(operation) from error
+        self._metrics.redis_seconds.labels(operation).observe(time.perf_counter() - started)
+        return result
+
+    def submit(self, operation: str, work: Callable[[], Awaitable[object]]) -> None:
+        """Write in the background, unless Redis is down or `max_pending` writes are in flight."""
+        if not self._up or len(self._pending) >= self._max_pending or self._closed:
+            self.fell_back(operation)
+            return
+        task = asyncio.create_task(self._write(operation, work))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    def fell_back(self, operation: str) -> None:
+        self._metrics.redis_fallbacks.labels(operation).inc()
+
+    async def close(self) -> None:
+        """Let writes in flight finish (within the timeout), stop reconnecting, disconnect."""
+        self._closed = True
+        if self._pending:
+            await asyncio.wait(set(self._pending), timeout=self.timeout)
+        for task in (*self._pending, self._reconnecting):
+            if task is not None:
+                task.cancel()
+        self._up = False
+        self._metrics.redis_up.set(0)
+        await self.client.aclose()
+
+    async def _write(self, operation: str, work: Callable[[], Awaitable[object]]) -> None:
+        try:
+            await self.call(operation, work)
+        except RedisUnavailable:
+            self.fell_back(operation)
+
+    async def _ping(self) -> bool:
+        try:
+            async with asyncio.timeout(self.timeout):
+                await self.client.ping()
+        except (RedisError, *_LINK_ERRORS) as error:
+            log.debug("Redis PING failed: %s", error)
+            return False
+        self._mark_up()
+        return True
+
+    def _mark_up(self) -> None:
+        if not self._up:
+            if self._reconnecting is not None:
+                log.warning("Redis answers again after %.1f s", time.monotonic() - self._down_since)
+            self._up = True
+            self._metrics.redis_up.set(1)
+
+    def _mark_down(self) -> None:
+        if self._up:
+            self._up = False
+            self._down_since = time.monotonic()
+            self._metrics.redis_up.set(0)
+        if not self._closed and (self._reconnecting is None or self._reconnecting.done()):
+            self._reconnecting = asyncio.create_task(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        delay, ceiling = self._backoff
+        while not self._closed:
+            # Jitter keeps a fleet of gateways from probing a recovering Redis in lockstep.
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            if await self._ping():
+                return
+            delay = min(delay * 2, ceiling)

@@ -1,0 +1,117 @@
+"""The prefix index in Redis, shared by every gateway replica.
+
+The same contract as `InMemoryPrefixIndex`: every backend that was sent a block is remembered
+with the time it was last sent there, each backend has its own matched depth, entries older
+than the TTL do not count, and `forget` cuts a backend at the first forgotten block. A lookup
+is one script call whatever the prompt's length (see `scripts.py` for the data model).
+
+Two differences, both deliberate: memory is bounded by Redis (`maxmemory` with a `volatile-*`
+policy evicts whole block keys, which shortens matches) rather than by a block count; and an
+entry sent to the same backend less than `refresh` seconds ago is not rewritten, which saves
+a conversation's second write of its history right after the first.
+
+Times come from an injected clock in seconds (wall-clock by default, so that gateways on
+different hosts agree within their clock skew).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import cast
+
+from redis.asyncio import Redis
+
+from gateway.clock import Clock
+from gateway.redis_store.connection import RedisClient
+from gateway.redis_store.keys import HASH_BYTES, KeySpace
+from gateway.redis_store.scripts import FORGET_SCRIPT, MATCH_SCRIPT, RECORD_SCRIPT
+
+# Chains whose first block this process has seen, so that `forget` (given only the deeper
+# part of a chain) finds the hash tag its keys live under.
+_KNOWN_CHAINS = 65_536
+
+
+def wall_clock() -> float:
+    return time.time()
+
+
+class RedisPrefixIndex:
+    def __init__(
+        self,
+        client: RedisClient,
+        keys: KeySpace,
+        ttl: float,
+        clock: Clock = wall_clock,
+        refresh: float = 1.0,
+    ) -> None:
+        self._keys = keys
+        self._ttl_ms = max(1, round(ttl * 1000))
+        self._refresh_ms = round(refresh * 1000)
+        self._clock = clock
+        # AsyncScript serves both clients; redis-py types its `register_script` for Redis only.
+        scripts = cast(Redis, client)
+        self._match = scripts.register_script(MATCH_SCRIPT)
+        self._record = scripts.register_script(RECORD_SCRIPT)
+        self._forget = scripts.register_script(FORGET_SCRIPT)
+        # (model, last block hash of a chain) -> the chain's first block hash
+        self._first_blocks: OrderedDict[tuple[str, int], int] = OrderedDict()
+
+    async def match(self, model: str, hashes: Sequence[int]) -> dict[str, int]:
+        if not hashes:
+            return {}
+        self._remember_chain(model, hashes)
+        prefix = self._keys.block_prefix(model, hashes[0])
+        names = self._keys.block_keys(prefix, hashes)
+        width = len(prefix) + HASH_BYTES
+        oldest = self._now_ms() - self._ttl_ms
+        reply = await self._match([names[:width]], [names, width, oldest])
+        return {
+            reply[position].decode(): int(reply[position + 1])
+            for position in range(0, len(reply), 2)
+        }
+
+    async def record(self, model: str, backend: str, hashes: Sequence[int]) -> None:
+        if not hashes:
+            return
+        if " " in backend or "\n" in backend:
+            raise ValueError(f"backend name {backend!r} holds a space or a newline")
+        self._remember_chain(model, hashes)
+        prefix = self._keys.block_prefix(model, hashes[0])
+        names = self._keys.block_keys(prefix, hashes)
+        width = len(prefix) + HASH_BYTES
+        now = self._now_ms()
+        await self._record(
+            [names[:width]],
+            [names, width, backend, now, now - self._ttl_ms, self._ttl_ms, now - self._refresh_ms],
+        )
+
+    async def forget(self, model: str, backend: str, hashes: Sequence[int]) -> None:
+        if not hashes:
+            return
+        first_block = self._first_block(model, hashes)
+        prefix = self._keys.block_prefix(model, first_block)
+        names = self._keys.block_keys(prefix, hashes)
+        width = len(prefix) + HASH_BYTES
+        await self._forget([names[:width]], [names, width, backend])
+
+    def _now_ms(self) -> int:
+        return round(self._clock() * 1000)
+
+    def _remember_chain(self, model: str, hashes: Sequence[int]) -> None:
+        chains = self._first_blocks
+        key = (model, hashes[-1])
+        chains[key] = hashes[0]
+        chains.move_to_end(key)
+        if len(chains) > _KNOWN_CHAINS:
+            chains.popitem(last=False)
+
+    def _first_block(self, model: str, hashes: Sequence[int]) -> int:
+        """The first block of the chain `hashes` belongs to (a chain starts at its own root)."""
+        chains = self._first_blocks
+        for block in reversed(hashes):
+            first_block = chains.get((model, block))
+            if first_block is not None:
+                return first_block
+        return hashes[0]

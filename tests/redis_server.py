@@ -1,0 +1,205 @@
+"""Real redis-server processes on free loopback ports for tests and benchmarks.
+
+Never the shared server on 6379: every test starts its own, without persistence, and stops it.
+
+    with RedisServer() as server:
+        client = redis.asyncio.Redis.from_url(server.url)
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Self
+
+from gateway.child import free_port
+from gateway.clock import Clock
+from gateway.index import PrefixIndex
+from gateway.redis_store import KeySpace, RedisPrefixIndex, RedisSessionStore, open_client
+from gateway.sessions import SessionStore
+
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
+
+
+def ping(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:
+    """True when a server on `port` answers PING (and has finished loading)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as connection:
+            connection.sendall(b"PING\r\n")
+            return connection.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class RedisServer:
+    """`redis-server --port P --save '' --appendonly no`; `kill` and `start` keep the port."""
+
+    def __init__(self, *extra: str, port: int = 0, startup_seconds: float = 10.0) -> None:
+        self.port = port or free_port()
+        self.extra = tuple(extra)
+        self._startup_seconds = startup_seconds
+        self._process: subprocess.Popen[bytes] | None = None
+        self._dir = tempfile.TemporaryDirectory(prefix="redis-test-")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> Self:
+        command = [
+            REDIS_SERVER,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self._dir.name,
+            *self.extra,
+        ]
+        self._process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        deadline = time.monotonic() + self._startup_seconds
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                error = self._process.stderr.read() if self._process.stderr else b""
+                raise RuntimeError(f"redis-server exited: {error.decode(errors='replace')}")
+            if ping(self.port):
+                return self
+            time.sleep(0.01)
+        self.stop()
+        raise RuntimeError(f"redis-server on port {self.port} did not answer PING")
+
+    def kill(self) -> None:
+        """Die at once, as a crashed server would; everything it held is lost."""
+        process, self._process = self._process, None
+        if process is not None:
+            process.kill()
+            process.wait()
+
+    def stop(self) -> None:
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def cli(self, *args: str) -> str:
+        result = subprocess.run(
+            [REDIS_CLI, "-p", str(self.port), *args],
+            capture_output=True,
+            check=True,
+            timeout=10,
+        )
+        return result.stdout.decode()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self.stop()
+        self._dir.cleanup()
+
+
+class RedisClusterServers:
+    """Three masters with `--cluster-enabled yes`, joined by `redis-cli --cluster create`."""
+
+    def __init__(self, nodes: int = 3) -> None:
+        self.nodes = [
+            RedisServer(
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                "2000",
+            )
+            for _ in range(nodes)
+        ]
+
+    @property
+    def url(self) -> str:
+        """The gateway's spelling of a cluster: any node as the seed."""
+        return f"redis+cluster://{self.nodes[0].address}"
+
+    def start(self) -> Self:
+        try:
+            for node in self.nodes:
+                node.start()
+            addresses: Sequence[str] = [node.address for node in self.nodes]
+            subprocess.run(
+                [REDIS_CLI, "--cluster", "create", *addresses, "--cluster-yes"],
+                capture_output=True,
+                check=True,
+                timeout=30,
+            )
+            self._wait_ok()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ok(self, seconds: float = 20.0) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if all("cluster_state:ok" in node.cli("cluster", "info") for node in self.nodes):
+                return
+            time.sleep(0.05)
+        raise RuntimeError("the Redis cluster did not reach cluster_state:ok")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        for node in self.nodes:
+            node.__exit__(kind, error, trace)
+
+
+def redis_index_factory(url: str) -> Callable[[Clock, float, int], PrefixIndex]:
+    """A fresh RedisPrefixIndex per call, in a namespace of its own (the size is Redis's)."""
+
+    def build(clock: Clock, ttl: float, size: int) -> PrefixIndex:
+        client = open_client(url, timeout=1.0, max_connections=4)
+        return RedisPrefixIndex(client, KeySpace(f"test-{uuid.uuid4().hex[:8]}"), ttl, clock)
+
+    return build
+
+
+def redis_session_factory(url: str) -> Callable[[Clock, float, int], SessionStore]:
+    def build(clock: Clock, ttl: float, size: int) -> SessionStore:
+        client = open_client(url, timeout=1.0, max_connections=4)
+        return RedisSessionStore(client, KeySpace(f"test-{uuid.uuid4().hex[:8]}"), ttl, clock)
+
+    return build
