@@ -66,13 +66,13 @@ class AffinityMiss(Enum):
 
     UNHEALTHY = "unhealthy"
     """The previous replica was no longer a candidate (ejected, removed or draining)."""
-    LOAD = "load"
+    LOAD_BOUND = "load_bound"
     """The previous replica was at the load bound."""
     INDEX = "index"
     """The index held less of the prompt on the previous replica (expired, evicted or pruned)."""
     SPREAD = "spread"
     """Within the bound and as deep as the chosen one: the policy spread it (recent-traffic cap)."""
-    RETRY = "retry"
+    FAILOVER = "failover"
     """The previous replica was tried for this request and failed before its first byte."""
 
 
@@ -178,7 +178,7 @@ def miss_cause(
     if previous not in candidates:
         return AffinityMiss.UNHEALTHY
     if bound and candidates[previous] + 1 > bound:
-        return AffinityMiss.LOAD
+        return AffinityMiss.LOAD_BOUND
     if matched.get(previous, 0) < matched.get(chosen, 0) or not matched.get(previous, 0):
         return AffinityMiss.INDEX
     return AffinityMiss.SPREAD

@@ -262,7 +262,7 @@ class Router:
             return
         miss = turn.miss or AffinityMiss.SPREAD
         if turn.previous_backend in routed.tried:
-            miss = AffinityMiss.RETRY
+            miss = AffinityMiss.FAILOVER
         self.metrics.affinity_misses.labels(model, miss.value).inc()
 
     def _candidates(self, model: str) -> list[Backend]:

@@ -274,7 +274,7 @@ def test_peek_records_nothing() -> None:
 # (case, loads of the candidates, bound, matched blocks, chosen, cause)
 MISSES: list[tuple[str, dict[str, int], int, dict[str, int], str, AffinityMiss]] = [
     ("previous ejected", {"b": 0}, 2, {}, "b", AffinityMiss.UNHEALTHY),
-    ("previous at the bound", {"a": 2, "b": 0}, 2, {"a": 9}, "b", AffinityMiss.LOAD),
+    ("previous at the bound", {"a": 2, "b": 0}, 2, {"a": 9}, "b", AffinityMiss.LOAD_BOUND),
     ("index forgot it", {"a": 0, "b": 0}, 2, {"b": 9}, "b", AffinityMiss.INDEX),
     ("deeper elsewhere", {"a": 0, "b": 0}, 2, {"a": 4, "b": 9}, "b", AffinityMiss.INDEX),
     ("spread on a tie", {"a": 1, "b": 0}, 3, {"a": 9, "b": 9}, "b", AffinityMiss.SPREAD),

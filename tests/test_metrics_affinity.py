@@ -29,7 +29,7 @@ class Counters:
             "hits": gateway.metric("gateway_affinity_hits_total", model=MODEL),
             "failovers": gateway.metric("gateway_failovers_total", model=MODEL),
         }
-        for cause in ("unhealthy", "load", "index", "spread", "retry"):
+        for cause in ("unhealthy", "load_bound", "index", "spread", "failover"):
             values[f"miss:{cause}"] = gateway.metric(
                 "gateway_affinity_misses_total", model=MODEL, cause=cause
             )
@@ -150,7 +150,7 @@ def test_a_dead_replica_turns_hits_into_retry_and_unhealthy_misses(
     counters = Counters(gateway)
     _, backend = turn(gateway, conversations[0])  # fails over before the first byte
     assert backend != victim
-    assert counters.changed() == {"miss:retry": 1, "failovers": 1}
+    assert counters.changed() == {"miss:failover": 1, "failovers": 1}
     counters = Counters(gateway)
     _, backend = turn(gateway, conversations[1])  # the victim is ejected by now
     assert backend != victim
