@@ -14,7 +14,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from gateway.admin import build_admin_router
+from gateway.admin import AdminRoute, admin_guard, build_admin_router
+from gateway.admin_backends import build_backends_router
 from gateway.components import Components
 from gateway.errors import render_error
 
@@ -22,6 +23,9 @@ from gateway.errors import render_error
 def build_control_app(components: Components) -> FastAPI:
     app = FastAPI(title="Prefix Gateway", docs_url="/docs", redoc_url=None)
     app.include_router(build_admin_router(components))
+    app.include_router(
+        build_backends_router(components, admin_guard(components.settings.admin_token), AdminRoute)
+    )
     pool = components.pool
     metrics = components.metrics
 
