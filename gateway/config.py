@@ -46,6 +46,9 @@ class Settings:
     chars_per_token: float = _opt(4.0, "characters per token assumed by the block chunking")
     affinity_tokens: int = _opt(256, "tokens hashed into the affinity key of the hash ring")
     min_match_tokens: int = _opt(64, "shortest indexed prefix match worth routing on")
+    recent_cap: float = _opt(
+        1.2, "under load, pass over a replica with more than this times the mean recent requests"
+    )
     affinity_ttl: float = _opt(600.0, "seconds an index entry or sticky session lives unused")
     index_max_blocks: int = _opt(2_000_000, "prefix blocks the in-memory index keeps at most")
     session_max: int = _opt(1_000_000, "sticky sessions the in-memory store keeps at most")

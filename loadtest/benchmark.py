@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import shlex
 import statistics
 import sys
 import time
@@ -50,6 +51,7 @@ class Outcome:
     status: int
     sent_at: float = 0.0
     done_at: float = 0.0
+    route: str = ""
 
 
 @dataclass
@@ -74,6 +76,7 @@ async def one_request(
     usage: dict[str, object] = {}
     async with http.stream("POST", "/v1/chat/completions", json=body) as response:
         backend = response.headers.get("x-gateway-backend", "?")
+        route = response.headers.get("x-gateway-route", "?")
         if response.status_code != 200:
             await response.aread()
             return Outcome(list(messages), "", backend, 0, 0, 0.0, response.status_code)
@@ -101,6 +104,7 @@ async def one_request(
         200,
         started,
         time.perf_counter(),
+        route,
     )
 
 
@@ -238,6 +242,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--cache-blocks", type=int, default=1024)
+    parser.add_argument("--gateway-args", default="", help="extra flags for the gateway")
     parser.add_argument(
         "--stagger",
         type=float,
@@ -270,7 +275,9 @@ def main() -> None:
         for policy in args.policies.split(","):
             with (
                 EmulatedFleet(args.replicas, MODEL, emulator_args) as fleet,
-                GatewayProcess(fleet.urls, "--policy", policy) as gateway,
+                GatewayProcess(
+                    fleet.urls, "--policy", policy, *shlex.split(args.gateway_args)
+                ) as gateway,
             ):
                 run = asyncio.run(drive(gateway.url, sessions, args.concurrency, args.stagger))
                 names = [url.removeprefix("http://") for url in fleet.urls]

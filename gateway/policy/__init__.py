@@ -22,6 +22,7 @@ POLICIES: dict[str, PolicyFactory] = {
         load_factor=settings.load_factor,
         load_floor=settings.load_floor,
         min_match_blocks=max(1, settings.min_match_tokens // settings.block_tokens),
+        recent_cap=settings.recent_cap,
     ),
     "consistent_hash": lambda settings, rng: ConsistentHashPolicy(
         settings.load_factor, settings.load_floor

@@ -1,0 +1,195 @@
+"""Overhead benchmark: what the gateway adds on top of calling a replica directly.
+
+One emulated replica with no simulated delay; the same requests sent directly and through the
+gateway (and through peers, with --peers). Prints two tables:
+
+1. one request at a time: latency p50/p99 of non-streamed requests and of the first streamed
+   chunk, direct vs routed, and the difference;
+2. under concurrency: requests per second and CPU milliseconds per request of the router
+   process (user + system time from /proc).
+
+    python loadtest/overhead.py
+    python loadtest/overhead.py --sequential 2000 --concurrency 16,64 --requests 4000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gateway.emulator import EmulatorProcess
+from loadtest.peers import PEERS, Router, start_peer
+from tests.support import GatewayProcess
+
+MODEL = "overhead-model"
+PROMPT = " ".join(f"w{index}" for index in range(200))
+
+
+def body(stream: bool, tag: int) -> bytes:
+    return orjson.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"{tag} {PROMPT}"}],
+            "max_tokens": 8,
+            "stream": stream,
+        }
+    )
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Sequential:
+    """One keep-alive connection, one request at a time."""
+
+    def __init__(self, url: str) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.connection = http.client.HTTPConnection(host, int(port))
+        self.connection.connect()
+        # As a real client library does; without it small requests wait on delayed ACKs.
+        assert self.connection.sock is not None
+        self.connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def plain(self, tag: int) -> float:
+        started = time.perf_counter()
+        self.connection.request(
+            "POST", "/v1/chat/completions", body(False, tag), {"content-type": "application/json"}
+        )
+        response = self.connection.getresponse()
+        response.read()
+        assert response.status == 200, response.status
+        return time.perf_counter() - started
+
+    def first_chunk(self, tag: int) -> float:
+        started = time.perf_counter()
+        self.connection.request(
+            "POST", "/v1/chat/completions", body(True, tag), {"content-type": "application/json"}
+        )
+        response = self.connection.getresponse()
+        first = response.read1(65536)
+        elapsed = time.perf_counter() - started
+        assert response.status == 200 and first, response.status
+        response.read()
+        return elapsed
+
+
+def percentiles(samples: list[float]) -> tuple[float, float]:
+    ordered = sorted(samples)
+    return (
+        statistics.median(ordered) * 1000,
+        ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1000,
+    )
+
+
+def sequential_table(direct_url: str, routers: list[Router], count: int) -> None:
+    clients = {"direct": Sequential(direct_url)}
+    clients.update({router.name: Sequential(router.url) for router in routers})
+    for client in clients.values():  # warm up connections and caches
+        for tag in range(50):
+            client.plain(tag)
+            client.first_chunk(tag)
+    samples: dict[tuple[str, str], list[float]] = {}
+    kinds: dict[str, Callable[[Sequential, int], float]] = {
+        "non-streamed": Sequential.plain,
+        "first chunk": Sequential.first_chunk,
+    }
+    for tag in range(count):
+        # Interleaved, so that drift of this shared machine hits every path alike.
+        for name, client in clients.items():
+            for kind, call in kinds.items():
+                samples.setdefault((name, kind), []).append(call(client, tag + 1000))
+    print(f"\n## One request at a time ({count} requests per path and kind)\n")
+    print("| path | kind | p50 ms | p99 ms | added p50 ms | added p99 ms |")
+    print("|---|---|---|---|---|---|")
+    for (name, kind), values in samples.items():
+        p50, p99 = percentiles(values)
+        base50, base99 = percentiles(samples[("direct", kind)])
+        print(
+            f"| {name} | {kind} | {p50:.3f} | {p99:.3f} "
+            f"| {p50 - base50:+.3f} | {p99 - base99:+.3f} |"
+        )
+
+
+async def hammer(url: str, concurrency: int, total: int, stream: bool) -> float:
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        counter = iter(range(total))
+
+        async def worker() -> None:
+            for tag in counter:
+                async with session.post(
+                    url + "/v1/chat/completions",
+                    data=body(stream, tag),
+                    headers={"content-type": "application/json"},
+                ) as response:
+                    await response.read()
+                    assert response.status == 200, response.status
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return time.perf_counter() - started
+
+
+def concurrency_table(
+    direct_url: str, routers: list[Router], levels: list[int], total: int, stream: bool
+) -> None:
+    print(f"\n## Under concurrency ({total} {'streamed' if stream else 'non-streamed'} requests)\n")
+    print("| path | concurrency | requests/s | router CPU ms/request |")
+    print("|---|---|---|---|")
+    for level in levels:
+        elapsed = asyncio.run(hammer(direct_url, level, total, stream))
+        print(f"| direct | {level} | {total / elapsed:,.0f} | - |", flush=True)
+        for router in routers:
+            before = cpu_seconds(router.pid)
+            elapsed = asyncio.run(hammer(router.url, level, total, stream))
+            cpu = cpu_seconds(router.pid) - before
+            print(
+                f"| {router.name} | {level} | {total / elapsed:,.0f} | {cpu / total * 1000:.3f} |",
+                flush=True,
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sequential", type=int, default=500)
+    parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--peers", default="", help=f"comma-separated: {', '.join(PEERS)}")
+    args = parser.parse_args()
+    with (
+        EmulatorProcess("--max-running", "1024", name=MODEL) as replica,
+        GatewayProcess([replica.url], "--health-interval", "30") as gateway,
+    ):
+        routers = [Router("prefix-gateway", gateway.url, gateway.pid)]
+        names = [name for name in args.peers.split(",") if name]
+        peers = [start_peer(name, [replica.url], MODEL) for name in names]
+        try:
+            routers += [peer.router for peer in peers]
+            print(f"# python {sys.version.split()[0]}, {os.cpu_count()} cores, no emulated delays")
+            sequential_table(replica.url, routers, args.sequential)
+            levels = [int(level) for level in args.concurrency.split(",")]
+            concurrency_table(replica.url, routers, levels, args.requests, stream=False)
+            concurrency_table(replica.url, routers, levels, args.requests, stream=True)
+        finally:
+            for peer in peers:
+                peer.stop()
+
+
+if __name__ == "__main__":
+    main()
