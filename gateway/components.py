@@ -12,6 +12,7 @@ from gateway.access_log import configure_access_logger
 from gateway.backends import BackendMonitor, BackendPool
 from gateway.config import Settings
 from gateway.discovery import Discovery
+from gateway.engine_load import EngineLoadScraper
 from gateway.index import InMemoryPrefixIndex, PrefixIndex
 from gateway.metrics import Metrics
 from gateway.policy import build_policy
@@ -34,6 +35,7 @@ class Components:
     monitor: BackendMonitor
     proxy: ProxyHandler
     discovery: Discovery
+    engine_load: EngineLoadScraper
     redis: redis_store.RedisLink | None = None
 
     @classmethod
@@ -57,6 +59,7 @@ class Components:
         monitor = BackendMonitor(pool, probes, settings.health_interval, settings.models_interval)
         proxy = ProxyHandler(router, upstream, metrics)
         discovery = Discovery.build(settings, pool, monitor.refresh)
+        engine_load = EngineLoadScraper(pool, probes, settings.scrape_interval)
         return cls(
             settings,
             pool,
@@ -69,6 +72,7 @@ class Components:
             monitor,
             proxy,
             discovery,
+            engine_load,
             redis,
         )
 
@@ -79,8 +83,10 @@ class Components:
         await self.monitor.refresh_all()
         await self.discovery.start()
         self.monitor.start()
+        self.engine_load.start()
 
     async def stop(self) -> None:
+        await self.engine_load.stop()
         await self.discovery.stop()
         await self.monitor.stop()
         await self.upstream.close()

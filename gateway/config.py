@@ -59,6 +59,9 @@ class Settings:
     first_byte_timeout: float = _opt(600.0, "seconds to wait for a replica's response headers")
     max_attempts: int = _opt(3, "replicas tried for one request before giving up")
     health_interval: float = _opt(5.0, "seconds between active health probes of each replica")
+    scrape_interval: float = _opt(
+        2.0, "seconds between scrapes of each replica's queue from its /metrics (0: off)"
+    )
     models_interval: float = _opt(30.0, "seconds between refreshes of each replica's model list")
     backend_dns: tuple[str, ...] = _opt(
         (), "headless Service name whose A/AAAA records are replicas, HOST:PORT or MODEL=HOST:PORT"
