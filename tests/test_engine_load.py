@@ -36,7 +36,7 @@ def test_only_the_load_others_sent_is_added() -> None:
 
 def test_scrapes_a_live_replica_under_load() -> None:
     with (
-        EmulatorProcess("--max-running", "1", "--decode-ms-per-token", "20", name="m") as replica,
+        EmulatorProcess("--max-running", "1", "--decode-ms-per-token", "50", name="m") as replica,
         openai.OpenAI(base_url=replica.url + "/v1", api_key="x", max_retries=0) as client,
     ):
         backend = Backend(name="r", url=replica.url, healthy=True, models=frozenset({"m"}))
@@ -49,11 +49,11 @@ def test_scrapes_a_live_replica_under_load() -> None:
             calls = [
                 loop.run_in_executor(
                     None,
-                    lambda: client.completions.create(model="m", prompt="x y", max_tokens=10),
+                    lambda: client.completions.create(model="m", prompt="x y", max_tokens=20),
                 )
                 for _ in range(3)
             ]
-            for _ in range(100):  # until the replica has all three
+            for _ in range(250):  # until the replica has all three
                 await asyncio.sleep(0.02)
                 running = replica.metric("vllm:num_requests_running")
                 if running + replica.metric("vllm:num_requests_waiting") == 3:
