@@ -34,7 +34,7 @@ from typing import Any
 
 from locust import HttpUser, between, events, task
 from locust.env import Environment
-from locust.runners import WorkerRunner
+from locust.runners import LocalRunner, MasterRunner
 
 
 def _setting(name: str, default: str) -> str:
@@ -256,5 +256,12 @@ def _on_worker_report(client_id: str, data: dict[str, Any]) -> None:
 
 @events.test_stop.add_listener
 def _on_test_stop(environment: Environment, **_: Any) -> None:
-    if not isinstance(environment.runner, WorkerRunner):
+    if isinstance(environment.runner, LocalRunner):
+        print(CACHE.table(), flush=True)
+
+
+@events.quitting.add_listener
+def _on_quitting(environment: Environment, **_: Any) -> None:
+    # A master prints last, once the workers' final reports are in.
+    if isinstance(environment.runner, MasterRunner):
         print(CACHE.table(), flush=True)
