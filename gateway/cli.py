@@ -1,4 +1,4 @@
-"""The `prefix-gateway` command: serve, emulate."""
+"""The `prefix-gateway` command: serve, emulate, replay."""
 
 from __future__ import annotations
 
@@ -67,8 +67,15 @@ def _emulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replay(args: argparse.Namespace) -> int:
+    from gateway.replay.command import main as replay_main
+
+    return replay_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from gateway.emulator import add_arguments as add_emulator_arguments
+    from gateway.replay.command import add_arguments as add_replay_arguments
 
     parser = argparse.ArgumentParser(
         prog="prefix-gateway", description="Prefix-aware load-balancing gateway for LLM inference"
@@ -80,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     emulate = commands.add_parser("emulate", help="run one emulated vLLM-like replica")
     add_emulator_arguments(emulate)
     emulate.set_defaults(handler=_emulate)
+    replay = commands.add_parser(
+        "replay", help="replay a trace through every policy against simulated replicas"
+    )
+    add_replay_arguments(replay)
+    replay.set_defaults(handler=_replay)
     return parser
 
 

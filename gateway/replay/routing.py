@@ -1,0 +1,62 @@
+"""Routing in a replay: the gateway's own policy, index and recent-traffic counter.
+
+`PolicyRouter` does for a trace request what `gateway.router.Router` does for an HTTP one: it
+shows the policy the candidates, their loads (requests in flight), the index's matched depths,
+the affinity key, the private part and the recent request counts, records the prompt's blocks
+for the chosen replica in the index at routing time, and records the prompt with its answer
+once the answer is complete. There are no session keys in a trace, so nothing is sticky.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from gateway.clock import Clock
+from gateway.index import PrefixIndex
+from gateway.policy import Decision, Policy, RoutingState
+from gateway.replay.traces import TraceRequest
+from gateway.router import RecentTraffic
+
+MODEL = "replay"
+
+
+class ReplayRouter(Protocol):
+    async def route(self, request: TraceRequest, loads: Mapping[str, int]) -> Decision:
+        """Choose a replica for `request` arriving now, given the loads before it."""
+        ...
+
+    async def answered(self, request: TraceRequest, backend: str) -> None:
+        """`backend` completed `request`."""
+        ...
+
+
+class PolicyRouter:
+    def __init__(
+        self, names: Sequence[str], policy: Policy, index: PrefixIndex, clock: Clock
+    ) -> None:
+        self._names = list(names)
+        self._policy = policy
+        self._index = index
+        self._recent = RecentTraffic(clock)
+
+    async def route(self, request: TraceRequest, loads: Mapping[str, int]) -> Decision:
+        names = self._names
+        matched = await self._index.match(MODEL, request.hashes)
+        state = RoutingState(
+            candidates=names,
+            loads=loads,
+            hashes=request.hashes,
+            matched=matched,
+            affinity_key=request.affinity_key,
+            private_from=request.private_from,
+            recent=self._recent.snapshot(names),
+        )
+        decision = self._policy.choose(state)
+        self._recent.add(decision.backend)
+        await self._index.record(MODEL, decision.backend, request.hashes)
+        return decision
+
+    async def answered(self, request: TraceRequest, backend: str) -> None:
+        if request.answered:
+            await self._index.record(MODEL, backend, request.answered)

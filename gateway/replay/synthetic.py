@@ -1,0 +1,87 @@
+"""Replay traces from the synthetic workloads, in the emulated replica's own tokens and blocks.
+
+Each session of `gateway.workloads` becomes chat requests: the prompt is tokenized as the
+emulator does (`chat_prompt_ids`, template "plain") and cut into the emulator's chained block
+hashes; the answer is the emulator's deterministic `Sampler` text for that prompt, so a
+conversation's next turn re-sends the history with exactly the answer the replica generated
+and cached. Sessions start as a seeded Poisson process; a next turn is sent an exponentially
+distributed think time after the previous answer is complete, as a client waiting for it does.
+
+The affinity key and the private part follow the gateway's rules for chat: the key hashes the
+first `affinity_tokens` tokens from the first user message on, and the request's own part
+begins after the system prompt.
+"""
+
+from __future__ import annotations
+
+import random
+from array import array
+
+from gateway.emulator.prefix_cache import block_hashes
+from gateway.emulator.prompts import chat_prompt_ids
+from gateway.emulator.sampler import Sampler
+from gateway.emulator.tokenizer import encode, token_ids
+from gateway.hashing import key_hash
+from gateway.replay.traces import Trace, TraceRequest
+from gateway.workloads import build_workload
+
+
+def synthetic_trace(
+    shape: str,
+    seed: int,
+    *,
+    block_tokens: int = 16,
+    scale: float = 1.0,
+    rate: float = 2.0,
+    think_seconds: float = 3.0,
+    time_scale: float = 1.0,
+    affinity_tokens: int = 256,
+    limit: int | None = None,
+) -> Trace:
+    """The requests of workload `shape`, sessions starting at `rate` per second on average."""
+    if rate <= 0 or think_seconds < 0:
+        raise ValueError("the session rate must be positive and the think time not negative")
+    sessions = build_workload(shape, seed, scale)
+    arrivals = random.Random(f"replay:{shape}:{seed}")
+    sampler = Sampler(seed)
+    requests: list[TraceRequest] = []
+    started = 0.0
+    for session in sessions:
+        started += arrivals.expovariate(rate)
+        system_tokens = len(encode(session.system))
+        messages = [{"role": "system", "content": session.system}]
+        previous: int | None = None
+        known: list[int] = []
+        for question in session.questions:
+            messages.append({"role": "user", "content": question})
+            prompt = chat_prompt_ids(messages, None, "plain")
+            hashes = block_hashes(prompt, block_tokens, known)
+            answer = sampler.sample(prompt, session.max_tokens)
+            answer_ids = token_ids(answer)
+            answered = block_hashes([*prompt, *answer_ids], block_tokens, hashes)
+            held = block_hashes([*prompt, *answer_ids[:-1]], block_tokens, hashes)
+            key_tokens = prompt[system_tokens : system_tokens + affinity_tokens]
+            arrival = started if previous is None else _think(arrivals, think_seconds)
+            requests.append(
+                TraceRequest(
+                    arrival=arrival * time_scale,
+                    prompt_tokens=len(prompt),
+                    output_tokens=session.max_tokens,
+                    hashes=tuple(hashes),
+                    affinity_key=key_hash(array("I", key_tokens).tobytes()),
+                    private_from=system_tokens // block_tokens,
+                    after=previous,
+                    answered=tuple(answered),
+                    held=tuple(held),
+                )
+            )
+            if limit is not None and len(requests) >= limit:
+                return Trace(f"synthetic:{shape}:{seed}", requests, block_tokens, synthetic=True)
+            previous = len(requests) - 1
+            known = answered
+            messages.append({"role": "assistant", "content": "".join(answer)})
+    return Trace(f"synthetic:{shape}:{seed}", requests, block_tokens, synthetic=True)
+
+
+def _think(rng: random.Random, mean: float) -> float:
+    return rng.expovariate(1.0 / mean) if mean > 0 else 0.0

@@ -1,0 +1,169 @@
+"""Replay traces: requests as block hash chains, read from Mooncake-format JSONL files.
+
+A Mooncake line is `{"timestamp": ms, "input_length": tokens, "output_length": tokens,
+"hash_ids": [block ids]}`, one id per block of the prompt (512 tokens in the published traces),
+two prompts sharing a beginning exactly as far as their ids agree from the start.
+
+The ids are chained into gateway-style hashes, `h_i = xxh3(id_i, seed=h_(i-1))`, rather than
+used as they are. In the published traces an id already stands for its whole prefix (every id
+has one predecessor and one depth), so chaining changes nothing there; it keeps the replay
+right for a trace whose ids name block contents only, where equal ids after different
+beginnings must not match. The prefix index and the simulated caches both key blocks by these
+hashes, as the gateway's index and a vLLM cache both key blocks by chained hashes.
+
+A trace has no message structure, so every request's own part begins at block 0
+(`private_from = 0`) and there are no answer blocks: the next turn of a conversation shows its
+previous answer only as new ids.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+import xxhash
+
+_ROOT = 0
+_MASK = 0xFFFF_FFFF_FFFF_FFFF
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    arrival: float
+    """Seconds from the start of the trace; with `after` set, the think time after it."""
+    prompt_tokens: int
+    output_tokens: int
+    hashes: tuple[int, ...]
+    """Chained hashes of the prompt's full blocks: what both the index and the caches see."""
+    affinity_key: int
+    private_from: int = 0
+    """The block where the request's own part begins (after a shared system prompt)."""
+    after: int | None = None
+    """The request (by position in the trace) whose completion sends this one: a next turn."""
+    answered: tuple[int, ...] = ()
+    """Blocks of the prompt with its answer appended, indexed once the answer is complete."""
+    held: tuple[int, ...] = ()
+    """Blocks the replica caches once the request finishes (prompt and answer but its last
+    token, as vLLM); empty means the prompt's blocks only."""
+
+    @property
+    def cached_at_finish(self) -> tuple[int, ...]:
+        return self.held or self.hashes
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    name: str
+    requests: list[TraceRequest]
+    block_tokens: int
+    synthetic: bool = False
+
+    def unbounded_hit_rate(self) -> float:
+        """Token hit rate of one unbounded cache that served the trace in order, one at a time."""
+        seen: set[int] = set()
+        prompt = cached = 0
+        for request in self.requests:
+            hit = 0
+            for block in request.hashes:
+                if block not in seen:
+                    break
+                hit += 1
+            prompt += request.prompt_tokens
+            cached += min(hit, (request.prompt_tokens - 1) // self.block_tokens) * self.block_tokens
+            seen.update(request.cached_at_finish)
+        return cached / prompt if prompt else 0.0
+
+
+class TraceError(ValueError):
+    """A trace that cannot be read."""
+
+
+def chain_ids(ids: Sequence[int]) -> list[int]:
+    """Gateway-style chained hashes of a sequence of block ids."""
+    chained: list[int] = []
+    parent = _ROOT
+    for block_id in ids:
+        data = (block_id & _MASK).to_bytes(8, "little")
+        parent = xxhash.xxh3_64_intdigest(data, seed=parent)
+        chained.append(parent)
+    return chained
+
+
+def read_mooncake(
+    path: str | Path,
+    *,
+    block_tokens: int = 512,
+    affinity_blocks: int = 2,
+    time_scale: float = 1.0,
+    limit: int | None = None,
+) -> Trace:
+    """The requests of a Mooncake-format JSONL trace, arrivals multiplied by `time_scale`.
+
+    The affinity key is the chained hash of the first `affinity_blocks` blocks: one block
+    alone would be the system prompt that every request of a conversation trace shares.
+    """
+    requests = [
+        _mooncake_request(record, where, block_tokens, affinity_blocks, time_scale)
+        for where, record in _records(Path(path), limit)
+    ]
+    return Trace(Path(path).name, requests, block_tokens)
+
+
+def _records(path: Path, limit: int | None) -> Iterator[tuple[str, dict[str, object]]]:
+    count = 0
+    with path.open("rb") as handle:
+        for number, line in enumerate(handle, start=1):
+            if limit is not None and count >= limit:
+                return
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = orjson.loads(line)
+            except orjson.JSONDecodeError as exc:
+                raise TraceError(f"{where}: not JSON: {exc}") from exc
+            if not isinstance(record, dict):
+                raise TraceError(f"{where}: expected an object")
+            count += 1
+            yield where, record
+
+
+def _mooncake_request(
+    record: dict[str, object],
+    where: str,
+    block_tokens: int,
+    affinity_blocks: int,
+    time_scale: float,
+) -> TraceRequest:
+    timestamp = record.get("timestamp")
+    input_length = record.get("input_length")
+    output_length = record.get("output_length")
+    ids = record.get("hash_ids")
+    if not isinstance(timestamp, int | float) or timestamp < 0:
+        raise TraceError(f"{where}: timestamp must be a number of milliseconds")
+    if not isinstance(input_length, int) or input_length < 1:
+        raise TraceError(f"{where}: input_length must be a positive integer")
+    if not isinstance(output_length, int) or output_length < 0:
+        raise TraceError(f"{where}: output_length must be a non-negative integer")
+    if not isinstance(ids, list) or not all(isinstance(item, int) for item in ids):
+        raise TraceError(f"{where}: hash_ids must be a list of integers")
+    if len(ids) < math.ceil(input_length / block_tokens):
+        raise TraceError(
+            f"{where}: {len(ids)} hash_ids cannot cover {input_length} tokens "
+            f"in blocks of {block_tokens}"
+        )
+    # Only full blocks are cached or indexed; a trailing partial block changes as the
+    # conversation grows, so it could never match a later request.
+    chained = chain_ids(ids[: input_length // block_tokens])
+    key_ids = ids[: max(1, affinity_blocks)]
+    key = chain_ids(key_ids)[-1] if key_ids else _ROOT
+    return TraceRequest(
+        arrival=timestamp / 1000.0 * time_scale,
+        prompt_tokens=input_length,
+        output_tokens=max(1, output_length),
+        hashes=tuple(chained),
+        affinity_key=key,
+    )
