@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import shlex
 import statistics
@@ -34,6 +35,7 @@ from gateway.emulator import block_hashes
 from gateway.emulator.prompts import chat_prompt_ids
 from gateway.fleet import EmulatedFleet
 from gateway.workloads import SHAPES, Session, build_workload
+from loadtest.peers import PEERS, start_peer
 from tests.support import GatewayProcess
 
 MODEL = "bench-model"
@@ -191,12 +193,11 @@ def percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
 
 
-def summarise(workload: str, policy: str, run: Run, replicas: list[str]) -> dict[str, object]:
+def summarise(workload: str, policy: str, run: Run, counts: list[float]) -> dict[str, object]:
+    """`counts`: requests each replica finished during the run, from its own metrics."""
     done = [outcome for outcome in run.outcomes if outcome.status == 200]
     prompt = sum(outcome.prompt_tokens for outcome in done)
     cached = sum(outcome.cached_tokens for outcome in done)
-    per_replica = Counter(outcome.backend for outcome in done)
-    counts = [per_replica.get(name, 0) for name in replicas]
     mean = statistics.mean(counts) if counts else 0.0
     ttfts = [outcome.ttft * 1000 for outcome in done]
     return {
@@ -207,7 +208,7 @@ def summarise(workload: str, policy: str, run: Run, replicas: list[str]) -> dict
         "prompt": prompt,
         "prefilled": prompt - cached,
         "fewest": fewest_prefill(done),
-        "fewest_balanced": fewest_prefill(done, len(replicas)),
+        "fewest_balanced": fewest_prefill(done, len(counts)),
         "hit_rate": cached / prompt if prompt else 0.0,
         "max_mean": max(counts) / mean if mean else 0.0,
         "ttft_p50": percentile(ttfts, 0.5),
@@ -233,10 +234,31 @@ def print_table(rows: list[dict[str, object]]) -> None:
         )
 
 
+def finished_per_replica(fleet: EmulatedFleet) -> list[float]:
+    return [replica.metric("vllm:request_success_total") for replica in fleet.replicas]
+
+
+def start_router(
+    stack: contextlib.ExitStack, policy: str, workers: list[str], gateway_args: str
+) -> str:
+    """Our gateway with `policy`, or a peer router by its name in loadtest/peers.py."""
+    if policy in PEERS:
+        peer = start_peer(policy, workers, MODEL)
+        stack.callback(peer.stop)
+        return peer.router.url
+    gateway = GatewayProcess(workers, "--policy", policy, *shlex.split(gateway_args))
+    stack.enter_context(gateway)
+    return gateway.url
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default=",".join(SHAPES))
-    parser.add_argument("--policies", default=",".join(POLICY_NAMES))
+    parser.add_argument(
+        "--policies",
+        default=",".join(POLICY_NAMES),
+        help=f"our policies and peer routers: {', '.join([*POLICY_NAMES, *PEERS])}",
+    )
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seed", type=int, default=1)
@@ -275,13 +297,14 @@ def main() -> None:
         for policy in args.policies.split(","):
             with (
                 EmulatedFleet(args.replicas, MODEL, emulator_args) as fleet,
-                GatewayProcess(
-                    fleet.urls, "--policy", policy, *shlex.split(args.gateway_args)
-                ) as gateway,
+                contextlib.ExitStack() as stack,
             ):
-                run = asyncio.run(drive(gateway.url, sessions, args.concurrency, args.stagger))
-                names = [url.removeprefix("http://") for url in fleet.urls]
-            rows.append(summarise(workload, policy, run, names))
+                url = start_router(stack, policy, fleet.urls, args.gateway_args)
+                before = finished_per_replica(fleet)
+                run = asyncio.run(drive(url, sessions, args.concurrency, args.stagger))
+                after = finished_per_replica(fleet)
+            counts = [end - start for start, end in zip(before, after, strict=True)]
+            rows.append(summarise(workload, policy, run, counts))
             print(f"done: {workload} / {policy}", file=sys.stderr, flush=True)
     print_table(rows)
 
