@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import socket
+import ssl
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -117,7 +120,9 @@ def endpoint_slice(
 class FakeKubernetes:
     """List and watch of EndpointSlices, as the API server serves them, in a thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
+        self._tls = tls
+        self.port = 0
         self.slices: dict[str, dict[str, Any]] = {}
         self.history: list[tuple[int, dict[str, Any]]] = []
         self.version = 100
@@ -138,12 +143,13 @@ class FakeKubernetes:
         )
         self._runner = web.AppRunner(app)
         self._loop.run_until_complete(self._runner.setup())
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=self._tls)
         self._loop.run_until_complete(site.start())
         server = site._server
         assert server is not None
         port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
-        self.url = f"http://127.0.0.1:{port}"
+        self.port = port
+        self.url = f"{'https' if self._tls else 'http'}://127.0.0.1:{port}"
         self._ready.set()
         self._loop.run_forever()
         self._loop.run_until_complete(self._runner.cleanup())
@@ -497,6 +503,63 @@ def test_kubernetes_port_by_name_number_or_first(tmp_path: Path) -> None:
 
     with FakeKubernetes() as api:
         asyncio.run(scenario(api))
+
+
+def self_signed_certificate(folder: Path) -> tuple[Path, Path]:
+    certificate, key = folder / "server.crt", folder / "server.key"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=kubernetes",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(certificate),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return certificate, key
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test certificate")
+def test_in_cluster_defaults_reach_the_api_over_tls_with_the_pods_ca(tmp_path: Path) -> None:
+    certificate, key = self_signed_certificate(tmp_path)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(certificate, key)
+    credentials = tmp_path / "serviceaccount"
+    credentials.mkdir()
+    (credentials / "token").write_text("pod-token")
+    (credentials / "namespace").write_text(NAMESPACE)
+
+    async def scenario(api: FakeKubernetes) -> list[str]:
+        settings = Settings(k8s_service=("llm",), k8s_credentials=str(credentials))
+        environ = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(api.port)}
+        pool = BackendPool()
+        discovery = Discovery.build(settings, pool, mark_healthy(pool), environ)
+        try:
+            await discovery.sources[0].sync()
+        finally:
+            await discovery.stop()
+        return sorted(names(pool))
+
+    with FakeKubernetes(tls) as api:
+        api.put("llm-a", {"10.0.0.1": "ready"}, 8000)
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            asyncio.run(scenario(api))  # no ca.crt yet: the server is not trusted
+        (credentials / "ca.crt").write_bytes(certificate.read_bytes())
+        assert asyncio.run(scenario(api)) == ["10.0.0.1:8000"]
+        assert "Bearer pod-token" in api.authorizations
 
 
 # --- end to end: a replica leaves while requests keep succeeding -----------------------------
