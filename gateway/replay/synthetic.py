@@ -45,6 +45,10 @@ def synthetic_trace(
     arrivals = random.Random(f"replay:{shape}:{seed}")
     sampler = Sampler(seed)
     requests: list[TraceRequest] = []
+    name = (
+        f"synthetic:{shape}:{seed} (sessions at {rate:g}/s, think time {think_seconds:g} s, "
+        f"scale {scale:g})"
+    )
     started = 0.0
     for session in sessions:
         started += arrivals.expovariate(rate)
@@ -76,11 +80,11 @@ def synthetic_trace(
                 )
             )
             if limit is not None and len(requests) >= limit:
-                return Trace(f"synthetic:{shape}:{seed}", requests, block_tokens, synthetic=True)
+                return Trace(name, requests, block_tokens, synthetic=True)
             previous = len(requests) - 1
             known = answered
             messages.append({"role": "assistant", "content": "".join(answer)})
-    return Trace(f"synthetic:{shape}:{seed}", requests, block_tokens, synthetic=True)
+    return Trace(name, requests, block_tokens, synthetic=True)
 
 
 def _think(rng: random.Random, mean: float) -> float:
