@@ -100,7 +100,7 @@ class Settings:
     access_log: bool = _opt(True, "write one JSON line per request to the `gateway.access` log")
     admin_token: str = _opt("", "bearer token required by /admin endpoints (empty: no check)")
     conversations_max: int = _opt(
-        100_000, "conversation keys kept for affinity and cache-break accounting"
+        250_000, "conversation keys kept for affinity and cache-break accounting"
     )
 
     @property

@@ -1,0 +1,201 @@
+"""The Prometheus config and alerts pass promtool, and a real Prometheus renders the dashboard.
+
+promtool and prometheus come with Debian's `prometheus` package (.ci/run installs it).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from tests.conftest import MODEL
+from tests.support import GatewayProcess, free_port
+from tests.test_dashboards import ALERTS, DEPLOY, dashboard, runnable
+from tests.words import words
+
+PROMTOOL = shutil.which("promtool")
+PROMETHEUS = shutil.which("prometheus")
+needs_promtool = pytest.mark.skipif(
+    PROMTOOL is None, reason="promtool is not installed (apt-get install prometheus)"
+)
+needs_prometheus = pytest.mark.skipif(
+    PROMETHEUS is None, reason="prometheus is not installed (apt-get install prometheus)"
+)
+
+
+def promtool(*args: str) -> str:
+    assert PROMTOOL is not None
+    done = subprocess.run(
+        [PROMTOOL, *args], capture_output=True, text=True, timeout=60, cwd=DEPLOY / "prometheus"
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
+
+
+@needs_promtool
+def test_promtool_accepts_the_scrape_config() -> None:
+    assert "SUCCESS" in promtool("check", "config", "prometheus.yml")
+
+
+@needs_promtool
+def test_promtool_accepts_the_alert_rules() -> None:
+    assert "SUCCESS: 5 rules found" in promtool("check", "rules", "alerts.yml")
+
+
+@needs_promtool
+def test_the_alerts_fire_as_their_unit_tests_expect() -> None:
+    assert "SUCCESS" in promtool("test", "rules", "alerts_test.yml")
+
+
+class Prometheus:
+    """A Prometheus server on a free port, scraping one gateway every second."""
+
+    def __init__(self, target: str, folder: Path) -> None:
+        assert PROMETHEUS is not None
+        self.url = f"http://127.0.0.1:{free_port()}"
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(ALERTS)],
+            "scrape_configs": [
+                {"job_name": "prefix-gateway", "static_configs": [{"targets": [target]}]}
+            ],
+        }
+        (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self.process = subprocess.Popen(
+            [
+                PROMETHEUS,
+                f"--config.file={folder / 'prometheus.yml'}",
+                f"--storage.tsdb.path={folder / 'data'}",
+                f"--web.listen-address={self.url.removeprefix('http://')}",
+                "--log.level=warn",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for(lambda: self._ready(), "Prometheus to start")
+
+    def _ready(self) -> bool:
+        try:
+            return httpx.get(self.url + "/-/ready", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return self.process.poll() is not None  # exited: stop waiting, fail below
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        response = httpx.get(self.url + "/api/v1/query", params={"query": expr}, timeout=5)
+        body = response.json()
+        assert response.status_code == 200 and body["status"] == "success", (expr, body)
+        result: list[dict[str, Any]] = body["data"]["result"]
+        return result
+
+    def value(self, expr: str) -> float:
+        result = self.query(expr)
+        return float(result[0]["value"][1]) if result else 0.0
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def wait_for(check: Callable[[], bool], what: str, seconds: float = 20.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def prometheus(
+    gateway: GatewayProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Prometheus]:
+    if PROMETHEUS is None:
+        pytest.skip("prometheus is not installed (apt-get install prometheus)")
+    server = Prometheus(gateway.url.removeprefix("http://"), tmp_path_factory.mktemp("prom"))
+    assert server.process.poll() is None, "prometheus exited at start"
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def talk(client: openai.OpenAI, tag: str) -> None:
+    """Two users sharing a system prompt, a second turn each, and one trimmed history."""
+    system = {"role": "system", "content": words(300, f"{tag}s")}
+    for user in range(2):
+        messages: list[Any] = [system, {"role": "user", "content": words(40, f"{tag}u{user}")}]
+        for _ in range(2):
+            reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+            messages.append({"role": "user", "content": words(20, f"{tag}n{len(messages)}")})
+    client.chat.completions.create(model=MODEL, messages=[system, *messages[3:]], max_tokens=2)
+
+
+def panel_expr(title: str, legend: str) -> str:
+    for panel in dashboard()["panels"]:
+        if panel["title"] == title:
+            for target in panel["targets"]:
+                if target["legendFormat"] == legend:
+                    return runnable(target["expr"])
+    raise AssertionError(f"no panel {title!r} with a {legend!r} query")
+
+
+@needs_prometheus
+def test_a_real_prometheus_renders_every_panel_from_a_live_gateway(
+    prometheus: Prometheus, client: openai.OpenAI
+) -> None:
+    talk(client, "pa")
+    # The trimmed history comes last: once its cache break is scraped, all of the above is.
+    wait_for(lambda: bool(prometheus.query("gateway_cache_breaks_total")), "a scrape")
+    # The same conversations again, on the same replicas: the series scraped above grow, so
+    # their rates over the window are not zero (a series born later starts at its first value).
+    talk(client, "pa")
+
+    observed = panel_expr("Predicted vs observed prefix hit rate", "observed")
+    wait_for(lambda: prometheus.value(observed) > 0, "the observed hit rate")
+    assert 0 < prometheus.value(observed) < 1
+    by_route = prometheus.query(panel_expr("Requests / s by route reason", "{{route}}"))
+    assert {series["metric"]["route"] for series in by_route} & {"prefix", "hash"}
+
+    empty = []
+    for panel in dashboard()["panels"]:
+        if panel["type"] == "row":
+            continue
+        results = [prometheus.query(runnable(target["expr"])) for target in panel["targets"]]
+        if not any(results):
+            empty.append(panel["title"])
+    # Panels of events this traffic does not cause may be empty; every other one has data.
+    assert set(empty) <= {
+        "Sticky sessions moved / s by cause",
+        "Overflows, retries and failovers / s",
+        "Upstream errors / s",
+        "Redis operation time p99",
+        "Redis errors and fallbacks / s",
+    }, empty
+    assert prometheus.value(panel_expr("Cache breaks / min", "breaks/min")) > 0
+
+
+@needs_prometheus
+def test_prometheus_evaluates_every_alert_rule(prometheus: Prometheus) -> None:
+    def rules() -> list[dict[str, Any]]:
+        body = httpx.get(prometheus.url + "/api/v1/rules", timeout=5).json()
+        return [rule for group in body["data"]["groups"] for rule in group["rules"]]
+
+    wait_for(lambda: all(rule["health"] == "ok" for rule in rules()), "the rules to evaluate")
+    assert len(rules()) == 5
+    firing = prometheus.query('ALERTS{alertstate="firing"}')
+    assert firing == []  # four healthy replicas, no Redis configured, nothing to fire
