@@ -366,8 +366,9 @@ class KubernetesSource:
 class Discovery:
     """Every discovery source of one gateway, started and stopped with it."""
 
-    def __init__(self, sources: list[Source]) -> None:
+    def __init__(self, sources: list[Source], retry_seconds: float = 10.0) -> None:
         self.sources = sources
+        self._retry_seconds = retry_seconds
         self._tasks: list[asyncio.Task[None]] = []
 
     @classmethod
@@ -403,7 +404,7 @@ class Discovery:
                         target, membership("k8s", target), access, settings.discovery_interval
                     )
                 )
-        return cls(sources)
+        return cls(sources, settings.discovery_interval)
 
     async def start(self) -> None:
         """Look once (bounded) so the gateway starts with replicas, then follow every source."""
@@ -417,9 +418,18 @@ class Discovery:
 
         await asyncio.gather(*(first(source) for source in self.sources))
         self._tasks = [
-            asyncio.create_task(source.run(), name=f"discovery {source.membership.source}")
+            asyncio.create_task(self._follow(source), name=f"discovery {source.membership.source}")
             for source in self.sources
         ]
+
+    async def _follow(self, source: Source) -> None:
+        """Run a source for as long as the gateway runs: a bug in one look must not end it."""
+        while True:
+            try:
+                await source.run()
+            except Exception:
+                log.exception("discovery of %s failed; retrying", source.membership.source)
+                await asyncio.sleep(self._retry_seconds)
 
     async def stop(self) -> None:
         for task in self._tasks:
