@@ -23,7 +23,6 @@ values and a dict: no I/O, no metrics.
 
 from __future__ import annotations
 
-import operator
 from array import array
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -35,7 +34,6 @@ import xxhash
 from gateway.clock import Clock, monotonic
 
 _hash = xxhash.xxh3_64_intdigest
-_first_byte = operator.itemgetter(slice(0, 1))
 _MESSAGE = b"\x1e"
 _HASH_BYTES = 8
 _USER = ord("u")
@@ -108,10 +106,24 @@ class Fingerprint:
 
 def fingerprint(canonical: bytes) -> Fingerprint:
     """The fingerprint of a chat request's canonical stream (see `gateway.parsing`)."""
-    parts = canonical.split(_MESSAGE)
-    if not parts[0]:
-        del parts[0]
-    return Fingerprint(array("Q", map(_hash, parts)).tobytes(), b"".join(map(_first_byte, parts)))
+    # Message by message over a memoryview: `bytes.split` would copy the whole prompt, and for
+    # long prompts that copy cost more than all the hashing.
+    view = memoryview(canonical)
+    find = canonical.find
+    hashes = array("Q")
+    roles = bytearray()
+    start = find(_MESSAGE)
+    head = start if start >= 0 else len(canonical)
+    if head:  # the tools block
+        hashes.append(_hash(view[:head]))
+        roles.append(canonical[0])
+    while start >= 0:
+        end = find(_MESSAGE, start + 1)
+        stop = end if end >= 0 else len(canonical)
+        hashes.append(_hash(view[start + 1 : stop]))
+        roles.append(canonical[start + 1] if stop > start + 1 else 0)
+        start = end
+    return Fingerprint(hashes.tobytes(), bytes(roles))
 
 
 def answer_hash(segment: bytes) -> bytes:
