@@ -8,6 +8,7 @@ Never the shared server on 6379: every test starts its own, without persistence,
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -69,21 +70,33 @@ class RedisServer:
             "no",
             "--dir",
             self._dir.name,
+            "--logfile",
+            self._log_path,
             *self.extra,
         ]
         self._process = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         deadline = time.monotonic() + self._startup_seconds
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                error = self._process.stderr.read() if self._process.stderr else b""
-                raise RuntimeError(f"redis-server exited: {error.decode(errors='replace')}")
+                raise RuntimeError(f"redis-server exited: {self.log()[-2000:]}")
             if ping(self.port):
                 return self
             time.sleep(0.01)
         self.stop()
         raise RuntimeError(f"redis-server on port {self.port} did not answer PING")
+
+    @property
+    def _log_path(self) -> str:
+        return os.path.join(self._dir.name, "redis.log")
+
+    def log(self) -> str:
+        try:
+            with open(self._log_path, encoding="utf-8", errors="replace") as handle:
+                return handle.read()
+        except OSError:
+            return ""
 
     def kill(self) -> None:
         """Die at once, as a crashed server would; everything it held is lost."""
@@ -128,6 +141,7 @@ class RedisClusterServers:
     """Three masters with `--cluster-enabled yes`, joined by `redis-cli --cluster create`."""
 
     def __init__(self, nodes: int = 3) -> None:
+        # The bus port is given: the default, port + 10000, may be taken or past 65535.
         self.nodes = [
             RedisServer(
                 "--cluster-enabled",
@@ -136,6 +150,8 @@ class RedisClusterServers:
                 "nodes.conf",
                 "--cluster-node-timeout",
                 "2000",
+                "--cluster-port",
+                str(free_port()),
             )
             for _ in range(nodes)
         ]

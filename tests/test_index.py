@@ -11,7 +11,12 @@ import pytest
 from gateway.clock import ManualClock
 from gateway.index import InMemoryPrefixIndex, PrefixIndex
 from gateway.sessions import InMemorySessionStore, SessionStore
-from tests.redis_server import RedisServer, redis_index_factory, redis_session_factory
+from tests.redis_server import (
+    RedisClusterServers,
+    RedisServer,
+    redis_index_factory,
+    redis_session_factory,
+)
 
 IndexFactory = Callable[[ManualClock, float, int], PrefixIndex]
 SessionFactory = Callable[[ManualClock, float, int], SessionStore]
@@ -22,10 +27,16 @@ INDEXES: dict[str, IndexFactory] = {
 SESSIONS: dict[str, SessionFactory] = {
     "memory": lambda clock, ttl, size: InMemorySessionStore(ttl, size, clock),
 }
-# Implementations on a server the `redis_url` fixture starts: name -> (URL -> factory). They are
-# bounded by the server's maxmemory, not by a count, so the size tests run on the others only.
-SHARED_INDEXES: dict[str, Callable[[str], IndexFactory]] = {"redis": redis_index_factory}
-SHARED_SESSIONS: dict[str, Callable[[str], SessionFactory]] = {"redis": redis_session_factory}
+# Implementations on a server the `<name>_url` fixture starts: name -> (URL -> factory). They
+# are bounded by the server's maxmemory, not by a count, so the size tests run on the others only.
+SHARED_INDEXES: dict[str, Callable[[str], IndexFactory]] = {
+    "redis": redis_index_factory,
+    "redis_cluster": redis_index_factory,
+}
+SHARED_SESSIONS: dict[str, Callable[[str], SessionFactory]] = {
+    "redis": redis_session_factory,
+    "redis_cluster": redis_session_factory,
+}
 
 
 def run(coroutine: Coroutine[Any, Any, Any]) -> Any:
@@ -38,17 +49,25 @@ def redis_url() -> Iterator[str]:
         yield server.url
 
 
+@pytest.fixture(scope="module")
+def redis_cluster_url() -> Iterator[str]:
+    with RedisClusterServers() as cluster:
+        yield cluster.url
+
+
 @pytest.fixture(params=[*sorted(INDEXES), *sorted(SHARED_INDEXES)])
 def make_index(request: pytest.FixtureRequest) -> IndexFactory:
     if request.param in SHARED_INDEXES:
-        return SHARED_INDEXES[request.param](request.getfixturevalue("redis_url"))
+        url = request.getfixturevalue(f"{request.param}_url")
+        return SHARED_INDEXES[request.param](url)
     return INDEXES[request.param]
 
 
 @pytest.fixture(params=[*sorted(SESSIONS), *sorted(SHARED_SESSIONS)])
 def make_sessions(request: pytest.FixtureRequest) -> SessionFactory:
     if request.param in SHARED_SESSIONS:
-        return SHARED_SESSIONS[request.param](request.getfixturevalue("redis_url"))
+        url = request.getfixturevalue(f"{request.param}_url")
+        return SHARED_SESSIONS[request.param](url)
     return SESSIONS[request.param]
 
 

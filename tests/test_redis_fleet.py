@@ -19,6 +19,9 @@ from tests.support import GatewayProcess
 from tests.words import words
 
 GATEWAYS = 3
+# These tests are about sharing, not deadlines (test_redis_store.py checks those): a deadline
+# well above loopback latency keeps a busy test machine from turning a lookup into a fallback.
+PATIENT = ("--redis-timeout", "0.5")
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +35,9 @@ def gateways(fleet: EmulatedFleet, redis_server: RedisServer) -> Iterator[list[G
     started: list[GatewayProcess] = []
     try:
         for _ in range(GATEWAYS):
-            started.append(GatewayProcess(fleet.urls, "--redis-url", redis_server.url).start())
+            started.append(
+                GatewayProcess(fleet.urls, "--redis-url", redis_server.url, *PATIENT).start()
+            )
         yield started
     finally:
         for gateway in started:
@@ -71,7 +76,9 @@ def test_turns_spread_over_gateways_stay_on_the_first_turns_replica(
             assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
             cached = reply.usage.prompt_tokens_details.cached_tokens or 0
             computed.append(reply.usage.prompt_tokens - cached)
-            messages.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
+            messages.append(
+                {"role": "assistant", "content": reply.choices[0].message.content or ""}
+            )
         assert served == [served[0]] * 6
         # Each later turn reached a gateway that had never seen the conversation: only the
         # shared index can have told it where the history is.

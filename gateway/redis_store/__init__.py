@@ -15,6 +15,7 @@ from gateway.redis_store.connection import RedisLink, RedisUnavailable, open_cli
 from gateway.redis_store.fallback import FallbackPrefixIndex, FallbackSessionStore
 from gateway.redis_store.index import RedisPrefixIndex
 from gateway.redis_store.keys import KeySpace
+from gateway.redis_store.scripts import FORGET_SCRIPT, MATCH_SCRIPT, RECORD_SCRIPT
 from gateway.redis_store.sessions import RedisSessionStore
 from gateway.sessions import InMemorySessionStore
 
@@ -36,6 +37,7 @@ def connect(
     client = open_client(settings.redis_url, settings.redis_timeout, settings.redis_max_connections)
     # Half the connections at most carry background writes: lookups always find one free.
     link = RedisLink(client, settings.redis_timeout, metrics, settings.redis_max_connections // 2)
+    link.preload(MATCH_SCRIPT, RECORD_SCRIPT, FORGET_SCRIPT)
     keys = KeySpace(settings.redis_prefix)
     shared_index = RedisPrefixIndex(client, keys, settings.affinity_ttl)
     shared_sessions = RedisSessionStore(client, keys, settings.affinity_ttl)

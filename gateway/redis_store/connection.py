@@ -13,6 +13,7 @@ URLs: `redis://`, `rediss://` and `unix://` name one server; `redis+cluster://ho
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -33,6 +34,8 @@ from gateway.metrics import Metrics
 log = logging.getLogger("gateway.redis")
 
 T = TypeVar("T")
+_START_SECONDS = 2.0
+_WARM_CONNECTIONS = 4
 RedisClient = Redis | RedisCluster
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
@@ -100,6 +103,7 @@ class RedisLink:
         self._reconnecting: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._scripts: list[str] = []
 
     @property
     def up(self) -> bool:
@@ -109,11 +113,25 @@ class RedisLink:
     def pending(self) -> int:
         return len(self._pending)
 
+    def preload(self, *scripts: str) -> None:
+        """Scripts to load whenever the link comes up, so no lookup pays for NOSCRIPT."""
+        self._scripts.extend(scripts)
+
     async def start(self) -> None:
-        """Connect if Redis answers now; otherwise serve locally and keep trying."""
-        if not await self._ping():
+        """Connect if Redis answers now; otherwise serve locally and keep trying.
+
+        The first connection may take longer than a request's deadline (a cluster client
+        discovers its nodes, and every script is loaded on every primary).
+        """
+        patience = max(self.timeout, _START_SECONDS)
+        if not await self._ping(patience):
             log.warning("Redis does not answer; serving from local state until it does")
             self._mark_down()
+            return
+        # Open a few connections now rather than on the first requests' deadlines.
+        with contextlib.suppress(RedisError, *_LINK_ERRORS):
+            async with asyncio.timeout(patience):
+                await asyncio.gather(*(self.client.ping() for _ in range(_WARM_CONNECTIONS)))
 
     async def call(self, operation: str, work: Callable[[], Awaitable[T]]) -> T:
         """Run `work` against Redis within the timeout, or raise RedisUnavailable."""
@@ -166,10 +184,12 @@ class RedisLink:
         except RedisUnavailable:
             self.fell_back(operation)
 
-    async def _ping(self) -> bool:
+    async def _ping(self, timeout: float | None = None) -> bool:
         try:
-            async with asyncio.timeout(self.timeout):
+            async with asyncio.timeout(timeout or self.timeout):
                 await self.client.ping()
+                for script in self._scripts:
+                    await self.client.script_load(script)
         except (RedisError, *_LINK_ERRORS) as error:
             log.debug("Redis PING failed: %s", error)
             return False

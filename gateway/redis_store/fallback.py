@@ -10,6 +10,7 @@ used and the fallback is counted.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 from gateway.index import InMemoryPrefixIndex
@@ -31,11 +32,23 @@ class FallbackPrefixIndex:
         return len(self.local)
 
     async def match(self, model: str, hashes: Sequence[int]) -> dict[str, int]:
-        local = await self.local.match(model, hashes)
-        if not hashes:
-            return local
+        if not hashes or not self._link.up:
+            if hashes:
+                self._link.fell_back("match")
+            return await self.local.match(model, hashes)
+        shared = asyncio.ensure_future(
+            self._link.call("match", lambda: self.shared.match(model, hashes))
+        )
+        # One step lets the lookup reach the socket; the local match then runs during the round
+        # trip instead of after it.
         try:
-            matched = await self._link.call("match", lambda: self.shared.match(model, hashes))
+            await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            shared.cancel()
+            raise
+        local = await self.local.match(model, hashes)
+        try:
+            matched = await shared
         except RedisUnavailable:
             self._link.fell_back("match")
             return local

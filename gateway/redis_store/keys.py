@@ -35,7 +35,7 @@ class KeySpace:
 
     def block_keys(self, prefix: bytes, hashes: Sequence[int]) -> bytes:
         """The keys of `hashes` under `prefix`, concatenated: the scripts cut them apart."""
-        return b"".join([prefix + block.to_bytes(HASH_BYTES, "big") for block in hashes])
+        return prefix + prefix.join([block.to_bytes(HASH_BYTES, "big") for block in hashes])
 
     def session(self, key: str) -> str:
         return f"{self.namespace}:s:{key_hash(key):016x}"

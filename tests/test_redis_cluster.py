@@ -1,0 +1,89 @@
+"""Redis Cluster: three masters the test joins itself, named by a `redis+cluster://` URL.
+
+The contract suite in test_index.py also runs on such a cluster; here, prompts must spread
+over every node (one lookup, one slot — many prompts, many slots), and two gateway processes
+must share what they learn through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from gateway.fleet import EmulatedFleet
+from gateway.redis_store import KeySpace, RedisPrefixIndex, RedisSessionStore, open_client
+from tests.conftest import MODEL
+from tests.redis_server import RedisClusterServers
+from tests.support import GatewayProcess
+from tests.test_redis_fleet import PATIENT
+from tests.words import words
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RedisClusterServers]:
+    with RedisClusterServers() as started:
+        yield started
+
+
+def test_prompts_spread_over_every_node_and_each_lookup_stays_on_one(
+    cluster: RedisClusterServers,
+) -> None:
+    chains = [[(prompt << 52) + block for block in range(1, 41)] for prompt in range(1, 61)]
+
+    async def scenario() -> None:
+        client = open_client(cluster.url, timeout=1.0, max_connections=8)
+        keys = KeySpace("spread")
+        index = RedisPrefixIndex(client, keys, 600)
+        sessions = RedisSessionStore(client, keys, 600)
+        for position, chain in enumerate(chains):
+            await index.record(MODEL, f"b:{position % 4}", chain)
+            await sessions.put(f"s{position}", f"b:{position % 4}")
+        for position, chain in enumerate(chains):
+            assert await index.match(MODEL, chain) == {f"b:{position % 4}": 40}
+            assert await sessions.get(f"s{position}") == f"b:{position % 4}"
+        await index.forget(MODEL, "b:0", chains[0][10:])
+        assert await index.match(MODEL, chains[0]) == {"b:0": 10}
+        await client.aclose()
+
+    asyncio.run(scenario())
+    per_node = [int(node.cli("dbsize")) for node in cluster.nodes]
+    assert sum(per_node) == 60 * 40 - 30 + 60
+    assert all(keys > 300 for keys in per_node), per_node
+
+
+def test_gateways_share_a_conversation_through_the_cluster(cluster: RedisClusterServers) -> None:
+    with EmulatedFleet(2, MODEL, ["--chat-template", "plain"]) as fleet:
+        gateways = [
+            GatewayProcess(
+                fleet.urls, "--redis-url", cluster.url, *PATIENT, "--redis-prefix", "e2e"
+            )
+            for _ in range(2)
+        ]
+        try:
+            for gateway in gateways:
+                gateway.start()
+            messages = [{"role": "system", "content": words(500, "cl-s")}]
+            served: list[str] = []
+            routes: list[str] = []
+            for turn in range(4):
+                messages.append({"role": "user", "content": words(50, f"cl-q{turn}")})
+                response = httpx.post(
+                    gateways[turn % 2].url + "/v1/chat/completions",
+                    json={"model": MODEL, "messages": messages, "max_tokens": 50},
+                    timeout=30,
+                )
+                assert response.status_code == 200
+                served.append(response.headers["x-gateway-backend"])
+                routes.append(response.headers["x-gateway-route"])
+                content = response.json()["choices"][0]["message"]["content"]
+                messages.append({"role": "assistant", "content": content})
+            assert served == [served[0]] * 4
+            assert routes[1:] == ["prefix"] * 3
+            assert all(gateway.metric("gateway_redis_up") == 1 for gateway in gateways)
+            assert sum(gateway.metric("gateway_redis_errors_total") for gateway in gateways) == 0
+        finally:
+            for gateway in gateways:
+                gateway.stop()
