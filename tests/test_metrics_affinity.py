@@ -16,6 +16,19 @@ from tests.words import words
 Message = dict[str, Any]
 
 
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[EmulatedFleet]:
+    with EmulatedFleet(2, MODEL) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def gateway(fleet: EmulatedFleet) -> Iterator[GatewayProcess]:
+    # Probes far apart: a replica that dies stays a candidate until a request fails on it.
+    with GatewayProcess(fleet.urls, "--health-interval", "60") as started:
+        yield started
+
+
 class Counters:
     """Deltas of the gateway's counters since the object was made."""
 
@@ -123,19 +136,10 @@ def test_a_session_sees_its_system_prompt_change(gateway: GatewayProcess) -> Non
     assert counters.changed() == {"break:system_prompt": 1, "hits": 1}
 
 
-@pytest.fixture(scope="module")
-def pair() -> Iterator[tuple[EmulatedFleet, GatewayProcess]]:
-    with (
-        EmulatedFleet(2, MODEL) as fleet,
-        GatewayProcess(fleet.urls, "--health-interval", "60") as gateway,
-    ):
-        yield fleet, gateway
-
-
-def test_a_dead_replica_turns_hits_into_retry_and_unhealthy_misses(
-    pair: tuple[EmulatedFleet, GatewayProcess],
+def test_a_dead_replica_turns_hits_into_failover_and_unhealthy_misses(
+    fleet: EmulatedFleet, gateway: GatewayProcess
 ) -> None:
-    fleet, gateway = pair
+    """Runs last: it stops a replica of the module's fleet."""
     started: dict[str, list[list[Message]]] = {}
     for number in range(8):
         messages = [system(f"dr{number}"), {"role": "user", "content": words(30, f"drq{number}")}]
