@@ -25,6 +25,11 @@ from gateway.index import PrefixIndex
 from gateway.redis_store import KeySpace, RedisPrefixIndex, RedisSessionStore, open_client
 from gateway.sessions import SessionStore
 
+# Gateway flags for tests about sharing, not deadlines (test_redis_store.py checks those): a
+# deadline well above loopback latency keeps a busy test machine from turning lookups into
+# fallbacks.
+PATIENT = ("--redis-timeout", "0.5")
+
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
 

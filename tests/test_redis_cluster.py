@@ -16,9 +16,8 @@ import pytest
 from gateway.fleet import EmulatedFleet
 from gateway.redis_store import KeySpace, RedisPrefixIndex, RedisSessionStore, open_client
 from tests.conftest import MODEL
-from tests.redis_server import RedisClusterServers
+from tests.redis_server import PATIENT, RedisClusterServers
 from tests.support import GatewayProcess
-from tests.test_redis_fleet import PATIENT
 from tests.words import words
 
 

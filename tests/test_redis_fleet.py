@@ -1,109 +1,288 @@
 """A fleet of gateways sharing one Redis: any gateway continues what another one started.
 
-Three gateway processes share one redis-server in front of four emulated replicas; the turns
-of each conversation go to the gateways in rotation, as a Kubernetes Service would spread them.
+Three gateway processes share one redis-server in front of four emulated replicas; the turns of
+each conversation go to the gateways in rotation, as a Kubernetes Service would spread them.
+Two more gateways issue sticky cookies. The last tests are destructive, in this order: one
+replica dies (a session must move), then Redis dies under load and comes back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import httpx
 import openai
 import pytest
 
+from gateway.backends import Backend, BackendPool
+from gateway.config import Settings
 from gateway.fleet import EmulatedFleet
+from gateway.index import InMemoryPrefixIndex
+from gateway.metrics import Metrics
+from gateway.parsing import Endpoint, parse_request
+from gateway.policy import Route, build_policy
+from gateway.router import Router
+from gateway.sessions import InMemorySessionStore
 from tests.conftest import MODEL
-from tests.redis_server import RedisServer
-from tests.support import GatewayProcess
+from tests.redis_server import PATIENT, RedisServer
+from tests.support import GatewayProcess, metric_value
 from tests.words import words
 
 GATEWAYS = 3
-# These tests are about sharing, not deadlines (test_redis_store.py checks those): a deadline
-# well above loopback latency keeps a busy test machine from turning a lookup into a fallback.
-PATIENT = ("--redis-timeout", "0.5")
+COOKIE = "pgw-session"
+
+
+@dataclass
+class Fleet:
+    redis: RedisServer
+    replicas: EmulatedFleet
+    gateways: list[GatewayProcess]
+    """Three gateways in rotation."""
+    cookie_gateways: list[GatewayProcess]
+    """Two gateways with --sticky-cookie."""
 
 
 @pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
+def shared(fleet: EmulatedFleet) -> Iterator[Fleet]:
+    with RedisServer() as redis:
+        started: list[GatewayProcess] = []
+        try:
+            for position in range(GATEWAYS + 2):
+                extra = ("--sticky-cookie", COOKIE) if position >= GATEWAYS else ()
+                gateway = GatewayProcess(fleet.urls, "--redis-url", redis.url, *PATIENT, *extra)
+                started.append(gateway.start())
+            yield Fleet(redis, fleet, started[:GATEWAYS], started[GATEWAYS:])
+        finally:
+            for gateway in started:
+                gateway.stop()
 
 
-@pytest.fixture(scope="module")
-def gateways(fleet: EmulatedFleet, redis_server: RedisServer) -> Iterator[list[GatewayProcess]]:
-    started: list[GatewayProcess] = []
-    try:
-        for _ in range(GATEWAYS):
-            started.append(
-                GatewayProcess(fleet.urls, "--redis-url", redis_server.url, *PATIENT).start()
-            )
-        yield started
-    finally:
-        for gateway in started:
-            gateway.stop()
+def sessions_in(redis: RedisServer) -> int:
+    return len(redis.cli("--scan", "--pattern", "pgw:s:*").split())
 
 
-def clients(gateways: list[GatewayProcess]) -> list[openai.OpenAI]:
-    return [
+def wait_until(condition: Callable[[], bool], seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def ask(gateway: GatewayProcess, client: httpx.Client, tag: str, **headers: str) -> httpx.Response:
+    response = client.post(
+        gateway.url + "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": words(20, tag)}],
+            "max_tokens": 2,
+        },
+        headers=headers,
+        timeout=10,
+    )
+    assert response.status_code == 200
+    return response
+
+
+def converse_in_rotation(gateways: list[GatewayProcess], tag: str, first: int = 0) -> list[str]:
+    """Six turns of the lesson's conversation, turn n on gateway first + n; the routes taken.
+
+    Every turn is served by turn 1's replica, and turn n ≥ 2 computes only its new 108 tokens.
+    """
+    rotation = [
         openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
         for gateway in gateways
     ]
+    messages: list[dict[str, str]] = [{"role": "system", "content": words(1000, tag + "s")}]
+    served: list[str] = []
+    routes: list[str] = []
+    computed: list[int] = []
+    for turn in range(6):
+        client = rotation[(first + turn) % len(rotation)]
+        messages.append({"role": "user", "content": words(100, f"{tag}q{turn}")})
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=300,
+        )
+        reply = raw.parse()
+        served.append(raw.headers["x-gateway-backend"])
+        routes.append(raw.headers["x-gateway-route"])
+        assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+        cached = reply.usage.prompt_tokens_details.cached_tokens or 0
+        computed.append(reply.usage.prompt_tokens - cached)
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
+    assert served == [served[0]] * 6
+    assert computed == [1100, 108, 108, 108, 108, 108]
+    return routes
 
 
-def test_turns_spread_over_gateways_stay_on_the_first_turns_replica(
-    gateways: list[GatewayProcess],
-) -> None:
-    rotation = clients(gateways)
+def test_turns_spread_over_gateways_stay_on_the_first_turns_replica(shared: Fleet) -> None:
     for conversation in range(3):
-        messages: list[dict[str, str]] = [
-            {"role": "system", "content": words(1000, f"rf{conversation}s")}
-        ]
-        served: list[str] = []
-        routes: list[str] = []
-        computed: list[int] = []
-        for turn in range(6):
-            client = rotation[(conversation + turn) % GATEWAYS]
-            messages.append({"role": "user", "content": words(100, f"rf{conversation}q{turn}")})
-            raw = client.chat.completions.with_raw_response.create(
-                model=MODEL,
-                messages=messages,  # type: ignore[arg-type]
-                max_tokens=300,
-            )
-            reply = raw.parse()
-            served.append(raw.headers["x-gateway-backend"])
-            routes.append(raw.headers["x-gateway-route"])
-            assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
-            cached = reply.usage.prompt_tokens_details.cached_tokens or 0
-            computed.append(reply.usage.prompt_tokens - cached)
-            messages.append(
-                {"role": "assistant", "content": reply.choices[0].message.content or ""}
-            )
-        assert served == [served[0]] * 6
+        routes = converse_in_rotation(shared.gateways, f"rf{conversation}", conversation)
         # Each later turn reached a gateway that had never seen the conversation: only the
         # shared index can have told it where the history is.
         assert routes[1:] == ["prefix"] * 5
-        assert computed == [1100, 108, 108, 108, 108, 108]
 
 
-def test_a_session_bound_on_one_gateway_sticks_on_the_others(
-    gateways: list[GatewayProcess],
-) -> None:
+def test_a_session_bound_on_one_gateway_sticks_on_the_others(shared: Fleet) -> None:
+    known = sessions_in(shared.redis)
     seen: list[tuple[str, str]] = []
-    for attempt in range(6):
-        gateway = gateways[attempt % GATEWAYS]
-        response = httpx.post(
-            gateway.url + "/v1/chat/completions",
-            json={
-                "model": MODEL,
-                "messages": [{"role": "user", "content": words(20, f"rs{attempt}")}],
-                "max_tokens": 2,
-            },
-            headers={"x-session-id": "fleet-session-7"},
-            timeout=10,
-        )
-        assert response.status_code == 200
-        seen.append((response.headers["x-gateway-backend"], response.headers["x-gateway-route"]))
-    backends = {backend for backend, _ in seen}
-    assert len(backends) == 1
+    with httpx.Client() as client:
+        for attempt in range(6):
+            gateway = shared.gateways[attempt % GATEWAYS]
+            response = ask(gateway, client, f"rs{attempt}", **{"x-session-id": "fleet-7"})
+            seen.append(
+                (response.headers["x-gateway-backend"], response.headers["x-gateway-route"])
+            )
+            if attempt == 0:
+                # The binding reaches Redis behind the response; a human's next turn comes later.
+                wait_until(lambda: sessions_in(shared.redis) > known)
+    assert len({backend for backend, _ in seen}) == 1
     assert [route for _, route in seen[1:]] == ["session"] * 5
+
+
+def test_the_cookie_is_issued_once_and_then_acts_as_the_session_key(shared: Fleet) -> None:
+    known = sessions_in(shared.redis)
+    with httpx.Client() as browser:
+        first = ask(shared.cookie_gateways[0], browser, "ck0")
+        assert "HttpOnly" in first.headers["set-cookie"]
+        issued = browser.cookies.get(COOKIE)
+        assert issued
+        wait_until(lambda: sessions_in(shared.redis) > known)
+        for attempt in range(1, 5):
+            again = ask(shared.cookie_gateways[attempt % 2], browser, f"ck{attempt}")
+            assert "set-cookie" not in again.headers
+            assert again.headers["x-gateway-backend"] == first.headers["x-gateway-backend"]
+            assert again.headers["x-gateway-route"] == "session"
+    with httpx.Client() as stranger:
+        other = ask(shared.cookie_gateways[1], stranger, "ck9")
+        assert other.cookies.get(COOKIE) not in (None, issued)
+
+
+def test_a_session_whose_backend_dies_moves_once_and_sticks_again(shared: Fleet) -> None:
+    gateways = shared.cookie_gateways
+    known = sessions_in(shared.redis)
+    with httpx.Client() as browser:
+        bound = ask(gateways[0], browser, "mv0").headers["x-gateway-backend"]
+        wait_until(lambda: sessions_in(shared.redis) > known)
+        doomed = next(
+            replica for replica in shared.replicas.replicas if replica.url.endswith(bound)
+        )
+        doomed.kill()
+        wait_until(lambda: gateways[1].metric("gateway_backend_healthy", backend=bound) == 0)
+        moved = ask(gateways[1], browser, "mv1")
+        assert moved.headers["x-gateway-backend"] != bound
+        assert gateways[1].metric("gateway_session_moves_total") == 1
+        assert gateways[1].metric("gateway_session_moves_total", cause="unhealthy") == 1
+        for attempt in range(2, 5):
+            again = ask(gateways[attempt % 2], browser, f"mv{attempt}")
+            assert again.headers["x-gateway-backend"] == moved.headers["x-gateway-backend"]
+            assert again.headers["x-gateway-route"] == "session"
+
+
+def test_a_session_over_the_load_bound_moves_and_is_bound_again() -> None:
+    settings = Settings(backend=("a:1", "b:2"), load_floor=2)
+    pool = BackendPool()
+    for name in ("a:1", "b:2"):
+        pool.add(Backend(name, f"http://{name}", frozenset({MODEL}), healthy=True))
+    metrics = Metrics()
+    sessions = InMemorySessionStore(600, 100)
+    index = InMemoryPrefixIndex(600, 1000)
+    router = Router(settings, pool, index, sessions, build_policy(settings), metrics)
+    body = f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "hi"}}]}}'
+    request = parse_request(Endpoint.CHAT, body.encode(), "s-1")
+
+    async def scenario() -> None:
+        await sessions.put("s-1", "a:1")
+        busy = pool.get("a:1")
+        assert busy is not None
+        busy.in_flight = 5
+        routed = await router.route(request)
+        assert routed.backend.name == "b:2" and routed.route is not Route.SESSION
+        assert await sessions.get("s-1") == "b:2"
+        busy.in_flight = 0
+        assert (await router.route(request)).route is Route.SESSION
+
+    asyncio.run(scenario())
+    text = metrics.render().decode()
+    assert metric_value(text, "gateway_session_moves_total", cause="load_bound") == 1
+    assert metric_value(text, "gateway_session_moves_total") == 1
+
+
+@dataclass
+class Outcome:
+    answered: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+async def keep_conversing(
+    client: httpx.AsyncClient,
+    gateways: list[GatewayProcess],
+    worker: int,
+    stop: asyncio.Event,
+    outcome: Outcome,
+) -> None:
+    """Conversations of four turns, each turn on the next gateway, until told to stop."""
+    conversation = 0
+    while not stop.is_set():
+        conversation += 1
+        tag = f"w{worker}c{conversation}"
+        messages = [{"role": "system", "content": words(200, tag + "s")}]
+        for turn in range(4):
+            messages.append({"role": "user", "content": words(30, f"{tag}q{turn}")})
+            gateway = gateways[(worker + turn) % len(gateways)]
+            try:
+                response = await client.post(
+                    gateway.url + "/v1/chat/completions",
+                    json={"model": MODEL, "messages": messages, "max_tokens": 20},
+                )
+            except httpx.HTTPError as error:
+                outcome.failures.append(f"{gateway.url}: {error!r}")
+                continue
+            if response.status_code != 200:
+                outcome.failures.append(f"{gateway.url}: {response.status_code} {response.text}")
+                continue
+            outcome.answered += 1
+            answer = response.json()["choices"][0]["message"]["content"]
+            messages.append({"role": "assistant", "content": answer})
+
+
+def test_killing_redis_under_load_fails_no_request_and_sharing_resumes(shared: Fleet) -> None:
+    gateways = shared.gateways
+
+    def total(name: str, **labels: str) -> float:
+        return sum(gateway.metric(name, **labels) for gateway in gateways)
+
+    wait_until(lambda: total("gateway_redis_up") == GATEWAYS)
+    outcome = Outcome()
+
+    async def load(workers: int = 6) -> None:
+        stop = asyncio.Event()
+        async with httpx.AsyncClient(
+            timeout=30, limits=httpx.Limits(max_connections=workers)
+        ) as client:
+            running = [
+                asyncio.create_task(keep_conversing(client, gateways, worker, stop, outcome))
+                for worker in range(workers)
+            ]
+            await asyncio.sleep(1.0)
+            answered_before = outcome.answered
+            shared.redis.kill()  # SIGKILL: everything it held is lost
+            await asyncio.sleep(1.5)
+            assert outcome.answered > answered_before  # served on while Redis was gone
+            shared.redis.start()  # the same port, empty
+            await asyncio.sleep(1.5)
+            stop.set()
+            await asyncio.gather(*running)
+
+    asyncio.run(load())
+    assert outcome.failures == []
+    assert outcome.answered > 50
+    assert total("gateway_redis_errors_total") > 0
+    assert total("gateway_redis_fallbacks_total", operation="match") > 0
+    wait_until(lambda: total("gateway_redis_up") == GATEWAYS)
+    # Sharing is back: a conversation begun now is continued by gateways that never saw it.
+    assert converse_in_rotation(gateways, "after")[1:] == ["prefix"] * 5

@@ -1,10 +1,10 @@
 """The link to Redis: one bounded client, a deadline on every call, health and reconnection.
 
-Every operation goes through `RedisLink.call` (awaited, on a request's path) or
-`RedisLink.submit` (fire-and-forget, at most `max_pending` in flight). Either gives up after
-`timeout` seconds. A connection failure or a timeout marks the link down: from then on calls
-fail at once — no request waits on a Redis that is known to be away — and a background task
-probes with PING, backing off exponentially, until Redis answers in time again.
+Every operation goes through `RedisLink.call` (awaited, on a request's path; it gives up after
+`timeout` seconds) or `RedisLink.submit` (fire-and-forget, at most `max_pending` in flight,
+each given ten times as long). A connection failure or a timeout marks the link down: from
+then on calls fail at once — no request waits on a Redis that is known to be away — and a
+background task probes with PING, backing off exponentially, until Redis answers in time.
 
 URLs: `redis://`, `rediss://` and `unix://` name one server; `redis+cluster://host:port` (or
 `rediss+cluster://`) names any node of a Redis Cluster.
@@ -36,6 +36,7 @@ log = logging.getLogger("gateway.redis")
 T = TypeVar("T")
 _START_SECONDS = 2.0
 _WARM_CONNECTIONS = 4
+_WRITE_TIMEOUT_FACTOR = 10
 RedisClient = Redis | RedisCluster
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
@@ -133,17 +134,19 @@ class RedisLink:
             async with asyncio.timeout(patience):
                 await asyncio.gather(*(self.client.ping() for _ in range(_WARM_CONNECTIONS)))
 
-    async def call(self, operation: str, work: Callable[[], Awaitable[T]]) -> T:
+    async def call(
+        self, operation: str, work: Callable[[], Awaitable[T]], timeout: float | None = None
+    ) -> T:
         """Run `work` against Redis within the timeout, or raise RedisUnavailable."""
         if not self._up:
             raise RedisUnavailable(operation)
         started = time.perf_counter()
         try:
-            async with asyncio.timeout(self.timeout):
+            async with asyncio.timeout(timeout or self.timeout):
                 result = await work()
         except _LINK_ERRORS as error:
             self._metrics.redis_errors.labels(operation).inc()
-            log.warning("Redis %s failed (%s); falling back to local state", operation, error)
+            log.warning("Redis %s failed (%r); falling back to local state", operation, error)
             self._mark_down()
             raise RedisUnavailable(operation) from error
         except RedisError as error:
@@ -180,7 +183,9 @@ class RedisLink:
 
     async def _write(self, operation: str, work: Callable[[], Awaitable[object]]) -> None:
         try:
-            await self.call(operation, work)
+            # No request waits on a write: a burst of long prompts' writes queued in Redis may
+            # take longer than a lookup's deadline without the link being down.
+            await self.call(operation, work, max(_WRITE_TIMEOUT_FACTOR * self.timeout, 0.5))
         except RedisUnavailable:
             self.fell_back(operation)
 
