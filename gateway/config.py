@@ -47,7 +47,7 @@ class Settings:
     affinity_tokens: int = _opt(256, "tokens hashed into the affinity key of the hash ring")
     min_match_tokens: int = _opt(64, "shortest indexed prefix match worth routing on")
     recent_cap: float = _opt(
-        1.2, "under load, pass over a replica with more than this times the mean recent requests"
+        1.1, "under load, pass over a replica with more than this times the mean recent requests"
     )
     affinity_ttl: float = _opt(600.0, "seconds an index entry or sticky session lives unused")
     index_max_blocks: int = _opt(2_000_000, "prefix blocks the in-memory index keeps at most")

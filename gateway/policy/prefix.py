@@ -44,15 +44,13 @@ class PrefixPolicy:
         load_floor: int = 2,
         min_match_blocks: int = 4,
         clear_margin_blocks: int = 4,
-        recent_cap: float = 1.2,
-        recent_slack: float = 0.0,
+        recent_cap: float = 1.1,
     ) -> None:
         self._factor = load_factor
         self._floor = load_floor
         self._min_match = min_match_blocks
         self._margin = clear_margin_blocks
         self._recent_cap = recent_cap
-        self._recent_slack = recent_slack
         self._rings = RingCache()
 
     def choose(self, state: RoutingState) -> Decision:
@@ -129,9 +127,7 @@ class PrefixPolicy:
         if total_load < len(state.candidates) or not state.recent:
             return set()
         mean = sum(state.recent.get(name, 0.0) for name in state.candidates) / len(state.candidates)
-        # The slack keeps the first few requests of a run, where counts are tiny, from
-        # looking like a hot spot.
-        cap = self._recent_cap * mean + self._recent_slack
+        cap = self._recent_cap * mean
         return {name for name in state.candidates if state.recent.get(name, 0.0) > cap}
 
     def _spread(
