@@ -43,7 +43,7 @@ def connect(
     shared_sessions = RedisSessionStore(client, keys, settings.affinity_ttl)
     return SharedState(
         link,
-        FallbackPrefixIndex(index, shared_index, link),
+        FallbackPrefixIndex(index, shared_index, link, settings.affinity_ttl),
         FallbackSessionStore(sessions, shared_sessions, link),
     )
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -104,6 +105,7 @@ class RedisLink:
         self._reconnecting: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._lost_write_at = -math.inf
         self._scripts: list[str] = []
 
     @property
@@ -160,6 +162,7 @@ class RedisLink:
     def submit(self, operation: str, work: Callable[[], Awaitable[object]]) -> None:
         """Write in the background, unless Redis is down or `max_pending` writes are in flight."""
         if not self._up or len(self._pending) >= self._max_pending or self._closed:
+            self._lost_write_at = time.monotonic()
             self.fell_back(operation)
             return
         task = asyncio.create_task(self._write(operation, work))
@@ -168,6 +171,10 @@ class RedisLink:
 
     def fell_back(self, operation: str) -> None:
         self._metrics.redis_fallbacks.labels(operation).inc()
+
+    def seconds_since_lost_write(self) -> float:
+        """Since Redis last missed a write (down, failed or dropped): it may lack what we know."""
+        return time.monotonic() - self._lost_write_at
 
     async def close(self) -> None:
         """Let writes in flight finish (within the timeout), stop reconnecting, disconnect."""
@@ -187,6 +194,7 @@ class RedisLink:
             # take longer than a lookup's deadline without the link being down.
             await self.call(operation, work, max(_WRITE_TIMEOUT_FACTOR * self.timeout, 0.5))
         except RedisUnavailable:
+            self._lost_write_at = time.monotonic()
             self.fell_back(operation)
 
     async def _ping(self, timeout: float | None = None) -> bool:
@@ -209,6 +217,8 @@ class RedisLink:
             self._metrics.redis_up.set(1)
 
     def _mark_down(self) -> None:
+        # Whatever Redis held may be gone when it answers again (a restart starts empty).
+        self._lost_write_at = time.monotonic()
         if self._up:
             self._up = False
             self._down_since = time.monotonic()

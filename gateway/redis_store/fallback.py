@@ -1,16 +1,17 @@
 """Shared state that never fails a request: Redis when it answers in time, local state always.
 
 Every write goes to the local store at once and to Redis in the background, so the local store
-is warm whenever Redis goes away. A lookup asks Redis (bounded by the link's timeout) and takes,
-per backend, the deeper of Redis's answer and the local one: Redis knows what every gateway
-learned, the local store covers what Redis lost (a restart, an eviction, a write that was
-dropped) since this gateway learned it. When Redis is down or slow the local answer alone is
-used and the fallback is counted.
+is warm whenever Redis goes away. A lookup asks Redis (bounded by the link's timeout); when
+Redis is down or slow the local answer alone is used and the fallback is counted.
+
+Redis knows what every gateway learned; it may lack what this gateway learned if a write of
+ours was lost — Redis was away (and may have restarted empty), or a write failed or was dropped.
+For one TTL after such a loss a lookup takes, per backend, the deeper of Redis's answer and the
+local one. Otherwise Redis's answer stands alone, and the local match is not paid for.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 
 from gateway.index import InMemoryPrefixIndex
@@ -22,39 +23,28 @@ from gateway.sessions import InMemorySessionStore
 
 class FallbackPrefixIndex:
     def __init__(
-        self, local: InMemoryPrefixIndex, shared: RedisPrefixIndex, link: RedisLink
+        self, local: InMemoryPrefixIndex, shared: RedisPrefixIndex, link: RedisLink, ttl: float
     ) -> None:
         self.local = local
         self.shared = shared
         self._link = link
+        self._ttl = ttl
 
     def __len__(self) -> int:
         return len(self.local)
 
     async def match(self, model: str, hashes: Sequence[int]) -> dict[str, int]:
-        if not hashes or not self._link.up:
-            if hashes:
-                self._link.fell_back("match")
-            return await self.local.match(model, hashes)
-        shared = asyncio.ensure_future(
-            self._link.call("match", lambda: self.shared.match(model, hashes))
-        )
-        # One step lets the lookup reach the socket; the local match then runs during the round
-        # trip instead of after it.
+        if not hashes:
+            return {}
         try:
-            await asyncio.sleep(0)
-        except asyncio.CancelledError:
-            shared.cancel()
-            raise
-        local = await self.local.match(model, hashes)
-        try:
-            matched = await shared
+            matched = await self._link.call("match", lambda: self.shared.match(model, hashes))
         except RedisUnavailable:
             self._link.fell_back("match")
-            return local
-        for backend, depth in local.items():
-            if depth > matched.get(backend, 0):
-                matched[backend] = depth
+            return await self.local.match(model, hashes)
+        if self._link.seconds_since_lost_write() < self._ttl:
+            for backend, depth in (await self.local.match(model, hashes)).items():
+                if depth > matched.get(backend, 0):
+                    matched[backend] = depth
         return matched
 
     async def record(self, model: str, backend: str, hashes: Sequence[int]) -> None:

@@ -7,8 +7,11 @@ is one script call whatever the prompt's length (see `scripts.py` for the data m
 
 Two differences, both deliberate: memory is bounded by Redis (`maxmemory` with a `volatile-*`
 policy evicts whole block keys, which shortens matches) rather than by a block count; and an
-entry sent to the same backend less than `refresh` seconds ago is not rewritten, which saves
-a conversation's second write of its history right after the first.
+entry sent to the same backend less than `refresh` seconds ago (a twentieth of the TTL by
+default) is not rewritten. Rewriting a block costs Redis twice as much as reading it, and
+every turn of a conversation re-sends its whole history: so a conversation's next turn, and
+its answer's write right after its prompt's, write only their new blocks — at the price of
+entries that may count as unused up to `refresh` seconds early.
 
 Times come from an injected clock in seconds (wall-clock by default, so that gateways on
 different hosts agree within their clock skew).
@@ -44,11 +47,11 @@ class RedisPrefixIndex:
         keys: KeySpace,
         ttl: float,
         clock: Clock = wall_clock,
-        refresh: float = 1.0,
+        refresh: float | None = None,
     ) -> None:
         self._keys = keys
         self._ttl_ms = max(1, round(ttl * 1000))
-        self._refresh_ms = round(refresh * 1000)
+        self._refresh_ms = round((ttl / 20 if refresh is None else refresh) * 1000)
         self._clock = clock
         # AsyncScript serves both clients; redis-py types its `register_script` for Redis only.
         scripts = cast(Redis, client)

@@ -1,0 +1,448 @@
+"""Shared state in Redis: lookup cost, a fleet's hit rate, and memory per conversation.
+
+Three tables, each from real processes on loopback (a private redis-server, emulated replicas,
+gateway processes):
+
+1. `lookup` — the routing lookup in one process, in memory vs through Redis, for prompts of
+   1k, 8k and 32k tokens whose every block is indexed (the deepest, costliest match): the
+   index match alone, and the whole routing decision (parse, hash, match, choose, record).
+2. `fleet` — the conversation workload through 1 to 4 gateway processes, each request sent to
+   the next gateway in rotation (as a Kubernetes Service spreads them), with the prefix index
+   shared in Redis or kept in each gateway's memory; hit rate from the `cached_tokens` the
+   replicas report.
+3. `memory` — Redis memory for 1,000 six-turn conversations written as gateways write them,
+   and `MEMORY USAGE` of one block key.
+
+    python loadtest/redis_bench.py                 # all three
+    python loadtest/redis_bench.py lookup --samples 2000
+    python loadtest/redis_bench.py fleet --gateways 1,2,3,4 --local-gateways 3,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import random
+import string
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import orjson
+import uvloop
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gateway import redis_store
+from gateway.backends import Backend, BackendPool
+from gateway.clock import ManualClock
+from gateway.config import Settings
+from gateway.fleet import EmulatedFleet
+from gateway.hashing import chain_hashes, extend_hashes
+from gateway.index import InMemoryPrefixIndex, PrefixIndex
+from gateway.metrics import Metrics
+from gateway.parsing import Endpoint, message_segment, parse_request
+from gateway.policy import build_policy
+from gateway.router import Router
+from gateway.sessions import InMemorySessionStore, SessionStore
+from gateway.workloads import Session, build_workload
+from tests.redis_server import RedisServer
+from tests.support import GatewayProcess
+
+MODEL = "bench-model"
+BACKENDS = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000")
+
+
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+
+
+def prose(rng: random.Random, tokens: int) -> str:
+    """`tokens` short words: about four characters, one token, each."""
+    letters = string.ascii_lowercase
+    return " ".join("".join(rng.choices(letters, k=3)) for _ in range(tokens))
+
+
+# --- 1. lookup ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Stack:
+    router: Router
+    index: PrefixIndex
+    shared: redis_store.SharedState | None = None
+
+    async def close(self) -> None:
+        if self.shared is not None:
+            await self.shared.link.close()
+
+    async def settle(self) -> None:
+        """Wait until the background writes in flight have landed."""
+        while self.shared is not None and self.shared.link.pending:
+            await asyncio.sleep(0.0005)
+
+
+async def build_stack(settings: Settings) -> Stack:
+    """A router as `Components` builds it, over four backends that never receive a request."""
+    pool = BackendPool()
+    for name in BACKENDS:
+        pool.add(Backend(name, f"http://{name}", frozenset({MODEL}), healthy=True))
+    metrics = Metrics()
+    local_index = InMemoryPrefixIndex(settings.affinity_ttl, settings.index_max_blocks)
+    local_sessions = InMemorySessionStore(settings.affinity_ttl, settings.session_max)
+    index: PrefixIndex = local_index
+    sessions: SessionStore = local_sessions
+    shared = None
+    if settings.redis_url:
+        shared = redis_store.connect(settings, metrics, local_index, local_sessions)
+        await shared.link.start()
+        assert shared.link.up, "Redis did not answer"
+        index, sessions = shared.index, shared.sessions
+    router = Router(settings, pool, index, sessions, build_policy(settings), metrics)
+    return Stack(router, index, shared)
+
+
+def prompts(tokens: int, count: int = 8) -> list[bytes]:
+    """Chat bodies of `tokens` tokens: a long system prompt and a short question each."""
+    rng = random.Random(tokens)
+    bodies = []
+    for variant in range(count):
+        messages = [
+            {"role": "system", "content": prose(rng, tokens - 20)},
+            {"role": "user", "content": f"question {variant} " + prose(rng, 18)},
+        ]
+        bodies.append(orjson.dumps({"model": MODEL, "messages": messages}))
+    return bodies
+
+
+async def time_lookups(settings: Settings, tokens: int, samples: int) -> dict[str, float]:
+    stack = await build_stack(settings)
+    bodies = prompts(tokens)
+    chains = []
+    for body in bodies:
+        request = parse_request(Endpoint.CHAT, body, None)
+        chain = chain_hashes(request.canonical, settings.block_chars)
+        chains.append(chain)
+        for backend in BACKENDS[:2]:
+            await stack.index.record(MODEL, backend, chain)
+    await stack.settle()
+    match_times: list[float] = []
+    decision_times: list[float] = []
+    for sample in range(samples):
+        # Requests arrive one at a time: the previous one's writes have landed (Redis's time
+        # for writes is measured apart, below).
+        await stack.settle()
+        chain = chains[sample % len(chains)]
+        began = time.perf_counter()
+        matched = await stack.index.match(MODEL, chain)
+        match_times.append(time.perf_counter() - began)
+        assert max(matched.values()) == len(chain), "the prompt should be fully indexed"
+        body = bodies[sample % len(bodies)]
+        began = time.perf_counter()
+        await stack.router.route(parse_request(Endpoint.CHAT, body, None))
+        decision_times.append(time.perf_counter() - began)
+    redis_us = {"lookup": 0.0, "write": 0.0, "refresh": 0.0}
+    if stack.shared is not None:
+        await stack.settle()
+        redis_us = await redis_time_per_script(
+            stack.shared.link.client, settings.redis_prefix, chains
+        )
+    await stack.close()
+    return {
+        "blocks": len(chains[0]),
+        "match_p50": percentile(match_times, 0.5) * 1e6,
+        "match_p99": percentile(match_times, 0.99) * 1e6,
+        "decision_p50": percentile(decision_times, 0.5) * 1e6,
+        "decision_p99": percentile(decision_times, 0.99) * 1e6,
+        **redis_us,
+    }
+
+
+async def redis_time_per_script(
+    client: redis_store.RedisClient, namespace: str, chains: list[list[int]]
+) -> dict[str, float]:
+    """Redis's own µs per lookup, per write of a prompt none of whose blocks the backend was
+    sent within the refresh window, and per write of one it was (only read, not rewritten)."""
+    keys = redis_store.KeySpace(namespace)
+    clock = ManualClock(time.time())
+    index = redis_store.RedisPrefixIndex(client, keys, 600, clock)
+    times = {}
+    for kind in ("lookup", "write", "refresh"):
+        await client.config_resetstat()
+        for chain in chains * 10:
+            if kind == "lookup":
+                await index.match(MODEL, chain)
+            else:
+                clock.advance(60 if kind == "write" else 0)
+                await index.record(MODEL, BACKENDS[2], chain)
+        stats = await client.info("commandstats")
+        times[kind] = float(stats["cmdstat_evalsha"]["usec_per_call"])
+    return times
+
+
+def lookup(args: argparse.Namespace) -> None:
+    print(
+        f"# routing lookup in one process (uvloop), {args.samples} samples per row, one request "
+        "at a time; every block of the prompt indexed on 2 of 4 backends; Redis on loopback. "
+        "decision = parse, hash, match, choose and record, as Router.route does it. Redis µs = "
+        "Redis's own time per script (INFO commandstats): a lookup, a write of a prompt's "
+        "blocks, a write of blocks written within the refresh window (read, not rewritten)"
+    )
+    print(
+        "| prompt tokens | blocks | index | match p50 µs | match p99 µs | decision p50 µs "
+        "| decision p99 µs | Redis µs: lookup | write | refresh |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    with RedisServer() as server:
+        for tokens in (1000, 8000, 32000):
+            for state in ("memory", "redis"):
+                settings = Settings(
+                    backend=BACKENDS, redis_url=server.url if state == "redis" else ""
+                )
+                # The gateway serves on uvloop (uvicorn's choice when it is installed).
+                with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                    row = runner.run(time_lookups(settings, tokens, args.samples))
+                redis_times = (
+                    f"{row['lookup']:.0f} | {row['write']:.0f} | {row['refresh']:.0f}"
+                    if state == "redis"
+                    else "– | – | –"
+                )
+                print(
+                    f"| {tokens:,} | {row['blocks']:.0f} | {state} | {row['match_p50']:.0f} "
+                    f"| {row['match_p99']:.0f} | {row['decision_p50']:.0f} "
+                    f"| {row['decision_p99']:.0f} | {redis_times} |",
+                    flush=True,
+                )
+
+
+# --- 2. fleet ----------------------------------------------------------------------------------
+
+
+@dataclass
+class FleetRun:
+    prompt: int = 0
+    cached: int = 0
+    requests: int = 0
+    failed: int = 0
+    later_turns: int = 0
+    later_turns_home: int = 0
+    routes: dict[str, int] = field(default_factory=dict)
+
+
+async def converse(
+    http: httpx.AsyncClient,
+    session: Session,
+    next_gateway: Callable[[], str],
+    run: FleetRun,
+) -> None:
+    messages = [{"role": "system", "content": session.system}]
+    home = ""
+    for turn, question in enumerate(session.questions):
+        messages.append({"role": "user", "content": question})
+        body = {"model": MODEL, "messages": messages, "max_tokens": session.max_tokens}
+        try:
+            response = await http.post(next_gateway() + "/v1/chat/completions", json=body)
+        except httpx.HTTPError:
+            run.failed += 1
+            return
+        if response.status_code != 200:
+            run.failed += 1
+            return
+        reply = response.json()
+        backend = response.headers["x-gateway-backend"]
+        route = response.headers["x-gateway-route"]
+        run.routes[route] = run.routes.get(route, 0) + 1
+        run.requests += 1
+        run.prompt += reply["usage"]["prompt_tokens"]
+        run.cached += reply["usage"]["prompt_tokens_details"]["cached_tokens"] or 0
+        if turn == 0:
+            home = backend
+        else:
+            run.later_turns += 1
+            run.later_turns_home += backend == home
+        messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
+
+
+async def drive(
+    urls: list[str], sessions: list[Session], concurrency: int, stagger: float
+) -> FleetRun:
+    run = FleetRun()
+    rotation = itertools.cycle(urls)
+    queue: asyncio.Queue[Session] = asyncio.Queue()
+    for session in sessions:
+        queue.put_nowait(session)
+    limits = httpx.Limits(max_connections=concurrency * len(urls))
+    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+
+        async def worker(position: int) -> None:
+            await asyncio.sleep(position * stagger)
+            while not queue.empty():
+                await converse(http, queue.get_nowait(), lambda: next(rotation), run)
+
+        await asyncio.gather(*(worker(position) for position in range(concurrency)))
+    return run
+
+
+def fleet(args: argparse.Namespace) -> None:
+    emulator_args = [
+        "--chat-template",
+        "plain",
+        "--cache-blocks",
+        str(args.cache_blocks),
+        "--prefill-us-per-token",
+        "50",
+        "--decode-ms-per-token",
+        "0.2",
+    ]
+    sessions = build_workload("conversation", args.seed, args.scale)
+    print(
+        f"# conversation workload (seed {args.seed}, scale {args.scale}): {len(sessions)} six-turn "
+        f"conversations; 4 emulated replicas, {args.cache_blocks} cache blocks of 16 tokens, "
+        f"prefill 50 us/token, decode 0.2 ms/token; {args.concurrency} concurrent conversations "
+        f"started 50 ms apart; each request to the next gateway in rotation"
+    )
+    print(
+        "| gateways | prefix index | requests | failed | hit rate | later turns on turn 1's "
+        "replica | routes |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    plans = [(count, "redis") for count in args.gateways] + [
+        (count, "local") for count in args.local_gateways
+    ]
+    for count, state in plans:
+        with (
+            RedisServer() as server,
+            EmulatedFleet(4, MODEL, emulator_args) as replicas,
+            contextlib.ExitStack() as stack,
+        ):
+            extra = ("--redis-url", server.url) if state == "redis" else ()
+            urls = [
+                stack.enter_context(GatewayProcess(replicas.urls, *extra)).url for _ in range(count)
+            ]
+            run = asyncio.run(drive(urls, sessions, args.concurrency, 0.05))
+        routes = ", ".join(f"{name} {number}" for name, number in sorted(run.routes.items()))
+        home = run.later_turns_home / run.later_turns if run.later_turns else 0.0
+        label = "shared in Redis" if state == "redis" else "in each gateway's memory"
+        print(
+            f"| {count} | {label} | {run.requests} | {run.failed} "
+            f"| {run.cached / run.prompt:.1%} | {home:.1%} | {routes} |",
+            flush=True,
+        )
+
+
+# --- 3. memory ---------------------------------------------------------------------------------
+
+
+async def write_conversations(url: str, conversations: int, settings: Settings) -> int:
+    """Write what gateways write for `conversations` six-turn conversations; the block count."""
+    client = redis_store.open_client(url, timeout=5.0, max_connections=4)
+    keys = redis_store.KeySpace(settings.redis_prefix)
+    index = redis_store.RedisPrefixIndex(client, keys, settings.affinity_ttl)
+    sessions = redis_store.RedisSessionStore(client, keys, settings.affinity_ttl)
+    rng = random.Random(7)
+    system = prose(rng, 1000)
+    blocks: set[int] = set()
+    for conversation in range(conversations):
+        backend = BACKENDS[conversation % len(BACKENDS)]
+        messages = [{"role": "system", "content": system}]
+        for _turn in range(6):
+            messages.append({"role": "user", "content": prose(rng, 100)})
+            body = orjson.dumps({"model": MODEL, "messages": messages})
+            request = parse_request(Endpoint.CHAT, body, f"conversation-{conversation}")
+            prompt = chain_hashes(request.canonical, settings.block_chars)
+            await index.record(MODEL, backend, prompt)
+            await sessions.put(f"conversation-{conversation}", backend)
+            answer = prose(rng, 300)
+            history = request.canonical + message_segment("assistant", answer)
+            answered = extend_hashes(prompt, history, settings.block_chars)
+            await index.record(MODEL, backend, answered)
+            blocks.update(answered)
+            messages.append({"role": "assistant", "content": answer})
+    await client.aclose()
+    return len(blocks)
+
+
+async def used_memory(url: str) -> int:
+    client = redis_store.open_client(url, timeout=5.0, max_connections=2)
+    info = await client.info("memory")
+    await client.aclose()
+    return int(info["used_memory"])
+
+
+async def block_key_usage(url: str, settings: Settings) -> list[tuple[int, int, int]]:
+    """(backends holding it, key name length, `MEMORY USAGE`) of one block key."""
+    client = redis_store.open_client(url, timeout=5.0, max_connections=2)
+    keys = redis_store.KeySpace(settings.redis_prefix)
+    index = redis_store.RedisPrefixIndex(client, keys, settings.affinity_ttl)
+    chain = chain_hashes(b"x" * settings.block_chars * 4, settings.block_chars)
+    prefix = keys.block_prefix(MODEL, chain[0])
+    key = keys.block_keys(prefix, chain[1:2])
+    rows = []
+    for holders, backend in enumerate(BACKENDS, start=1):
+        await index.record(MODEL, backend, chain)
+        rows.append((holders, len(key), int(await client.memory_usage(key, samples=0) or 0)))
+    await client.aclose()
+    return rows
+
+
+def memory(args: argparse.Namespace) -> None:
+    settings = Settings(backend=BACKENDS)
+    with RedisServer() as server:
+        before = asyncio.run(used_memory(server.url))
+        blocks = asyncio.run(write_conversations(server.url, args.conversations, settings))
+        used = asyncio.run(used_memory(server.url)) - before
+        keys = int(server.cli("dbsize"))
+    print(
+        f"# {args.conversations:,} six-turn conversations sharing a 1,000-token system prompt "
+        "(100-token questions, 300-token answers), each on one backend, each with a session key"
+    )
+    print(
+        "| conversations | keys | block keys | used_memory growth | per 1,000 conversations "
+        "| per key |"
+    )
+    print("|---|---|---|---|---|---|")
+    print(
+        f"| {args.conversations:,} | {keys:,} | {blocks:,} | {used / 2**20:.1f} MiB "
+        f"| {used / args.conversations * 1000 / 2**20:.1f} MiB | {used / keys:.0f} B |"
+    )
+    with RedisServer() as server:
+        rows = asyncio.run(block_key_usage(server.url, settings))
+    print("\n# MEMORY USAGE <block key> SAMPLES 0, as more backends hold the block")
+    print("| backends holding the block | key name bytes | MEMORY USAGE bytes |")
+    print("|---|---|---|")
+    for holders, name_bytes, usage in rows:
+        print(f"| {holders} | {name_bytes} | {usage} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "part", nargs="?", default="all", choices=["all", "lookup", "fleet", "memory"]
+    )
+    parser.add_argument("--samples", type=int, default=1000)
+    parser.add_argument("--gateways", default="1,2,3,4")
+    parser.add_argument("--local-gateways", default="1,3,4")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--cache-blocks", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--conversations", type=int, default=1000)
+    args = parser.parse_args()
+    args.gateways = [int(part) for part in args.gateways.split(",") if part]
+    args.local_gateways = [int(part) for part in args.local_gateways.split(",") if part]
+    if args.part in ("all", "lookup"):
+        lookup(args)
+    if args.part in ("all", "fleet"):
+        fleet(args)
+    if args.part in ("all", "memory"):
+        memory(args)
+
+
+if __name__ == "__main__":
+    main()
