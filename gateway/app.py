@@ -1,15 +1,27 @@
-"""The ASGI application: the lean proxy path for inference, FastAPI for everything else."""
+"""The ASGI application: the lean proxy path for inference, FastAPI for everything else.
+
+In front of both: the client API keys on `/v1/...` and, once shutdown has begun, a `/ready`
+that answers 503 so that the orchestrator stops sending traffic before the listener closes.
+The inference routes are declared on the FastAPI app too, only so that `/openapi.json`
+describes them: requests to them never reach it.
+"""
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
-from gateway.asgi import ASGIApp, Receive, Scope, Send, send_error
+import orjson
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.asgi import ASGIApp, Receive, Scope, Send, send_error, send_json
+from gateway.auth import PROTECTED_PREFIX, ApiKeys
 from gateway.backends import BackendPool
 from gateway.components import Components
 from gateway.config import Settings
 from gateway.control import build_control_app
-from gateway.errors import MethodNotAllowed
+from gateway.errors import GatewayError, MethodNotAllowed
 from gateway.parsing import ENDPOINTS
 
 log = logging.getLogger("gateway.app")
@@ -21,21 +33,46 @@ class GatewayApp:
         self._pool = pool
         self.components: Components | None = None
         self._control: ASGIApp | None = None
+        self._api_keys = ApiKeys(settings.api_key)
+        self.shutting_down = False
+
+    def begin_shutdown(self) -> None:
+        """From now on `/ready` says no; requests are still served until the listener closes."""
+        if not self.shutting_down:
+            self.shutting_down = True
+            log.warning("shutting down: /ready now answers 503")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
             assert self.components is not None and self._control is not None
-            if scope["path"] in ENDPOINTS:
+            path = scope["path"]
+            if self._api_keys and path.startswith(PROTECTED_PREFIX):
+                try:
+                    self._api_keys.check(scope["headers"])
+                except GatewayError as refused:
+                    await self._refuse(refused, send, [(b"www-authenticate", b"Bearer")])
+                    return
+            if path in ENDPOINTS:
                 if scope["method"] == "POST":
                     await self.components.proxy(scope, receive, send)
                 else:
-                    error = MethodNotAllowed(f"use POST for {scope['path']}", code="http_405")
-                    await send_error(send, error, [(b"allow", b"POST")])
+                    wrong = MethodNotAllowed(f"use POST for {path}", code="http_405")
+                    await send_error(send, wrong, [(b"allow", b"POST")])
+            elif path == "/ready" and self.shutting_down:
+                body = orjson.dumps({"ready": False, "shutting_down": True})
+                await send_json(send, 503, body)
             else:
                 await self._control(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
+
+    async def _refuse(
+        self, error: GatewayError, send: Send, headers: list[tuple[bytes, bytes]]
+    ) -> None:
+        assert self.components is not None
+        self.components.metrics.rejected.labels(str(error.status), error.code or "").inc()
+        await send_error(send, error, headers)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -44,7 +81,9 @@ class GatewayApp:
                 try:
                     self.components = Components.build(self.settings, self._pool)
                     await self.components.start()
-                    self._control = build_control_app(self.components)
+                    control = build_control_app(self.components)
+                    _declare_inference_routes(control)
+                    self._control = control
                 except Exception as exc:
                     log.exception("start-up failed")
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
@@ -55,3 +94,52 @@ class GatewayApp:
                     await self.components.stop()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ChatMessage(_Open):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Open):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: bool | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+
+
+class CompletionRequest(_Open):
+    model: str
+    prompt: str | list[str] | list[int] | list[list[int]]
+    stream: bool | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+
+
+class EmbeddingRequest(_Open):
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+
+
+def _declare_inference_routes(app: FastAPI) -> None:
+    """Describe the proxy path's routes in the OpenAPI schema (they are served elsewhere)."""
+
+    async def chat(body: ChatCompletionRequest) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def completions(body: CompletionRequest) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
+        raise NotImplementedError
+
+    for path, endpoint, summary in (
+        ("/v1/chat/completions", chat, "Chat completion (OpenAI), routed to a replica"),
+        ("/v1/completions", completions, "Text completion (OpenAI), routed to a replica"),
+        ("/v1/embeddings", embeddings, "Embeddings (OpenAI), routed to a replica"),
+    ):
+        app.add_api_route(path, endpoint, methods=["POST"], summary=summary, tags=["inference"])
+    app.openapi_schema = None

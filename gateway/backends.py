@@ -2,7 +2,7 @@
 
 A backend given as `MODEL=URL` serves that model only; a bare URL serves whatever its
 `GET /v1/models` lists, refreshed on an interval. Health is probed actively (`GET /health`) and
-passively (a connection error ejects a backend until a probe succeeds again).
+observed passively on real requests; `gateway.health` decides ejection and readmission.
 
 Membership changes while serving: discovery and the admin API add backends, and remove them
 either at once or by draining (no new requests; removed once its requests in flight finish).
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -39,6 +39,12 @@ class Backend:
     draining: bool = False
     idle: asyncio.Event | None = field(default=None, repr=False)
     """Set when a draining backend's last request in flight ends."""
+    ejected: bool = False
+    """Taken out by failures (not merely starting): readmitted after enough passed probes."""
+    probe_streak: int = 0
+    """Consecutive probe results of one kind: > 0 passed, < 0 failed."""
+    failures: int = 0
+    """Failed requests in a row; a good answer resets it (see gateway.health)."""
 
     @property
     def load(self) -> int:
@@ -160,8 +166,12 @@ def parse_backend_spec(spec: str) -> Backend:
         model, url = (part.strip() for part in url.split("=", 1))
     if "://" not in url:
         url = "http://" + url
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    try:
+        parts = urlsplit(url)
+        hostname = parts.hostname
+    except ValueError as exc:  # e.g. an unbalanced IPv6 bracket
+        raise ConfigError(f"backend {spec!r} is not an http(s) URL: {exc}") from None
+    if parts.scheme not in ("http", "https") or not hostname:
         raise ConfigError(f"backend {spec!r} is not an http(s) URL")
     base = url.rstrip("/")
     if base.endswith("/v1"):
@@ -180,9 +190,12 @@ class BackendMonitor:
         client: httpx.AsyncClient,
         health_interval: float,
         models_interval: float,
+        on_probe: Callable[[Backend, bool], object] | None = None,
     ) -> None:
         self._pool = pool
         self._client = client
+        # Where each probe's verdict goes (gateway.health applies the thresholds).
+        self._on_probe = on_probe or pool.set_health
         self._health_interval = health_interval
         self._models_interval = models_interval
         self._task: asyncio.Task[None] | None = None
@@ -204,9 +217,9 @@ class BackendMonitor:
                 if models != backend.models:
                     backend.models = models
                     self._pool.rebuild()
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError, KeyError, TypeError):
             healthy = False
-        self._pool.set_health(backend, healthy)
+        self._on_probe(backend, healthy)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="backend-monitor")

@@ -13,10 +13,9 @@ from gateway import config as gateway_config
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from gateway.app import GatewayApp
     from gateway.fleet import EmulatedFleet
+    from gateway.server import serve
 
     try:
         settings = gateway_config.load_settings(args)
@@ -40,20 +39,7 @@ def _serve(args: argparse.Namespace) -> int:
         )
         print(f"emulated replicas: {' '.join(fleet.urls)}", flush=True)
     try:
-        uvicorn.run(
-            GatewayApp(settings),
-            host=settings.host,
-            port=settings.port,
-            log_level=settings.log_level,
-            access_log=False,
-            loop="auto",
-            http="auto",
-            lifespan="on",
-            timeout_graceful_shutdown=30,
-            # The proxied replica's own Date and Server headers pass through unchanged.
-            server_header=False,
-            date_header=False,
-        )
+        serve(GatewayApp(settings), settings)
     finally:
         if fleet is not None:
             fleet.stop()

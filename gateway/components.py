@@ -13,8 +13,10 @@ from gateway.backends import BackendMonitor, BackendPool
 from gateway.config import Settings
 from gateway.discovery import Discovery
 from gateway.engine_load import EngineLoadScraper
+from gateway.health import Health
 from gateway.index import InMemoryPrefixIndex, PrefixIndex
 from gateway.metrics import Metrics
+from gateway.overload import Admission
 from gateway.policy import build_policy
 from gateway.proxy import ProxyHandler
 from gateway.router import Router
@@ -54,10 +56,23 @@ class Components:
             redis, index, sessions = shared.link, shared.index, shared.sessions
         policy = build_policy(settings, random.Random())
         router = Router(settings, pool, index, sessions, policy, metrics)
-        upstream = Upstream(settings.connect_timeout, settings.first_byte_timeout)
-        probes = httpx.AsyncClient(timeout=httpx.Timeout(2.0, connect=settings.connect_timeout))
-        monitor = BackendMonitor(pool, probes, settings.health_interval, settings.models_interval)
-        proxy = ProxyHandler(router, upstream, metrics)
+        upstream = Upstream(
+            settings.connect_timeout, settings.upstream_api_key, settings.forward_client_auth
+        )
+        probes = httpx.AsyncClient(
+            timeout=httpx.Timeout(settings.health_timeout, connect=settings.connect_timeout)
+        )
+        health = Health(
+            pool,
+            settings.unhealthy_threshold,
+            settings.healthy_threshold,
+            settings.failure_threshold,
+        )
+        monitor = BackendMonitor(
+            pool, probes, settings.health_interval, settings.models_interval, health.probed
+        )
+        admission = Admission(settings.max_concurrency, settings.max_queue, settings.queue_timeout)
+        proxy = ProxyHandler(router, upstream, metrics, health, admission)
         discovery = Discovery.build(settings, pool, monitor.refresh)
         engine_load = EngineLoadScraper(pool, probes, settings.scrape_interval)
         return cls(
@@ -80,6 +95,7 @@ class Components:
         if self.redis is not None:
             await self.redis.start()
         await self.upstream.start()
+        self.proxy.start()
         await self.monitor.refresh_all()
         await self.discovery.start()
         self.monitor.start()
@@ -89,6 +105,7 @@ class Components:
         await self.engine_load.stop()
         await self.discovery.stop()
         await self.monitor.stop()
+        await self.proxy.stop()
         await self.upstream.close()
         await self.probes.aclose()
         if self.redis is not None:

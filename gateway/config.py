@@ -56,8 +56,52 @@ class Settings:
     default_model: str = _opt("", "model used when a request names none")
     max_body_bytes: int = _opt(32 * 1024 * 1024, "largest request body accepted")
     connect_timeout: float = _opt(3.0, "seconds to connect to a replica")
-    first_byte_timeout: float = _opt(600.0, "seconds to wait for a replica's response headers")
+    first_byte_timeout: float = _opt(
+        600.0, "seconds from sending a request to a replica to its first body byte (prefill)"
+    )
     max_attempts: int = _opt(3, "replicas tried for one request before giving up")
+    # --- Reliability: timeouts, retries, health thresholds, overload, limits, auth, shutdown ---
+    stream_idle_timeout: float = _opt(
+        60.0, "seconds a response may go without a chunk from the replica or to the client"
+    )
+    request_timeout: float = _opt(
+        3600.0, "seconds one request may take, from its admission to its last byte"
+    )
+    retry_backoff: float = _opt(
+        0.025, "seconds of backoff before the first retry; doubled per retry, with full jitter"
+    )
+    retry_after_cap: float = _opt(
+        2.0, "longest Retry-After of a replica's 429 that is waited out before trying another"
+    )
+    health_timeout: float = _opt(2.0, "seconds a health probe may take")
+    unhealthy_threshold: int = _opt(2, "consecutive failed probes that eject a replica")
+    healthy_threshold: int = _opt(2, "consecutive passed probes that readmit an ejected replica")
+    failure_threshold: int = _opt(
+        5,
+        "consecutive failed requests (5xx, timeouts, broken responses) that eject a replica;"
+        " a refused connection ejects it at once",
+    )
+    max_concurrency: int = _opt(1024, "requests proxied at once; more wait in the queue")
+    max_queue: int = _opt(512, "requests waiting for a slot at most; beyond, a 429")
+    queue_timeout: float = _opt(5.0, "seconds a request may wait for a slot before a 429")
+    max_header_bytes: int = _opt(32768, "largest request line plus headers accepted (431 beyond)")
+    max_json_depth: int = _opt(64, "deepest nesting of arrays and objects in a request body")
+    api_key: tuple[str, ...] = _opt(
+        (),
+        "client API key accepted as `Authorization: Bearer KEY` on /v1; repeat for several"
+        " (none: no check)",
+        env="API_KEYS",
+    )
+    upstream_api_key: str = _opt(
+        "", "sent to replicas as `Authorization: Bearer KEY` in place of the client's header"
+    )
+    forward_client_auth: bool = _opt(False, "pass the client's Authorization header on to replicas")
+    shutdown_delay: float = _opt(
+        0.0, "seconds to keep serving after SIGTERM with /ready false, before closing the listener"
+    )
+    shutdown_grace: float = _opt(
+        30.0, "seconds requests in flight may run once the listener closed"
+    )
     health_interval: float = _opt(5.0, "seconds between active health probes of each replica")
     scrape_interval: float = _opt(
         2.0, "seconds between scrapes of each replica's queue from its /metrics (0: off)"
@@ -125,7 +169,40 @@ class Settings:
             raise ConfigError("discovery_interval must be positive, drain_timeout not negative")
         if self.redis_timeout <= 0 or self.redis_max_connections < 2:
             raise ConfigError("redis_timeout must be positive, redis_max_connections at least 2")
+        self._validate_reliability()
         return self
+
+    def _validate_reliability(self) -> None:
+        timeouts = (
+            self.connect_timeout,
+            self.first_byte_timeout,
+            self.stream_idle_timeout,
+            self.request_timeout,
+            self.health_timeout,
+        )
+        if min(timeouts) <= 0:
+            raise ConfigError("every timeout must be positive")
+        counts = (
+            self.max_attempts,
+            self.unhealthy_threshold,
+            self.healthy_threshold,
+            self.failure_threshold,
+            self.max_concurrency,
+        )
+        if min(counts) < 1:
+            raise ConfigError("max_attempts, thresholds and max_concurrency must be at least 1")
+        waits = (
+            self.max_queue,
+            self.queue_timeout,
+            self.retry_backoff,
+            self.retry_after_cap,
+            self.shutdown_delay,
+            self.shutdown_grace,
+        )
+        if min(waits) < 0:
+            raise ConfigError("queue sizes, backoff and shutdown periods must not be negative")
+        if self.max_header_bytes < 1024 or self.max_json_depth < 2:
+            raise ConfigError("max_header_bytes must be at least 1024, max_json_depth at least 2")
 
 
 def _env_name(f: dataclasses.Field[Any]) -> str:

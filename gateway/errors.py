@@ -41,8 +41,18 @@ class MethodNotAllowed(GatewayError):
     error_type = "invalid_request_error"
 
 
+class RequestTimeout(GatewayError):
+    status = 408
+    error_type = "invalid_request_error"
+
+
 class PayloadTooLarge(GatewayError):
     status = 413
+    error_type = "invalid_request_error"
+
+
+class HeadersTooLarge(GatewayError):
+    status = 431
     error_type = "invalid_request_error"
 
 
@@ -61,6 +71,11 @@ class NoHealthyBackend(GatewayError):
     error_type = "service_unavailable"
 
 
+class ShuttingDown(GatewayError):
+    status = 503
+    error_type = "service_unavailable"
+
+
 class UpstreamTimeout(GatewayError):
     status = 504
     error_type = "upstream_timeout"
@@ -72,3 +87,8 @@ def render_error(
     return orjson.dumps(
         {"error": {"message": message, "type": error_type, "param": param, "code": code}}
     )
+
+
+def sse_error(error: GatewayError) -> bytes:
+    """The error as the last event of a stream whose response has already begun."""
+    return b"data: " + error.body() + b"\n\n"

@@ -1,9 +1,16 @@
 """The proxy path: one lean ASGI handler for the OpenAI inference endpoints.
 
-Read the body (bounded), parse once, route, forward the original bytes, relay the response as
-it arrives, then tell the router what came back. Failover happens only before the first byte
-has gone to the client. A client that hangs up cancels the upstream request, so the engine
-stops generating.
+Admit (a bounded number at once, a bounded queue), read the body (bounded), parse once, route,
+forward the original bytes, relay the response as it arrives, then tell the router what came
+back.
+
+Failures before the first byte has gone to the client move the request to the next candidate
+(`--max-attempts` in all, with jittered exponential backoff): connection errors, a replica
+that sends nothing in time, a response that breaks off before its first byte, 502/503/504, and
+429 (after its `Retry-After`, when that is short enough). A stream that breaks after its first
+byte ends with an SSE error event. A client that hangs up cancels the upstream request at once,
+so the engine stops generating. Every outcome is counted; in-flight counts and the admission
+slot are released on every path.
 """
 
 from __future__ import annotations
@@ -11,39 +18,145 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
+import random
 import time
 import uuid
+from collections.abc import Awaitable
+from email.utils import parsedate_to_datetime
 
 import aiohttp
 
 from gateway.access_log import AccessLog
-from gateway.asgi import Receive, Scope, Send, header, read_body, send_error
-from gateway.errors import GatewayError
+from gateway.asgi import Receive, Scope, Send, check_json_depth, header, read_body, send_error
+from gateway.backends import Backend
+from gateway.errors import (
+    GatewayError,
+    Overloaded,
+    RequestTimeout,
+    ShuttingDown,
+    UpstreamFailed,
+    UpstreamTimeout,
+    sse_error,
+)
+from gateway.exchange import (
+    BODY,
+    CLIENT_STALLED,
+    DISCONNECTED,
+    FIRST_BYTE,
+    IDLE,
+    TOTAL,
+    DeadlineWatch,
+    Exchange,
+)
+from gateway.health import Health
 from gateway.metrics import Metrics
 from gateway.observe import Observation, StreamObserver, observe_body
+from gateway.overload import Admission
 from gateway.parsing import ENDPOINTS, parse_request
 from gateway.router import RoutedRequest, Router
-from gateway.upstream import Upstream, UpstreamError, response_headers
+from gateway.upstream import (
+    UPSTREAM_EXCEPTIONS,
+    Upstream,
+    UpstreamError,
+    response_headers,
+    upstream_error,
+)
 
 log = logging.getLogger("gateway.proxy")
 
-_RETRY_STATUSES = frozenset({502, 503, 504})
+_RETRY_STATUSES = frozenset({429, 502, 503, 504})
+_RETRY_AFTER = (b"retry-after", b"1")
+
+
+class _BeforeFirstByte(Exception):
+    """An attempt failed after the replica's headers but before anything reached the client."""
+
+    def __init__(self, failure: UpstreamError) -> None:
+        super().__init__(failure.cause)
+        self.failure = failure
 
 
 class ProxyHandler:
-    def __init__(self, router: Router, upstream: Upstream, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        router: Router,
+        upstream: Upstream,
+        metrics: Metrics,
+        health: Health,
+        admission: Admission,
+        rng: random.Random | None = None,
+    ) -> None:
         self.router = router
         self.upstream = upstream
         self.metrics = metrics
-        self.settings = router.settings
-        self.access_log = AccessLog(router.settings)
+        self.health = health
+        self.admission = admission
+        self.settings = settings = router.settings
+        self.access_log = AccessLog(settings)
+        self._rng = rng or random.Random()
+        self._first_byte_timeout = settings.first_byte_timeout
+        self._idle_timeout = settings.stream_idle_timeout
+        self._request_timeout = settings.request_timeout
+        self.deadlines = DeadlineWatch(
+            min(self._first_byte_timeout, self._idle_timeout, self._request_timeout)
+        )
+
+    def start(self) -> None:
+        self.deadlines.start()
+
+    async def stop(self) -> None:
+        await self.deadlines.stop()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         request_id = header(headers, b"x-request-id") or uuid.uuid4().hex
+        admission = self.admission
+        if not admission.try_enter():
+            refused = await admission.enter()
+            if refused is not None:
+                error = Overloaded(
+                    "the gateway is at its concurrency limit and its queue is full; retry later"
+                    if refused == "overloaded"
+                    else "no capacity was freed in time; retry later",
+                    code=refused,
+                )
+                await self._reject(scope, request_id, error, send, [_RETRY_AFTER])
+                return
+        task = asyncio.current_task()
+        assert task is not None
+        exchange = Exchange(task, time.monotonic(), self._request_timeout)
+        self.deadlines.add(exchange)
         try:
-            body = await read_body(receive, self.settings.max_body_bytes)
-            cookie = self.settings.sticky_cookie
+            await self._handle(scope, receive, send, headers, request_id, exchange)
+        finally:
+            exchange.done = True
+            self.deadlines.discard(exchange)
+            admission.leave()
+
+    async def _handle(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        headers: list[tuple[bytes, bytes]],
+        request_id: str,
+        exchange: Exchange,
+    ) -> None:
+        settings = self.settings
+        try:
+            try:
+                exchange.expect(BODY, self._idle_timeout)
+                body = await read_body(receive, settings.max_body_bytes)
+            except asyncio.CancelledError:
+                if exchange.reason != BODY:
+                    raise
+                exchange.resume()
+                raise RequestTimeout(
+                    "the request body did not arrive in time", code="body_timeout"
+                ) from None
+            exchange.due = exchange.deadline
+            cookie = settings.sticky_cookie
             session_header = header(headers, b"x-session-id")
             if cookie and session_header is None:
                 session_header = _cookie_value(headers, cookie)
@@ -51,9 +164,10 @@ class ProxyHandler:
                 ENDPOINTS[scope["path"]],
                 body,
                 session_header,
-                self.settings.default_model,
-                self.settings.session_from_user,
+                settings.default_model,
+                settings.session_from_user,
             )
+            check_json_depth(body, settings.max_json_depth)
             issued = None
             if cookie and request.session_key is None:
                 issued = uuid.uuid4().hex
@@ -61,11 +175,21 @@ class ProxyHandler:
             routed = await self.router.route(request)
             routed.issued_session = issued
         except GatewayError as error:
-            self.metrics.rejected.labels(str(error.status), error.code or error.error_type).inc()
-            self.access_log.rejected(request_id, scope["path"], error)
-            await send_error(send, error, [(b"x-request-id", request_id.encode())])
+            await self._reject(scope, request_id, error, send)
             return
-        await self._forward(routed, body, headers, request_id, receive, send)
+        await self._forward(routed, body, headers, request_id, exchange, receive, send)
+
+    async def _reject(
+        self,
+        scope: Scope,
+        request_id: str,
+        error: GatewayError,
+        send: Send,
+        extra: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        self.metrics.rejected.labels(str(error.status), error.code or error.error_type).inc()
+        self.access_log.rejected(request_id, scope["path"], error)
+        await send_error(send, error, [(b"x-request-id", request_id.encode()), *(extra or [])])
 
     async def _forward(
         self,
@@ -73,131 +197,290 @@ class ProxyHandler:
         body: bytes,
         headers: list[tuple[bytes, bytes]],
         request_id: str,
+        exchange: Exchange,
         receive: Receive,
         send: Send,
     ) -> None:
-        path = routed.input.endpoint.value
         outgoing = [item for item in headers if item[0] != b"x-request-id"]
         outgoing.append((b"x-request-id", request_id.encode()))
-        finished = False
-        disconnected = False
-        relay_task = asyncio.current_task()
-
-        async def watch_disconnect() -> None:
-            nonlocal disconnected
-            message = await receive()
-            if message["type"] == "http.disconnect" and not finished and relay_task is not None:
-                disconnected = True
-                relay_task.cancel()
-
-        watcher = asyncio.create_task(watch_disconnect())
+        watcher = asyncio.create_task(exchange.watch_client(receive))
         status = 0
         began = time.perf_counter()
         seen: Observation | None = None
         try:
-            while True:
-                backend = routed.backend
-                with self.router.pool.lease(backend):
-                    started = time.perf_counter()
-                    try:
-                        response = await self.upstream.send(backend.url + path, body, outgoing)
-                    except UpstreamError as failure:
-                        self._count_failure(routed, failure.cause)
-                        if await self._may_retry(routed, failure.cause):
-                            continue
-                        status = failure.error.status
-                        await send_error(
-                            send, failure.error, self._gateway_headers(routed, request_id)
-                        )
-                        return
-                    if response.status in _RETRY_STATUSES and await self._may_retry(
-                        routed, f"status_{response.status}"
-                    ):
-                        response.release()
-                        continue
-                    status = response.status
-                    try:
-                        seen = await self._relay(routed, response, request_id, started, send)
-                    finally:
-                        finished = True
-                        response.release()
-                break
-            await self._learn(routed, status, seen)
+            status, seen = await self._attempts(routed, body, outgoing, request_id, exchange, send)
+            if status == 200 and seen is not None:
+                await self._learn(routed, seen)
         except asyncio.CancelledError:
-            if not disconnected:
+            if exchange.reason is None:
+                # The server cancels what is still running when its shutdown grace ends.
+                status = await self._cut_short(routed, exchange, request_id, send, None)
                 raise
-            status = 499
-            self.metrics.client_disconnects.labels(routed.input.model).inc()
+            reason = exchange.reason
+            exchange.resume()
+            status = await self._cut_short(routed, exchange, request_id, send, reason)
         finally:
-            finished = True
+            exchange.done = True
             watcher.cancel()
             self.metrics.requests.labels(
                 routed.input.model, routed.backend.name, routed.route.value, str(status)
             ).inc()
             self.access_log.answered(routed, status, seen, request_id, began)
 
+    async def _attempts(
+        self,
+        routed: RoutedRequest,
+        body: bytes,
+        outgoing: list[tuple[bytes, bytes]],
+        request_id: str,
+        exchange: Exchange,
+        send: Send,
+    ) -> tuple[int, Observation | None]:
+        """Try candidates until one answers or a failure has to be the answer."""
+        path = routed.input.endpoint.value
+        pause = 0.0
+        while True:
+            if pause > 0:
+                await asyncio.sleep(pause)
+            backend = routed.backend
+            with self.router.pool.lease(backend):
+                exchange.expect(FIRST_BYTE, self._first_byte_timeout)
+                started = time.perf_counter()
+                try:
+                    response = await self._send(exchange, backend.url + path, body, outgoing)
+                except UpstreamError as failure:
+                    retry = await self._failed_attempt(routed, failure)
+                    if retry is not None:
+                        pause = retry
+                        continue
+                    return await self._fail(routed, exchange, request_id, failure.error, send)
+                try:
+                    status = response.status
+                    if status >= 500:
+                        self._failed(backend, f"status_{status}")
+                    elif backend.failures:
+                        backend.failures = 0
+                    if status in _RETRY_STATUSES:
+                        retry = await self._retry(routed, f"status_{status}", response)
+                        if retry is not None:
+                            pause = retry
+                            continue
+                    try:
+                        return await self._relay(
+                            routed, exchange, response, request_id, started, send
+                        )
+                    except _BeforeFirstByte as early:
+                        retry = await self._failed_attempt(routed, early.failure)
+                        if retry is not None:
+                            pause = retry
+                            continue
+                        error = early.failure.error
+                        return await self._fail(routed, exchange, request_id, error, send)
+                finally:
+                    # Closes the connection unless the response was read to its end: a replica
+                    # whose client left sees its request aborted at once.
+                    response.release()
+
+    async def _send(
+        self, exchange: Exchange, url: str, body: bytes, outgoing: list[tuple[bytes, bytes]]
+    ) -> aiohttp.ClientResponse:
+        try:
+            return await self.upstream.send(url, body, outgoing)
+        except asyncio.CancelledError:
+            missed = self._first_byte_missed(exchange)
+            if missed is None:
+                raise
+            raise missed from None
+
+    async def _first_read(self, exchange: Exchange, read: Awaitable[bytes]) -> bytes:
+        """The first read of a body: its failures still leave the request free to fail over."""
+        try:
+            return await read
+        except asyncio.CancelledError:
+            missed = self._first_byte_missed(exchange)
+            if missed is None:
+                raise
+            raise _BeforeFirstByte(missed) from None
+        except UPSTREAM_EXCEPTIONS as exc:
+            raise _BeforeFirstByte(upstream_error(exc)) from exc
+
+    def _first_byte_missed(self, exchange: Exchange) -> UpstreamError | None:
+        """The failure when a cancellation is the first-byte timeout (None otherwise)."""
+        if exchange.reason != FIRST_BYTE:
+            return None
+        exchange.resume()
+        return UpstreamError(
+            "timeout",
+            UpstreamTimeout(
+                f"upstream sent nothing within {self._first_byte_timeout:g} s",
+                code="first_byte_timeout",
+            ),
+        )
+
     async def _relay(
         self,
         routed: RoutedRequest,
+        exchange: Exchange,
         response: aiohttp.ClientResponse,
         request_id: str,
         started: float,
         send: Send,
-    ) -> Observation:
+    ) -> tuple[int, Observation]:
         out_headers = response_headers(response.raw_headers)
         out_headers.extend(self._gateway_headers(routed, request_id))
+        status = response.status
+        if routed.input.stream and status == 200:
+            return await self._relay_stream(routed, exchange, response, out_headers, started, send)
+        payload = await self._first_read(exchange, response.read())
+        exchange.done = True
         backend_name = routed.backend.name
-        streaming = routed.input.stream and response.status == 200
-        if not streaming:
-            payload = await response.read()
-            routed.first_byte_at = time.perf_counter()
-            self.metrics.first_byte_seconds.labels(backend_name).observe(
-                routed.first_byte_at - started
+        routed.first_byte_at = time.perf_counter()
+        self.metrics.first_byte_seconds.labels(backend_name).observe(routed.first_byte_at - started)
+        out_headers.append((b"content-length", str(len(payload)).encode()))
+        exchange.begun = True
+        await send({"type": "http.response.start", "status": status, "headers": out_headers})
+        await send({"type": "http.response.body", "body": payload})
+        self.metrics.duration_seconds.labels(backend_name).observe(time.perf_counter() - started)
+        return status, observe_body(payload) if status == 200 else Observation()
+
+    async def _relay_stream(
+        self,
+        routed: RoutedRequest,
+        exchange: Exchange,
+        response: aiohttp.ClientResponse,
+        out_headers: list[tuple[bytes, bytes]],
+        started: float,
+        send: Send,
+    ) -> tuple[int, Observation]:
+        """Relay chunks as they come; the response to the client begins with the first one."""
+        content = response.content
+        chunk = await self._first_read(exchange, content.readany())
+        backend = routed.backend
+        routed.first_byte_at = time.perf_counter()
+        self.metrics.first_byte_seconds.labels(backend.name).observe(routed.first_byte_at - started)
+        idle = self._idle_timeout
+        clock = time.monotonic
+        exchange.expect(IDLE, idle)
+        observer = StreamObserver()
+        exchange.begun = exchange.streaming = True
+        await send({"type": "http.response.start", "status": 200, "headers": out_headers})
+        failure: tuple[str, GatewayError] | None = None
+        last = b""
+        try:
+            while chunk:
+                try:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                except asyncio.CancelledError:
+                    if exchange.reason == IDLE:
+                        exchange.reason = CLIENT_STALLED
+                    raise
+                observer.feed(chunk)
+                last = chunk
+                chunk = await content.readany()
+                exchange.due = clock() + idle
+        except asyncio.CancelledError:
+            reason = exchange.reason
+            if reason not in (IDLE, TOTAL):
+                raise
+            exchange.resume()
+            failure = _stream_timeout(reason, idle)
+        except UPSTREAM_EXCEPTIONS as exc:
+            failure = (
+                "stream_broken",
+                UpstreamFailed(
+                    f"the upstream response broke off: {type(exc).__name__}", code="stream_broken"
+                ),
             )
-            out_headers.append((b"content-length", str(len(payload)).encode()))
-            await send(
-                {"type": "http.response.start", "status": response.status, "headers": out_headers}
-            )
-            await send({"type": "http.response.body", "body": payload})
-            self.metrics.duration_seconds.labels(backend_name).observe(
+        exchange.done = True
+        if failure is None:
+            await send({"type": "http.response.body", "body": b""})
+            self.metrics.duration_seconds.labels(backend.name).observe(
                 time.perf_counter() - started
             )
-            return observe_body(payload) if response.status == 200 else Observation()
+            return 200, observer.seen
+        cause, error = failure
+        self._failed(backend, cause, blame=cause != "request_timeout")
+        # An event cut in the middle is closed first, so that the error is an event of its own.
+        tail = sse_error(error)
+        if not last.endswith((b"\n\n", b"\r\n\r\n")):
+            tail = b"\n\n" + tail
+        await send({"type": "http.response.body", "body": tail})
+        return error.status, observer.seen
 
-        await send(
-            {"type": "http.response.start", "status": response.status, "headers": out_headers}
-        )
-        observer = StreamObserver()
-        first = True
-        async for chunk in response.content.iter_any():
-            if first:
-                routed.first_byte_at = time.perf_counter()
-                self.metrics.first_byte_seconds.labels(backend_name).observe(
-                    routed.first_byte_at - started
-                )
-                first = False
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            observer.feed(chunk)
-        await send({"type": "http.response.body", "body": b""})
-        self.metrics.duration_seconds.labels(backend_name).observe(time.perf_counter() - started)
-        return observer.seen
+    async def _failed_attempt(self, routed: RoutedRequest, failure: UpstreamError) -> float | None:
+        self._failed(routed.backend, failure.cause)
+        return await self._retry(routed, failure.cause)
 
-    async def _may_retry(self, routed: RoutedRequest, cause: str) -> bool:
-        if len(routed.tried) >= self.settings.max_attempts:
-            return False
+    async def _retry(
+        self, routed: RoutedRequest, cause: str, response: aiohttp.ClientResponse | None = None
+    ) -> float | None:
+        """The pause before trying the next candidate, or None when this failure is the answer."""
+        settings = self.settings
+        attempt = len(routed.tried)
+        if attempt >= settings.max_attempts:
+            return None
+        pause = settings.retry_backoff * 2.0 ** (attempt - 1) * self._rng.random()
+        if response is not None and response.status == 429:
+            after = _retry_after(response.headers.get("retry-after"))
+            if after is not None:
+                if after > settings.retry_after_cap:
+                    return None
+                pause = max(pause, after)
         if not await self.router.reroute(routed):
-            return False
+            return None
         self.metrics.retries.labels(cause).inc()
-        return True
+        return pause
 
-    def _count_failure(self, routed: RoutedRequest, cause: str) -> None:
-        self.metrics.upstream_errors.labels(routed.backend.name, cause).inc()
-        if cause == "connect":
-            self.router.pool.set_health(routed.backend, False)
+    def _failed(self, backend: Backend, cause: str, blame: bool = True) -> None:
+        self.metrics.upstream_errors.labels(backend.name, cause).inc()
+        if blame:
+            self.health.request_failed(backend, cause)
 
-    async def _learn(self, routed: RoutedRequest, status: int, seen: Observation) -> None:
-        if status != 200:
-            return
+    async def _fail(
+        self,
+        routed: RoutedRequest,
+        exchange: Exchange,
+        request_id: str,
+        error: GatewayError,
+        send: Send,
+    ) -> tuple[int, None]:
+        exchange.done = True
+        exchange.begun = True
+        await send_error(send, error, self._gateway_headers(routed, request_id))
+        return error.status, None
+
+    async def _cut_short(
+        self,
+        routed: RoutedRequest,
+        exchange: Exchange,
+        request_id: str,
+        send: Send,
+        reason: str | None,
+    ) -> int:
+        """Finish a request interrupted by its client, a deadline or the server's shutdown."""
+        exchange.done = True
+        if reason in (DISCONNECTED, CLIENT_STALLED):
+            self.metrics.client_disconnects.labels(routed.input.model).inc()
+            return 499
+        error: GatewayError
+        if reason is None:
+            error = ShuttingDown("the gateway is shutting down", code="shutting_down")
+        elif reason == TOTAL:
+            error = _stream_timeout(TOTAL, self._request_timeout)[1]
+        else:
+            error = UpstreamTimeout("upstream timed out", code=f"{reason}_timeout")
+        try:
+            if not exchange.begun:
+                await send_error(send, error, self._gateway_headers(routed, request_id))
+            elif exchange.streaming:
+                await send({"type": "http.response.body", "body": b"\n\n" + sse_error(error)})
+            else:
+                return error.status
+        except Exception:  # the connection is already gone
+            log.debug("could not tell the client why its request ended", exc_info=True)
+        return error.status
+
+    async def _learn(self, routed: RoutedRequest, seen: Observation) -> None:
         model = routed.input.model
         backend_name = routed.backend.name
         block_tokens = self.settings.block_tokens
@@ -225,6 +508,29 @@ class ProxyHandler:
             cookie = f"{self.settings.sticky_cookie}={routed.issued_session}"
             headers.append((b"set-cookie", f"{cookie}; Path=/; HttpOnly; SameSite=Lax".encode()))
         return headers
+
+
+def _stream_timeout(reason: str, seconds: float) -> tuple[str, GatewayError]:
+    """The metric cause and the error of a response that ran out of time once begun."""
+    if reason == TOTAL:
+        message = f"the request took longer than {seconds:g} s"
+        return "request_timeout", UpstreamTimeout(message, code="request_timeout")
+    message = f"upstream sent nothing for {seconds:g} s"
+    return "stream_idle", UpstreamTimeout(message, code="stream_idle_timeout")
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds to wait from a `Retry-After` header (delta-seconds or an HTTP date)."""
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            seconds = parsedate_to_datetime(value).timestamp() - time.time()
+        except (TypeError, ValueError):
+            return None
+    return max(0.0, seconds) if math.isfinite(seconds) else None
 
 
 def _cookie_value(headers: list[tuple[bytes, bytes]], name: str) -> str | None:

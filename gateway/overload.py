@@ -1,0 +1,79 @@
+"""Admission: a bound on the requests one gateway proxies at once, with a bounded queue.
+
+Up to `limit` requests run; up to `queue_limit` more wait, first come first served, at most
+`queue_timeout` seconds each; anything beyond is refused at once (the proxy answers 429 with
+`Retry-After`). A finished request hands its slot straight to the oldest waiter. Memory is
+bounded by `limit + queue_limit` requests whatever the offered load.
+
+The fast path (a free slot) is one comparison and one increment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+
+
+class Admission:
+    def __init__(self, limit: int, queue_limit: int, queue_timeout: float) -> None:
+        self.limit = limit
+        self.queue_limit = queue_limit
+        self.queue_timeout = queue_timeout
+        self.active = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def try_enter(self) -> bool:
+        """Take a slot if one is free now."""
+        if self.active < self.limit:
+            self.active += 1
+            return True
+        return False
+
+    async def enter(self) -> str | None:
+        """Take a slot, waiting in the queue if need be; the refusal's cause when none came.
+
+        Causes: `overloaded` (the queue is full) and `queue_timeout` (no slot in time).
+        """
+        if self.try_enter():
+            return None
+        if len(self._waiters) >= self.queue_limit or self.queue_timeout <= 0:
+            return "overloaded"
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), self.queue_timeout)
+        except TimeoutError:
+            if waiter.done() and not waiter.cancelled():
+                return None  # a slot was handed over just as the wait ran out
+            waiter.cancel()
+            return "queue_timeout"
+        except BaseException:
+            # Cancelled while queued: a slot handed over meanwhile goes to the next waiter.
+            if waiter.done() and not waiter.cancelled():
+                self.leave()
+            else:
+                waiter.cancel()
+            raise
+        finally:
+            if not waiter.done() or waiter.cancelled():
+                self._discard(waiter)
+        return None
+
+    def leave(self) -> None:
+        """Give a slot back: to the oldest live waiter, else to the pool."""
+        waiters = self._waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self.active -= 1
+
+    def _discard(self, waiter: asyncio.Future[None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._waiters.remove(waiter)

@@ -1,0 +1,136 @@
+"""Serving the gateway with uvicorn: bounded request heads and a graceful shutdown.
+
+Request heads. uvicorn's httptools parser keeps every header it is sent, however many; the
+protocol here counts the request line and headers as they are parsed and answers 431 past
+`--max-header-bytes`, so a client cannot grow the process by streaming headers. Malformed
+HTTP gets a 400 in the OpenAI error shape too.
+
+Shutdown, on SIGTERM or SIGINT:
+
+1. `/ready` answers 503 at once, and requests are still served for `--shutdown-delay` seconds
+   (time for the orchestrator to stop sending any);
+2. the listener closes and idle keep-alive connections with it;
+3. requests in flight — streams included — run to their end for up to `--shutdown-grace`
+   seconds; those still running then are cancelled, which ends a stream with an SSE error
+   event and a request not yet answered with a 503;
+4. the components stop and the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import signal
+import time
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from gateway.app import GatewayApp
+from gateway.config import Settings
+from gateway.errors import BadRequest, GatewayError, HeadersTooLarge
+
+
+def serve(app: GatewayApp, settings: Settings) -> None:
+    """Serve until a signal has ended the shutdown; blocks."""
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=False,
+        loop="auto",
+        http=_http_protocol(settings.max_header_bytes),
+        ws="none",
+        lifespan="on",
+        # Whole seconds in uvicorn's interface.
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_grace),
+        h11_max_incomplete_event_size=settings.max_header_bytes,
+        # The proxied replica's own Date and Server headers pass through unchanged.
+        server_header=False,
+        date_header=False,
+    )
+    GatewayServer(config, app, settings.shutdown_delay).run()
+
+
+class GatewayServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, app: GatewayApp, shutdown_delay: float) -> None:
+        super().__init__(config)
+        self._app = app
+        self._delay = shutdown_delay
+        self._exit_at: float | None = None
+        self._exit_signal = int(signal.SIGTERM)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._app.begin_shutdown()
+        if self._delay > 0 and self._exit_at is None and not self.should_exit:
+            # The listener stays open a little longer; `on_tick` closes it. A second signal
+            # does not wait.
+            self._exit_at = time.monotonic() + self._delay
+            self._exit_signal = sig
+            return
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._exit_at is not None and not self.should_exit and time.monotonic() >= self._exit_at:
+            super().handle_exit(self._exit_signal, None)
+        return await super().on_tick(counter)
+
+
+def _http_protocol(max_header_bytes: int) -> type[asyncio.Protocol] | str:
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:  # no httptools: h11, bounded by h11_max_incomplete_event_size
+        return "h11"
+
+    class BoundedHttpToolsProtocol(HttpToolsProtocol):
+        _head_bytes = 0
+        _head_too_large = False
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._head_bytes = 0
+
+        def on_url(self, url: bytes) -> None:
+            self._count(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count(len(name) + len(value))
+            super().on_header(name, value)
+
+        def _count(self, size: int) -> None:
+            self._head_bytes += size
+            if self._head_bytes > max_header_bytes:
+                # Raised inside the parser: uvicorn answers through send_400_response.
+                self._head_too_large = True
+                raise ValueError("request head too large")
+
+        def send_400_response(self, msg: str) -> None:
+            error: GatewayError
+            if self._head_too_large:
+                error = HeadersTooLarge(
+                    f"the request line and headers exceed {max_header_bytes} bytes",
+                    code="headers_too_large",
+                )
+            else:
+                error = BadRequest("invalid HTTP request", code="invalid_http")
+            self.transport.write(_error_response(error))
+            self.transport.close()
+
+    return BoundedHttpToolsProtocol
+
+
+def _error_response(error: GatewayError) -> bytes:
+    body = error.body()
+    head: list[Any] = [
+        f"HTTP/1.1 {error.status} {_REASONS.get(error.status, '')}\r\n".encode(),
+        b"content-type: application/json\r\n",
+        b"content-length: " + str(len(body)).encode() + b"\r\n",
+        b"connection: close\r\n\r\n",
+    ]
+    return b"".join(head) + body
+
+
+_REASONS = {400: "Bad Request", 431: "Request Header Fields Too Large"}

@@ -1,0 +1,115 @@
+"""Clients that leave, crowd in, or outlive the gateway: aborted, refused, or served to the end.
+
+Redis going away under load is covered by tests/test_redis_faults.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+
+from gateway.fleet import EmulatedFleet
+from loadtest import faults
+from tests.conftest import MODEL
+from tests.support import GatewayProcess
+from tests.words import words
+
+
+def test_clients_that_hang_up_abort_their_generation_at_once() -> None:
+    result = asyncio.run(faults.clients_disconnect())
+    facts = result.facts
+    assert facts["stopped"]
+    # Every abandoned request, streamed or not, was aborted by the replica within 100 ms of its
+    # client hanging up, and counted by the gateway as a disconnect.
+    assert facts["aborted"] == facts["hung_up"] == facts["disconnects_counted"] == 20
+    assert facts["abort_seconds"] < 0.1
+
+
+def test_overload_is_refused_with_429_and_retry_after_and_memory_stays_flat() -> None:
+    result = asyncio.run(faults.overload())
+    tally, facts = result.tally, result.facts
+    assert tally.lost == 0, tally.lost_reasons
+    assert set(tally.statuses) == {200, 429}
+    assert tally.statuses[200] >= 5 * 16  # the bound and the queue are served every burst
+    assert facts["refused"] == facts["refused_counted"] == facts["with_retry_after"] > 0
+    assert tally.ok + tally.failed == tally.sent == 1000
+    # 1,000 requests refused or served leave the process within 8 MiB of where it started.
+    assert facts["rss_growth_mib"] < 8
+    assert facts["in_flight_after"] == 0
+
+
+def test_sigterm_lets_every_running_stream_finish() -> None:
+    result = asyncio.run(faults.sigterm_during_streams())
+    tally, facts = result.tally, result.facts
+    assert facts["ready_after_signal"] == 503  # readiness went first
+    assert tally.ok == tally.sent == 12, tally.lost_reasons
+    assert facts["streams_done_s"] < 10  # within the grace period
+    assert facts["exited"]
+
+
+def test_a_stream_outliving_the_shutdown_grace_ends_with_an_sse_error() -> None:
+    args = ("--shutdown-grace", "1")
+    with (
+        EmulatedFleet(1, MODEL, ["--decode-ms-per-token", "10"]) as fleet,
+        GatewayProcess(fleet.urls, *args) as gateway,
+    ):
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": words(20)}],
+            "max_tokens": 400,  # four seconds
+            "stream": True,
+        }
+        events: list[str] = []
+        with httpx.stream(
+            "POST", gateway.url + "/v1/chat/completions", json=body, timeout=20
+        ) as response:
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    if not events:
+                        os.kill(gateway.pid, signal.SIGTERM)
+                        signalled = time.monotonic()
+                    events.append(line)
+        ended = time.monotonic() - signalled
+        assert not gateway.running or _exits(gateway)
+        replica = fleet.replicas[0]
+        aborted = replica.metric("vllm:request_success_total", finished_reason="abort")
+    assert '"code":"shutting_down"' in events[-1]
+    assert 20 < len(events) < 300
+    assert 0.9 < ended < 3.0
+    assert aborted == 1  # and the replica stopped generating for it
+
+
+def test_new_connections_are_refused_once_the_listener_closed() -> None:
+    with (
+        EmulatedFleet(1, MODEL) as fleet,
+        GatewayProcess(fleet.urls, "--shutdown-delay", "0.6") as gateway,
+    ):
+        os.kill(gateway.pid, signal.SIGTERM)
+        time.sleep(0.2)
+        during = httpx.get(gateway.url + "/ready")
+        served = httpx.post(
+            gateway.url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+        )
+        assert _exits(gateway)
+        try:
+            httpx.get(gateway.url + "/ready", timeout=1)
+            refused = False
+        except httpx.ConnectError:
+            refused = True
+    assert during.status_code == 503 and during.json()["shutting_down"] is True
+    assert served.status_code == 200  # still serving during the delay
+    assert refused
+
+
+def _exits(gateway: GatewayProcess, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while gateway.running:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
