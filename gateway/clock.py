@@ -10,8 +10,8 @@ class Clock(Protocol):
     def __call__(self) -> float: ...
 
 
-def monotonic() -> float:
-    return time.monotonic()
+# The C function itself, not a wrapper: it is read several times per request.
+monotonic: Clock = time.monotonic
 
 
 class ManualClock:
