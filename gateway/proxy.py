@@ -22,7 +22,6 @@ import math
 import random
 import time
 import uuid
-from collections.abc import Awaitable
 from email.utils import parsedate_to_datetime
 
 import aiohttp
@@ -35,7 +34,6 @@ from gateway.errors import (
     Overloaded,
     RequestTimeout,
     ShuttingDown,
-    UpstreamFailed,
     UpstreamTimeout,
     sse_error,
 )
@@ -44,37 +42,23 @@ from gateway.exchange import (
     CLIENT_STALLED,
     DISCONNECTED,
     FIRST_BYTE,
-    IDLE,
     TOTAL,
     DeadlineWatch,
     Exchange,
 )
 from gateway.health import Health
 from gateway.metrics import Metrics
-from gateway.observe import Observation, StreamObserver, observe_body
+from gateway.observe import Observation
 from gateway.overload import Admission
 from gateway.parsing import ENDPOINTS, parse_request
+from gateway.relay import BeforeFirstByte, Relay, first_byte_missed, stream_timeout
 from gateway.router import RoutedRequest, Router
-from gateway.upstream import (
-    UPSTREAM_EXCEPTIONS,
-    Upstream,
-    UpstreamError,
-    response_headers,
-    upstream_error,
-)
+from gateway.upstream import Upstream, UpstreamError, response_headers
 
 log = logging.getLogger("gateway.proxy")
 
 _RETRY_STATUSES = frozenset({429, 502, 503, 504})
 _RETRY_AFTER = (b"retry-after", b"1")
-
-
-class _BeforeFirstByte(Exception):
-    """An attempt failed after the replica's headers but before anything reached the client."""
-
-    def __init__(self, failure: UpstreamError) -> None:
-        super().__init__(failure.cause)
-        self.failure = failure
 
 
 class ProxyHandler:
@@ -101,6 +85,7 @@ class ProxyHandler:
         self.deadlines = DeadlineWatch(
             min(self._first_byte_timeout, self._idle_timeout, self._request_timeout)
         )
+        self._relay = Relay(metrics, self._first_byte_timeout, self._idle_timeout, self._failed)
 
     def start(self) -> None:
         self.deadlines.start()
@@ -265,11 +250,13 @@ class ProxyHandler:
                         if retry is not None:
                             pause = retry
                             continue
+                    out_headers = response_headers(response.raw_headers)
+                    out_headers.extend(self._gateway_headers(routed, request_id))
                     try:
                         return await self._relay(
-                            routed, exchange, response, request_id, started, send
+                            routed, exchange, response, out_headers, started, send
                         )
-                    except _BeforeFirstByte as early:
+                    except BeforeFirstByte as early:
                         retry = await self._failed_attempt(routed, early.failure)
                         if retry is not None:
                             pause = retry
@@ -287,125 +274,10 @@ class ProxyHandler:
         try:
             return await self.upstream.send(url, body, outgoing)
         except asyncio.CancelledError:
-            missed = self._first_byte_missed(exchange)
+            missed = first_byte_missed(exchange, self._first_byte_timeout)
             if missed is None:
                 raise
             raise missed from None
-
-    async def _first_read(self, exchange: Exchange, read: Awaitable[bytes]) -> bytes:
-        """The first read of a body: its failures still leave the request free to fail over."""
-        try:
-            return await read
-        except asyncio.CancelledError:
-            missed = self._first_byte_missed(exchange)
-            if missed is None:
-                raise
-            raise _BeforeFirstByte(missed) from None
-        except UPSTREAM_EXCEPTIONS as exc:
-            raise _BeforeFirstByte(upstream_error(exc)) from exc
-
-    def _first_byte_missed(self, exchange: Exchange) -> UpstreamError | None:
-        """The failure when a cancellation is the first-byte timeout (None otherwise)."""
-        if exchange.reason != FIRST_BYTE:
-            return None
-        exchange.resume()
-        return UpstreamError(
-            "timeout",
-            UpstreamTimeout(
-                f"upstream sent nothing within {self._first_byte_timeout:g} s",
-                code="first_byte_timeout",
-            ),
-        )
-
-    async def _relay(
-        self,
-        routed: RoutedRequest,
-        exchange: Exchange,
-        response: aiohttp.ClientResponse,
-        request_id: str,
-        started: float,
-        send: Send,
-    ) -> tuple[int, Observation]:
-        out_headers = response_headers(response.raw_headers)
-        out_headers.extend(self._gateway_headers(routed, request_id))
-        status = response.status
-        if routed.input.stream and status == 200:
-            return await self._relay_stream(routed, exchange, response, out_headers, started, send)
-        payload = await self._first_read(exchange, response.read())
-        exchange.done = True
-        backend_name = routed.backend.name
-        routed.first_byte_at = time.perf_counter()
-        self.metrics.first_byte_seconds.labels(backend_name).observe(routed.first_byte_at - started)
-        out_headers.append((b"content-length", str(len(payload)).encode()))
-        exchange.begun = True
-        await send({"type": "http.response.start", "status": status, "headers": out_headers})
-        await send({"type": "http.response.body", "body": payload})
-        self.metrics.duration_seconds.labels(backend_name).observe(time.perf_counter() - started)
-        return status, observe_body(payload) if status == 200 else Observation()
-
-    async def _relay_stream(
-        self,
-        routed: RoutedRequest,
-        exchange: Exchange,
-        response: aiohttp.ClientResponse,
-        out_headers: list[tuple[bytes, bytes]],
-        started: float,
-        send: Send,
-    ) -> tuple[int, Observation]:
-        """Relay chunks as they come; the response to the client begins with the first one."""
-        content = response.content
-        chunk = await self._first_read(exchange, content.readany())
-        backend = routed.backend
-        routed.first_byte_at = time.perf_counter()
-        self.metrics.first_byte_seconds.labels(backend.name).observe(routed.first_byte_at - started)
-        idle = self._idle_timeout
-        clock = time.monotonic
-        exchange.expect(IDLE, idle)
-        observer = StreamObserver()
-        exchange.begun = exchange.streaming = True
-        await send({"type": "http.response.start", "status": 200, "headers": out_headers})
-        failure: tuple[str, GatewayError] | None = None
-        last = b""
-        try:
-            while chunk:
-                try:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                except asyncio.CancelledError:
-                    if exchange.reason == IDLE:
-                        exchange.reason = CLIENT_STALLED
-                    raise
-                observer.feed(chunk)
-                last = chunk
-                chunk = await content.readany()
-                exchange.due = clock() + idle
-        except asyncio.CancelledError:
-            reason = exchange.reason
-            if reason not in (IDLE, TOTAL):
-                raise
-            exchange.resume()
-            failure = _stream_timeout(reason, idle)
-        except UPSTREAM_EXCEPTIONS as exc:
-            failure = (
-                "stream_broken",
-                UpstreamFailed(
-                    f"the upstream response broke off: {type(exc).__name__}", code="stream_broken"
-                ),
-            )
-        exchange.done = True
-        if failure is None:
-            await send({"type": "http.response.body", "body": b""})
-            self.metrics.duration_seconds.labels(backend.name).observe(
-                time.perf_counter() - started
-            )
-            return 200, observer.seen
-        cause, error = failure
-        self._failed(backend, cause, blame=cause != "request_timeout")
-        # An event cut in the middle is closed first, so that the error is an event of its own.
-        tail = sse_error(error)
-        if not last.endswith((b"\n\n", b"\r\n\r\n")):
-            tail = b"\n\n" + tail
-        await send({"type": "http.response.body", "body": tail})
-        return error.status, observer.seen
 
     async def _failed_attempt(self, routed: RoutedRequest, failure: UpstreamError) -> float | None:
         self._failed(routed.backend, failure.cause)
@@ -466,7 +338,7 @@ class ProxyHandler:
         if reason is None:
             error = ShuttingDown("the gateway is shutting down", code="shutting_down")
         elif reason == TOTAL:
-            error = _stream_timeout(TOTAL, self._request_timeout)[1]
+            error = stream_timeout(TOTAL, self._request_timeout)[1]
         else:
             error = UpstreamTimeout("upstream timed out", code=f"{reason}_timeout")
         try:
@@ -508,15 +380,6 @@ class ProxyHandler:
             cookie = f"{self.settings.sticky_cookie}={routed.issued_session}"
             headers.append((b"set-cookie", f"{cookie}; Path=/; HttpOnly; SameSite=Lax".encode()))
         return headers
-
-
-def _stream_timeout(reason: str, seconds: float) -> tuple[str, GatewayError]:
-    """The metric cause and the error of a response that ran out of time once begun."""
-    if reason == TOTAL:
-        message = f"the request took longer than {seconds:g} s"
-        return "request_timeout", UpstreamTimeout(message, code="request_timeout")
-    message = f"upstream sent nothing for {seconds:g} s"
-    return "stream_idle", UpstreamTimeout(message, code="stream_idle_timeout")
 
 
 def _retry_after(value: str | None) -> float | None:

@@ -55,6 +55,15 @@ class Tally:
         self.lost_reasons.extend(other.lost_reasons)
 
 
+@dataclass
+class Result:
+    scenario: str
+    tally: Tally
+    faults: str
+    """What was injected, in words with counts."""
+    facts: dict[str, float] = field(default_factory=dict)
+
+
 def chat_body(tag: str, stream: bool, max_tokens: int = 8, words: int = 40) -> dict[str, object]:
     prompt = " ".join(f"{tag}w{index}" for index in range(words))
     return {

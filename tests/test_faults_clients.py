@@ -13,14 +13,14 @@ import time
 import httpx
 
 from gateway.fleet import EmulatedFleet
-from loadtest import faults
+from loadtest import fault_clients
 from tests.conftest import MODEL
 from tests.support import GatewayProcess
 from tests.words import words
 
 
 def test_clients_that_hang_up_abort_their_generation_at_once() -> None:
-    result = asyncio.run(faults.clients_disconnect())
+    result = asyncio.run(fault_clients.clients_disconnect())
     facts = result.facts
     assert facts["stopped"]
     # Every abandoned request, streamed or not, was aborted by the replica within 100 ms of its
@@ -30,7 +30,7 @@ def test_clients_that_hang_up_abort_their_generation_at_once() -> None:
 
 
 def test_overload_is_refused_with_429_and_retry_after_and_memory_stays_flat() -> None:
-    result = asyncio.run(faults.overload())
+    result = asyncio.run(fault_clients.overload())
     tally, facts = result.tally, result.facts
     assert tally.lost == 0, tally.lost_reasons
     assert set(tally.statuses) == {200, 429}
@@ -43,7 +43,7 @@ def test_overload_is_refused_with_429_and_retry_after_and_memory_stays_flat() ->
 
 
 def test_sigterm_lets_every_running_stream_finish() -> None:
-    result = asyncio.run(faults.sigterm_during_streams())
+    result = asyncio.run(fault_clients.sigterm_during_streams())
     tally, facts = result.tally, result.facts
     assert facts["ready_after_signal"] == 503  # readiness went first
     assert tally.ok == tally.sent == 12, tally.lost_reasons

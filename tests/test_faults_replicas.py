@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from loadtest import faults
+from loadtest import fault_replicas
 from tests.conftest import MODEL
 from tests.fault_servers import FaultServer
 from tests.support import GatewayProcess, metric_value
@@ -21,7 +21,7 @@ from tests.words import words
 
 
 def test_a_replica_killed_mid_run_fails_no_plain_request_and_comes_back() -> None:
-    result = asyncio.run(faults.replica_killed())
+    result = asyncio.run(fault_replicas.replica_killed())
     tally, facts = result.tally, result.facts
     assert tally.lost == 0, tally.lost_reasons
     assert tally.failed_plain == 0  # every non-streamed request failed over
@@ -34,7 +34,7 @@ def test_a_replica_killed_mid_run_fails_no_plain_request_and_comes_back() -> Non
 
 
 def test_a_stalled_replica_times_out_onto_another() -> None:
-    result = asyncio.run(faults.replica_stalls())
+    result = asyncio.run(fault_replicas.replica_stalls())
     tally, facts = result.tally, result.facts
     assert tally.lost == 0 and tally.failed == 0, tally.lost_reasons
     assert tally.ok == tally.sent > 100
@@ -45,7 +45,7 @@ def test_a_stalled_replica_times_out_onto_another() -> None:
 
 
 def test_replicas_answering_500_garbage_or_cut_responses_give_clean_counted_errors() -> None:
-    result = asyncio.run(faults.replicas_misbehave())
+    result = asyncio.run(fault_replicas.replicas_misbehave())
     tally, facts = result.tally, result.facts
     assert tally.lost == 0, tally.lost_reasons
     assert set(tally.statuses) <= {200, 500}
