@@ -16,6 +16,7 @@ gateway processes):
     python loadtest/redis_bench.py                 # all three
     python loadtest/redis_bench.py lookup --samples 2000
     python loadtest/redis_bench.py fleet --gateways 1,2,3,4 --local-gateways 3,4
+    python loadtest/redis_bench.py fleet --gateway-args "--scrape-interval 0"
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import asyncio
 import contextlib
 import itertools
 import random
+import shlex
 import string
 import sys
 import time
@@ -305,13 +307,14 @@ def fleet(args: argparse.Namespace) -> None:
         f"# conversation workload (seed {args.seed}, scale {args.scale}): {len(sessions)} six-turn "
         f"conversations; 4 emulated replicas, {args.cache_blocks} cache blocks of 16 tokens, "
         f"prefill 50 us/token, decode 0.2 ms/token; {args.concurrency} concurrent conversations "
-        f"started 50 ms apart; each request to the next gateway in rotation"
+        f"started 50 ms apart; each request to the next gateway in rotation; gateway flags: "
+        f"{args.gateway_args or '(defaults)'}"
     )
     print(
         "| gateways | prefix index | requests | failed | hit rate | later turns on turn 1's "
-        "replica | routes |"
+        "replica | routes | Redis fallbacks |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     plans = [(count, "redis") for count in args.gateways] + [
         (count, "local") for count in args.local_gateways
     ]
@@ -321,17 +324,21 @@ def fleet(args: argparse.Namespace) -> None:
             EmulatedFleet(4, MODEL, emulator_args) as replicas,
             contextlib.ExitStack() as stack,
         ):
-            extra = ("--redis-url", server.url) if state == "redis" else ()
-            urls = [
-                stack.enter_context(GatewayProcess(replicas.urls, *extra)).url for _ in range(count)
+            extra = [*shlex.split(args.gateway_args)]
+            if state == "redis":
+                extra += ["--redis-url", server.url]
+            gateways = [
+                stack.enter_context(GatewayProcess(replicas.urls, *extra)) for _ in range(count)
             ]
+            urls = [gateway.url for gateway in gateways]
             run = asyncio.run(drive(urls, sessions, args.concurrency, 0.05))
+            fallbacks = sum(gateway.metric("gateway_redis_fallbacks_total") for gateway in gateways)
         routes = ", ".join(f"{name} {number}" for name, number in sorted(run.routes.items()))
         home = run.later_turns_home / run.later_turns if run.later_turns else 0.0
         label = "shared in Redis" if state == "redis" else "in each gateway's memory"
         print(
             f"| {count} | {label} | {run.requests} | {run.failed} "
-            f"| {run.cached / run.prompt:.1%} | {home:.1%} | {routes} |",
+            f"| {run.cached / run.prompt:.1%} | {home:.1%} | {routes} | {fallbacks:.0f} |",
             flush=True,
         )
 
@@ -428,6 +435,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=1000)
     parser.add_argument("--gateways", default="1,2,3,4")
     parser.add_argument("--local-gateways", default="1,3,4")
+    parser.add_argument("--gateway-args", default="", help="extra flags for every gateway")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--cache-blocks", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=1)
