@@ -28,6 +28,20 @@ class HTTPClientError(Exception):
         self.cause = cause
 
 
+class Headers:
+    """Case-insensitive look-up over a response's raw header list."""
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        self._raw = raw
+
+    def get(self, name: str, default: str | None = None) -> str | None:
+        wanted = name.lower().encode("latin-1")
+        for key, value in self._raw:
+            if key.lower() == wanted:
+                return value.decode("latin-1")
+        return default
+
+
 class Response:
     def __init__(self, connection: _Connection) -> None:
         self._connection = connection
@@ -41,24 +55,39 @@ class Response:
         self.complete = False
         self._error: HTTPClientError | None = None
 
+    @property
+    def headers(self) -> Headers:
+        return Headers(self.raw_headers)
+
+    @property
+    def content(self) -> Response:
+        """The body as a stream (`readany`), as aiohttp's responses offer it."""
+        return self
+
     async def read(self) -> bytes:
-        parts = [chunk async for chunk in self.iter_chunks()]
+        parts = []
+        while chunk := await self.readany():
+            parts.append(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def iter_chunks(self, idle_timeout: float | None = None) -> AsyncIterator[bytes]:
         """Body chunks as they arrive; `idle_timeout` bounds the wait for each one."""
+        while chunk := await self.readany(idle_timeout):
+            yield chunk
+
+    async def readany(self, idle_timeout: float | None = None) -> bytes:
+        """The next chunk of the body as soon as there is one; b"" once it has ended."""
         while True:
             if self._chunks:
                 chunk = self._chunks.popleft()
                 self._buffered -= len(chunk)
                 if self._buffered < _HIGH_WATER:
                     self._connection.resume()
-                yield chunk
-                continue
+                return chunk
             if self._error is not None:
                 raise self._error
             if self.complete:
-                return
+                return b""
             self._waiter = self._connection.loop.create_future()
             timer = None
             if idle_timeout is not None:
@@ -288,7 +317,9 @@ class ConnectionPool:
         )
         try:
             await response.started
-        except HTTPClientError:
+        except BaseException:
+            # Failed, timed out or cancelled (a client that left): the replica must see the
+            # connection close, so that it stops working on the request.
             connection.close()
             raise
         finally:
