@@ -59,8 +59,10 @@ class Components:
         upstream = Upstream(
             settings.connect_timeout, settings.upstream_api_key, settings.forward_client_auth
         )
+        # Probes and model listings carry the replicas' key too (vLLM guards /v1/models).
         probes = httpx.AsyncClient(
-            timeout=httpx.Timeout(settings.health_timeout, connect=settings.connect_timeout)
+            timeout=httpx.Timeout(settings.health_timeout, connect=settings.connect_timeout),
+            headers=_bearer(settings.upstream_api_key),
         )
         health = Health(
             pool,
@@ -110,3 +112,7 @@ class Components:
         await self.probes.aclose()
         if self.redis is not None:
             await self.redis.close()
+
+
+def _bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"} if key else {}

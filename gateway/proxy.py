@@ -16,6 +16,7 @@ slot are released on every path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -114,6 +115,15 @@ class ProxyHandler:
         self.deadlines.add(exchange)
         try:
             await self._handle(scope, receive, send, headers, request_id, exchange)
+        except asyncio.CancelledError:
+            # The server cancels what still runs when its shutdown grace ends. The task is
+            # ending anyway: answer what can be answered and end it without an error.
+            if exchange.reason is not None:
+                raise
+            if not exchange.begun:
+                ending = ShuttingDown("the gateway is shutting down", code="shutting_down")
+                with contextlib.suppress(Exception):
+                    await send_error(send, ending, [(b"x-request-id", request_id.encode())])
         finally:
             exchange.done = True
             self.deadlines.discard(exchange)
@@ -194,15 +204,11 @@ class ProxyHandler:
         seen: Observation | None = None
         try:
             status, seen = await self._attempts(routed, body, outgoing, request_id, exchange, send)
-            if status == 200 and seen is not None:
-                await self._learn(routed, seen)
         except asyncio.CancelledError:
-            if exchange.reason is None:
-                # The server cancels what is still running when its shutdown grace ends.
-                status = await self._cut_short(routed, exchange, request_id, send, None)
-                raise
             reason = exchange.reason
-            exchange.resume()
+            if reason is not None:
+                exchange.resume()
+            # A cancellation with no reason is the server's, at the end of its shutdown grace.
             status = await self._cut_short(routed, exchange, request_id, send, reason)
         finally:
             exchange.done = True
@@ -211,6 +217,8 @@ class ProxyHandler:
                 routed.input.model, routed.backend.name, routed.route.value, str(status)
             ).inc()
             self.access_log.answered(routed, status, seen, request_id, began)
+        if status == 200 and seen is not None:
+            await self._learn(routed, seen)
 
     async def _attempts(
         self,
@@ -330,6 +338,7 @@ class ProxyHandler:
         reason: str | None,
     ) -> int:
         """Finish a request interrupted by its client, a deadline or the server's shutdown."""
+        completing = exchange.done and exchange.begun  # its last bytes are on their way
         exchange.done = True
         if reason in (DISCONNECTED, CLIENT_STALLED):
             self.metrics.client_disconnects.labels(routed.input.model).inc()
@@ -341,13 +350,14 @@ class ProxyHandler:
             error = stream_timeout(TOTAL, self._request_timeout)[1]
         else:
             error = UpstreamTimeout("upstream timed out", code=f"{reason}_timeout")
+        if completing or (exchange.begun and not exchange.streaming):
+            return error.status
         try:
-            if not exchange.begun:
-                await send_error(send, error, self._gateway_headers(routed, request_id))
-            elif exchange.streaming:
+            if exchange.begun:
                 await send({"type": "http.response.body", "body": b"\n\n" + sse_error(error)})
             else:
-                return error.status
+                exchange.begun = True
+                await send_error(send, error, self._gateway_headers(routed, request_id))
         except Exception:  # the connection is already gone
             log.debug("could not tell the client why its request ended", exc_info=True)
         return error.status

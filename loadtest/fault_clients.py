@@ -74,6 +74,7 @@ async def clients_disconnect(streams: int = 16, plain: int = 4) -> Result:
         abort_seconds = time.monotonic() - hung_up
         aborted = replica.metric("vllm:request_success_total", finished_reason="abort")
         disconnects = gateway.metric("gateway_client_disconnects_total")
+        in_flight = gateway.metric("gateway_backend_in_flight")
     tally.sent += plain
     return Result(
         "clients disconnect mid-stream",
@@ -85,6 +86,7 @@ async def clients_disconnect(streams: int = 16, plain: int = 4) -> Result:
             "disconnects_counted": disconnects,
             "stopped": stopped,
             "abort_seconds": abort_seconds,
+            "in_flight_after": in_flight,
         },
     )
 

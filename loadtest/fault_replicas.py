@@ -60,6 +60,7 @@ async def replica_killed() -> Result:
                 text, "gateway_upstream_errors_total", cause="stream_broken"
             ),
             "retries": metric_value(text, "gateway_upstream_retries_total"),
+            "in_flight_after": metric_value(text, "gateway_backend_in_flight"),
         },
     )
 
@@ -101,6 +102,7 @@ async def replica_stalls() -> Result:
             ),
             "ejected": ejected,
             "ejected_after_s": ejected_after,
+            "in_flight_after": metric_value(text, "gateway_backend_in_flight"),
         },
     )
 
@@ -150,5 +152,6 @@ async def replicas_misbehave() -> Result:
             "protocol_retries": metric_value(
                 text, "gateway_upstream_retries_total", cause="protocol"
             ),
+            "in_flight_after": metric_value(text, "gateway_backend_in_flight"),
         },
     )

@@ -49,6 +49,8 @@ class FaultServer:
     port: int = 0
     seen: list[Request] = field(default_factory=list)
     probes: int = 0
+    probe_headers: dict[str, str] = field(default_factory=dict)
+    """The headers of the last health probe."""
     stalled: int = 0
     """Inference requests left unanswered (mode `stall`)."""
     cut: int = 0
@@ -117,6 +119,7 @@ class FaultServer:
                     return
                 if request.method == "GET" and request.path == "/health":
                     self.probes += 1
+                    self.probe_headers = request.headers
                     if self.mode == "stall":
                         await asyncio.Event().wait()
                     await _respond(writer, 200, b"")

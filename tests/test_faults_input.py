@@ -86,6 +86,8 @@ def test_replicas_see_the_gateway_credentials_not_the_clients(
     assert _post(guarded, _chat(), key=KEYS[0]).status_code == 200
     (request,) = replica.seen[before:]
     assert request.headers["authorization"] == f"Bearer {UPSTREAM_KEY}"
+    # Probes carry it too: vLLM started with --api-key guards /v1/models.
+    assert replica.probe_headers["authorization"] == f"Bearer {UPSTREAM_KEY}"
 
 
 @pytest.mark.parametrize(("forward", "expected"), [(False, None), (True, "Bearer client-key")])

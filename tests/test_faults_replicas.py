@@ -31,6 +31,7 @@ def test_a_replica_killed_mid_run_fails_no_plain_request_and_comes_back() -> Non
     assert tally.ok + tally.failed == tally.sent > 100
     assert facts["ejected"] and facts["readmitted"]
     assert facts["served_after_return"] > 0
+    assert facts["in_flight_after"] == 0  # every lease was given back, failures included
 
 
 def test_a_stalled_replica_times_out_onto_another() -> None:
@@ -42,6 +43,7 @@ def test_a_stalled_replica_times_out_onto_another() -> None:
     assert facts["stalled"] >= 1
     assert facts["timeouts"] == facts["timeout_retries"] == facts["stalled"]
     assert facts["ejected"]
+    assert facts["in_flight_after"] == 0
 
 
 def test_replicas_answering_500_garbage_or_cut_responses_give_clean_counted_errors() -> None:
@@ -59,6 +61,7 @@ def test_replicas_answering_500_garbage_or_cut_responses_give_clean_counted_erro
     # A stream cut after its first byte ends with an SSE error event, counted.
     assert tally.failed_streams == facts["broken_streams"] > 0
     assert tally.ok + tally.failed == tally.sent
+    assert facts["in_flight_after"] == 0
 
 
 def _chat(url: str, tag: object = "") -> httpx.Response:
