@@ -7,6 +7,7 @@ no HTTP; the proxy calls it.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import math
 import time
@@ -218,10 +219,13 @@ class Router:
         candidates = self._candidates(request.model)
         hashes = chain_hashes(request.canonical, self._block_chars)
         affinity_key = self.affinity_key(request)
-        matched = await self.index.match(request.model, hashes)
-        sticky = None
-        if request.session_key is not None:
-            sticky = await self.sessions.get(request.session_key)
+        if request.session_key is None:
+            matched = await self.index.match(request.model, hashes)
+            return candidates, hashes, affinity_key, matched, None
+        # Both at once: with Redis they are two round trips that need not wait for each other.
+        matched, sticky = await asyncio.gather(
+            self.index.match(request.model, hashes), self.sessions.get(request.session_key)
+        )
         return candidates, hashes, affinity_key, matched, sticky
 
     def _follow(
