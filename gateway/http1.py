@@ -10,6 +10,7 @@ fraction of a general client's CPU per request (see docs/benchmarks.md).
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from typing import cast
@@ -18,6 +19,9 @@ from urllib.parse import urlsplit
 import httptools
 
 _HIGH_WATER = 1 << 20
+
+Target = tuple[str, int, bool]
+"""Host, port, and whether the connection uses TLS."""
 
 
 class HTTPClientError(Exception):
@@ -136,7 +140,7 @@ class Response:
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, pool: ConnectionPool, key: tuple[str, int]) -> None:
+    def __init__(self, pool: ConnectionPool, key: Target) -> None:
         self.pool = pool
         self.key = key
         self.loop = asyncio.get_running_loop()
@@ -224,17 +228,21 @@ class ConnectionPool:
     def __init__(self, connect_timeout: float, max_idle_per_host: int = 256) -> None:
         self._connect_timeout = connect_timeout
         self._max_idle = max_idle_per_host
-        self._idle: dict[tuple[str, int], list[_Connection]] = {}
-        self._heads: dict[str, tuple[tuple[str, int], bytes]] = {}
+        self._idle: dict[Target, list[_Connection]] = {}
+        self._heads: dict[str, tuple[Target, bytes]] = {}
+        self._tls: ssl.SSLContext | None = None
 
     async def post(
         self,
         url: str,
         headers: Iterable[tuple[bytes, bytes]],
         body: bytes,
-        first_byte_timeout: float,
+        first_byte_timeout: float | None = None,
     ) -> Response:
-        """POST `body` to `url`; returns once the response's status and headers are in."""
+        """POST `body` to `url`; returns once the response's status and headers are in.
+
+        Without `first_byte_timeout` the caller bounds the wait (by cancelling it).
+        """
         key, head = self._target(url)
         request = b"".join(
             [
@@ -271,19 +279,20 @@ class ConnectionPool:
                 connection.close()
         self._idle.clear()
 
-    def _target(self, url: str) -> tuple[tuple[str, int], bytes]:
+    def _target(self, url: str) -> tuple[Target, bytes]:
         cached = self._heads.get(url)
         if cached is None:
             parts = urlsplit(url)
-            if parts.scheme != "http" or not parts.hostname:
+            if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise HTTPClientError("config", f"unsupported upstream URL {url!r}")
-            port = parts.port or 80
+            tls = parts.scheme == "https"
+            port = parts.port or (443 if tls else 80)
             path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
             head = f"POST {path} HTTP/1.1\r\nhost: {parts.netloc}\r\n".encode()
-            cached = self._heads[url] = ((parts.hostname, port), head)
+            cached = self._heads[url] = ((parts.hostname, port, tls), head)
         return cached
 
-    def _take(self, key: tuple[str, int]) -> _Connection | None:
+    def _take(self, key: Target) -> _Connection | None:
         idle = self._idle.get(key)
         while idle:
             connection = idle.pop()
@@ -291,12 +300,16 @@ class ConnectionPool:
                 return connection
         return None
 
-    async def _connect(self, key: tuple[str, int]) -> _Connection:
+    async def _connect(self, key: Target) -> _Connection:
         loop = asyncio.get_running_loop()
+        host, port, tls = key
+        context = None
+        if tls:
+            context = self._tls = self._tls or ssl.create_default_context()
         try:
             async with asyncio.timeout(self._connect_timeout):
                 transport, protocol = await loop.create_connection(
-                    lambda: _Connection(self, key), key[0], key[1]
+                    lambda: _Connection(self, key), host, port, ssl=context
                 )
         except TimeoutError as exc:
             raise HTTPClientError("connect_timeout", f"connecting to {key} timed out") from exc
@@ -307,14 +320,16 @@ class ConnectionPool:
         return protocol
 
     async def _exchange(
-        self, connection: _Connection, request: bytes, first_byte_timeout: float
+        self, connection: _Connection, request: bytes, first_byte_timeout: float | None
     ) -> Response:
         response = connection.send(request)
-        timer = connection.loop.call_later(
-            first_byte_timeout,
-            response.fail,
-            HTTPClientError("first_byte_timeout", "upstream sent no response in time"),
-        )
+        timer = None
+        if first_byte_timeout is not None:
+            timer = connection.loop.call_later(
+                first_byte_timeout,
+                response.fail,
+                HTTPClientError("first_byte_timeout", "upstream sent no response in time"),
+            )
         try:
             await response.started
         except BaseException:
@@ -323,5 +338,6 @@ class ConnectionPool:
             connection.close()
             raise
         finally:
-            timer.cancel()
+            if timer is not None:
+                timer.cancel()
         return response

@@ -25,8 +25,6 @@ import time
 import uuid
 from email.utils import parsedate_to_datetime
 
-import aiohttp
-
 from gateway.access_log import AccessLog
 from gateway.asgi import Receive, Scope, Send, check_json_depth, header, read_body, send_error
 from gateway.backends import Backend
@@ -54,7 +52,7 @@ from gateway.overload import Admission
 from gateway.parsing import ENDPOINTS, parse_request
 from gateway.relay import BeforeFirstByte, Relay, first_byte_missed, stream_timeout
 from gateway.router import RoutedRequest, Router
-from gateway.upstream import Upstream, UpstreamError, response_headers
+from gateway.upstream import Upstream, UpstreamError, UpstreamResponse, response_headers
 
 log = logging.getLogger("gateway.proxy")
 
@@ -278,7 +276,7 @@ class ProxyHandler:
 
     async def _send(
         self, exchange: Exchange, url: str, body: bytes, outgoing: list[tuple[bytes, bytes]]
-    ) -> aiohttp.ClientResponse:
+    ) -> UpstreamResponse:
         try:
             return await self.upstream.send(url, body, outgoing)
         except asyncio.CancelledError:
@@ -292,7 +290,7 @@ class ProxyHandler:
         return await self._retry(routed, failure.cause)
 
     async def _retry(
-        self, routed: RoutedRequest, cause: str, response: aiohttp.ClientResponse | None = None
+        self, routed: RoutedRequest, cause: str, response: UpstreamResponse | None = None
     ) -> float | None:
         """The pause before trying the next candidate, or None when this failure is the answer."""
         settings = self.settings

@@ -12,8 +12,6 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
-import aiohttp
-
 from gateway.asgi import Send
 from gateway.backends import Backend
 from gateway.errors import GatewayError, UpstreamFailed, UpstreamTimeout, sse_error
@@ -21,7 +19,12 @@ from gateway.exchange import CLIENT_STALLED, FIRST_BYTE, IDLE, TOTAL, Exchange
 from gateway.metrics import Metrics
 from gateway.observe import Observation, StreamObserver, observe_body
 from gateway.router import RoutedRequest
-from gateway.upstream import UPSTREAM_EXCEPTIONS, UpstreamError, upstream_error
+from gateway.upstream import (
+    UPSTREAM_EXCEPTIONS,
+    UpstreamError,
+    UpstreamResponse,
+    upstream_error,
+)
 
 Failed = Callable[[Backend, str, bool], None]
 """Told of a failure of `backend` with a metric cause; True: held against its health."""
@@ -66,7 +69,7 @@ class Relay:
         self,
         routed: RoutedRequest,
         exchange: Exchange,
-        response: aiohttp.ClientResponse,
+        response: UpstreamResponse,
         out_headers: list[tuple[bytes, bytes]],
         started: float,
         send: Send,
@@ -93,7 +96,7 @@ class Relay:
         self,
         routed: RoutedRequest,
         exchange: Exchange,
-        response: aiohttp.ClientResponse,
+        response: UpstreamResponse,
         out_headers: list[tuple[bytes, bytes]],
         started: float,
         send: Send,

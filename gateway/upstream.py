@@ -1,9 +1,10 @@
 """The upstream HTTP client: pooled keep-alive connections to the replicas.
 
-aiohttp is used on the request path because it costs a third of httpx's CPU per proxied
-request here (see docs/benchmarks.md); httpx stays for probes. Low-level errors are mapped in
-one place (`upstream_error`) to the gateway's own, each with a short cause used as a metric
-label. Only the connect timeout is aiohttp's: the wait for the first byte, the idle gap inside a
+The request path uses the gateway's own HTTP/1.1 client (`gateway.http1`): it costs about half
+of aiohttp's CPU per proxied request here, and aiohttp a third of httpx's (see
+docs/benchmarks.md); httpx stays for probes. Low-level errors are mapped in one place
+(`upstream_error`) to the gateway's own, each with a short cause used as a metric label. Only
+the connect timeout is the client's: the wait for the first byte, the idle gap inside a
 response and the whole request's time are watched by the proxy (`gateway.proxy.DeadlineWatch`),
 which costs no timer per chunk.
 
@@ -15,9 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import aiohttp
-
 from gateway.errors import GatewayError, UpstreamFailed, UpstreamTimeout
+from gateway.http1 import ConnectionPool, HTTPClientError, Response
+
+UpstreamResponse = Response
 
 HOP_BY_HOP = frozenset(
     {
@@ -45,21 +47,31 @@ class UpstreamError(Exception):
         self.error = error
 
 
+_CAUSES = {
+    "connect": "connect",
+    "connect_timeout": "connect",
+    "closed": "protocol",
+    "protocol": "protocol",
+    "config": "protocol",
+}
+
+
 def upstream_error(exc: BaseException) -> UpstreamError:
     """The gateway's view of an exception raised while sending to or reading from a replica."""
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        return UpstreamError("connect", UpstreamFailed("timed out connecting to upstream"))
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return UpstreamError(
-            "connect", UpstreamFailed(f"cannot connect to upstream: {exc.strerror}")
-        )
+    if isinstance(exc, HTTPClientError):
+        if exc.cause in ("first_byte_timeout", "idle_timeout"):
+            return UpstreamError("timeout", UpstreamTimeout("upstream timed out"))
+        cause = _CAUSES.get(exc.cause, "protocol")
+        if cause == "connect":
+            return UpstreamError("connect", UpstreamFailed(str(exc)))
+        return UpstreamError("protocol", UpstreamFailed(f"upstream failed: {exc}"))
     if isinstance(exc, TimeoutError):
         return UpstreamError("timeout", UpstreamTimeout("upstream timed out"))
     return UpstreamError("protocol", UpstreamFailed(f"upstream failed: {type(exc).__name__}"))
 
 
-UPSTREAM_EXCEPTIONS = (aiohttp.ClientError, OSError, TimeoutError)
-"""What a send or a read may raise that `upstream_error` maps (OSError covers the timeouts)."""
+UPSTREAM_EXCEPTIONS = (HTTPClientError, OSError, TimeoutError)
+"""What a send or a read may raise that `upstream_error` maps."""
 
 
 class Upstream:
@@ -69,44 +81,31 @@ class Upstream:
         upstream_api_key: str = "",
         forward_client_auth: bool = False,
     ) -> None:
-        self._timeout = aiohttp.ClientTimeout(
-            total=None, connect=connect_timeout, sock_connect=connect_timeout, sock_read=None
-        )
+        self._connect_timeout = connect_timeout
         self._dropped = HOP_BY_HOP if forward_client_auth else HOP_BY_HOP | {b"authorization"}
-        self._added: list[tuple[str, str]] = []
+        self._added: list[tuple[bytes, bytes]] = []
         if upstream_api_key:
-            self._added.append(("Authorization", f"Bearer {upstream_api_key}"))
-        self._session: aiohttp.ClientSession | None = None
+            self._added.append((b"authorization", f"Bearer {upstream_api_key}".encode()))
+        self._pool: ConnectionPool | None = None
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=60)
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=self._timeout,
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
-            cookie_jar=aiohttp.DummyCookieJar(),
-        )
+        self._pool = ConnectionPool(self._connect_timeout)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        if self._pool is not None:
+            self._pool.close()
 
     async def send(
         self, url: str, body: bytes, headers: Iterable[tuple[bytes, bytes]]
-    ) -> aiohttp.ClientResponse:
+    ) -> UpstreamResponse:
         """POST `body` unchanged and return once the response headers have arrived."""
-        assert self._session is not None, "Upstream.start() was not awaited"
+        assert self._pool is not None, "Upstream.start() was not awaited"
         dropped = self._dropped
-        forwarded = [
-            (name.decode("latin-1"), value.decode("latin-1"))
-            for name, value in headers
-            if name not in dropped
-        ]
+        forwarded = [(name, value) for name, value in headers if name not in dropped]
         if self._added:
             forwarded.extend(self._added)
         try:
-            return await self._session.post(url, data=body, headers=forwarded)
+            return await self._pool.post(url, forwarded, body)
         except UPSTREAM_EXCEPTIONS as exc:
             raise upstream_error(exc) from exc
 
