@@ -29,6 +29,9 @@ class PrefixIndex(Protocol):
         ...
 
 
+_NEVER = float("-inf")
+
+
 class InMemoryPrefixIndex:
     def __init__(self, ttl: float, max_blocks: int, clock: Clock = monotonic) -> None:
         self._ttl = ttl
@@ -41,20 +44,31 @@ class InMemoryPrefixIndex:
         return len(self._blocks)
 
     async def match(self, model: str, hashes: Sequence[int]) -> dict[str, int]:
-        depths: dict[str, int] = {}
-        oldest = self._clock() - self._ttl
+        # Holding is monotone along a chain: a backend that holds block i holds every block
+        # before it, at least as recently (records cover whole prefixes, touching the deepest
+        # block first; eviction and `forget` cut from the end). So each backend's depth is a
+        # binary search: O(holders · log blocks) look-ups instead of a walk of the prompt.
+        if not hashes:
+            return {}
         blocks = self._blocks
-        for depth, block in enumerate(hashes):
-            holders = blocks.get((model, block))
-            if holders is None:
-                break
-            extended = False
-            for backend, touched in holders.items():
-                if touched >= oldest and depths.get(backend, 0) == depth:
-                    depths[backend] = depth + 1
-                    extended = True
-            if not extended:
-                break
+        root = blocks.get((model, hashes[0]))
+        if root is None:
+            return {}
+        oldest = self._clock() - self._ttl
+        last = len(hashes) - 1
+        depths: dict[str, int] = {}
+        for backend, touched in root.items():
+            if touched < oldest:
+                continue
+            low, high = 0, last
+            while low < high:
+                middle = (low + high + 1) // 2
+                holders = blocks.get((model, hashes[middle]))
+                if holders is not None and holders.get(backend, _NEVER) >= oldest:
+                    low = middle
+                else:
+                    high = middle - 1
+            depths[backend] = low + 1
         return depths
 
     async def record(self, model: str, backend: str, hashes: Sequence[int]) -> None:
