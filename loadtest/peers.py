@@ -6,14 +6,17 @@ repository and installs the peer there from PyPI.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import yaml
 
 from gateway.child import free_port
 
@@ -61,27 +64,68 @@ def _sglang_command(home: Path, policy: str, workers: Sequence[str], port: int) 
         str(port),
         "--policy",
         policy,
+        # Its metrics port is fixed by default: two peers side by side need their own.
+        "--prometheus-port",
+        str(free_port()),
         "--worker-urls",
         *workers,
+    ]
+
+
+def _litellm_command(home: Path, workers: Sequence[str], model: str, port: int) -> list[str]:
+    entries = [
+        {
+            "model_name": model,
+            "litellm_params": {
+                "model": f"openai/{model}",
+                "api_base": worker + "/v1",
+                "api_key": "unused",
+            },
+        }
+        for worker in workers
+    ]
+    config = Path(tempfile.mkdtemp()) / "litellm.yaml"
+    config.write_text(yaml.safe_dump({"model_list": entries}))
+    return [
+        str(home / "bin" / "litellm"),
+        "--config",
+        str(config),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--num_workers",
+        "1",
     ]
 
 
 PEERS = {
     "sglang-round_robin": ("sglang", "sglang-router", "round_robin"),
     "sglang-cache_aware": ("sglang", "sglang-router", "cache_aware"),
+    "litellm": ("litellm", "litellm[proxy]", ""),
 }
 
 
-def start_peer(name: str, workers: Sequence[str], model: str, timeout: float = 60.0) -> Peer:
+def start_peer(name: str, workers: Sequence[str], model: str, timeout: float = 180.0) -> Peer:
     if name not in PEERS:
         raise SystemExit(f"unknown peer {name!r}; choose from {', '.join(PEERS)}")
     kind, requirement, policy = PEERS[name]
     home = _venv(kind, requirement)
     port = free_port()
+    if kind == "litellm":
+        command = _litellm_command(home, workers, model, port)
+    else:
+        command = _sglang_command(home, policy, workers, port)
+    # LiteLLM reads its model price list from the package, not the network, and runs without
+    # a master key: a benchmark on loopback, whose clients send no key to any router.
+    env = {
+        **os.environ,
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        "LITELLM_TELEMETRY": "False",
+        "LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true",
+    }
     process = subprocess.Popen(
-        _sglang_command(home, policy, workers, port),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
