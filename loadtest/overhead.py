@@ -60,28 +60,41 @@ class Sequential:
 
     def __init__(self, url: str) -> None:
         host, port = url.removeprefix("http://").split(":")
-        self.connection = http.client.HTTPConnection(host, int(port))
+        self.host, self.port = host, int(port)
+        self._connect()
+
+    def _connect(self) -> None:
+        self.connection = http.client.HTTPConnection(self.host, self.port)
         self.connection.connect()
         # As a real client library does; without it small requests wait on delayed ACKs.
         assert self.connection.sock is not None
         self.connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def plain(self, tag: int) -> float:
-        started = time.perf_counter()
-        self.connection.request(
-            "POST", "/v1/chat/completions", body(False, tag), {"content-type": "application/json"}
-        )
-        response = self.connection.getresponse()
-        response.read()
-        assert response.status == 200, response.status
-        return time.perf_counter() - started
+        return self._timed(tag, stream=False)
 
     def first_chunk(self, tag: int) -> float:
+        return self._timed(tag, stream=True)
+
+    def _timed(self, tag: int, stream: bool) -> float:
+        try:
+            return self._once(tag, stream)
+        except (http.client.HTTPException, ConnectionError):
+            # A server closed the idle keep-alive connection: time the request on a new one.
+            self.connection.close()
+            self._connect()
+            return self._once(tag, stream)
+
+    def _once(self, tag: int, stream: bool) -> float:
         started = time.perf_counter()
         self.connection.request(
-            "POST", "/v1/chat/completions", body(True, tag), {"content-type": "application/json"}
+            "POST", "/v1/chat/completions", body(stream, tag), {"content-type": "application/json"}
         )
         response = self.connection.getresponse()
+        if not stream:
+            response.read()
+            assert response.status == 200, response.status
+            return time.perf_counter() - started
         first = response.read1(65536)
         elapsed = time.perf_counter() - started
         assert response.status == 200 and first, response.status
