@@ -40,6 +40,8 @@ class Tally:
     """Which backend answered (x-gateway-backend) the requests that were ok."""
     retry_after: int = 0
     """Error answers that carried a Retry-After header."""
+    streaming: Counter[str] = field(default_factory=Counter)
+    """Streams under way now, by the backend relaying them."""
     lost_reasons: list[str] = field(default_factory=list)
 
     def merge(self, other: Tally) -> None:
@@ -100,9 +102,13 @@ async def one_request(
                 tally.backends[backend] += 1
                 return
             last = ""
-            async for line in response.aiter_lines():
-                if line.startswith("data:"):
-                    last = line[5:].strip()
+            tally.streaming[backend] += 1
+            try:
+                async for line in response.aiter_lines():
+                    if line.startswith("data:"):
+                        last = line[5:].strip()
+            finally:
+                tally.streaming[backend] -= 1
             if last == "[DONE]":
                 tally.ok += 1
                 tally.backends[backend] += 1

@@ -36,8 +36,11 @@ async def replica_killed() -> Result:
         victim = fleet.replicas[0]
         name = _name(victim.url)
         tally, stop = Tally(), asyncio.Event()
-        load = asyncio.create_task(run_load(gateway.url, 8, stop, tally, max_tokens=30))
+        load = asyncio.create_task(run_load(gateway.url, 8, stop, tally, max_tokens=40))
         await asyncio.sleep(1.0)
+        # Killed while it relays two streams, so that one at least (they last 160 ms) is sure
+        # to break after its first byte.
+        await wait_for(lambda: tally.streaming[name] >= 2, 5, 0.002)
         victim.kill()
         ejected = await wait_for(lambda: _healthy(gateway, name) == 0, 5)
         await asyncio.sleep(0.5)

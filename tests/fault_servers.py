@@ -43,6 +43,8 @@ class FaultServer:
     cut_after: int = 2
     status: int = 503
     extra_headers: dict[str, str] = field(default_factory=dict)
+    gap: float = 0.005
+    """Seconds between two events of a stream."""
     answer: str = "fine"
     """The text of every answer (streamed: one event per word, with its index)."""
     host: str = "127.0.0.1"
@@ -176,7 +178,7 @@ class FaultServer:
             event = b"data: " + json.dumps(_chunk(f"{self.answer}{index} ")).encode() + b"\n\n"
             writer.write(b"%x\r\n%s\r\n" % (len(event), event))
             await writer.drain()
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(self.gap)
         if mode == "cut":
             self.cut += 1
             return False

@@ -1,6 +1,7 @@
 """Clients that leave, crowd in, or outlive the gateway: aborted, refused, or served to the end.
 
-Redis going away under load is covered by tests/test_redis_faults.py.
+Redis going away under load is covered by tests/test_redis_fleet.py
+(test_killing_redis_under_load_fails_no_request_and_sharing_resumes).
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ def test_oversized_headers_get_431_and_do_not_grow_the_process(guarded: GatewayP
 def test_malformed_http_gets_an_openai_400(guarded: GatewayProcess) -> None:
     with socket.create_connection(("127.0.0.1", guarded.port)) as raw:
         raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nbad header line\r\n\r\n")
-        reply = raw.recv(65536)
+        reply = _read_response(raw)
     head, _, body = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400 ")
     assert orjson.loads(body)["error"]["code"] == "invalid_http"
@@ -155,11 +155,23 @@ def test_body_limits(guarded: GatewayProcess) -> None:
             b"authorization: Bearer " + KEYS[0].encode() + b'\r\n\r\n{"model"'
         )
         began = time.monotonic()
-        reply = raw.recv(65536)
+        reply = _read_response(raw)
         waited = time.monotonic() - began
     assert reply.startswith(b"HTTP/1.1 408 ")
     assert 0.4 < waited < 3
     assert b'"code":"body_timeout"' in reply
+
+
+def _read_response(raw: socket.socket) -> bytes:
+    """One whole response with a Content-Length, however the bytes arrive."""
+    reply = raw.recv(65536)
+    while b"\r\n\r\n" not in reply:
+        reply += raw.recv(65536)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    while len(body) < length:
+        body += raw.recv(65536)
+    return head + b"\r\n\r\n" + body
 
 
 def test_prompts_and_answers_never_reach_logs_or_metrics(
