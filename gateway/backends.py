@@ -143,7 +143,12 @@ class BackendPool:
         if backend.healthy == healthy:
             return False
         backend.healthy = healthy
-        log.warning("backend %s is now %s", backend.name, "healthy" if healthy else "unhealthy")
+        log.log(
+            logging.INFO if healthy else logging.WARNING,
+            "backend %s is now %s",
+            backend.name,
+            "healthy" if healthy else "unhealthy",
+        )
         self.rebuild()
         return True
 
