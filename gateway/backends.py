@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Callable, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -152,16 +152,28 @@ class BackendPool:
         self.rebuild()
         return True
 
-    @contextmanager
-    def lease(self, backend: Backend) -> Iterator[Backend]:
+    def lease(self, backend: Backend) -> Lease:
         """Count a request in flight to `backend` for exactly as long as it runs."""
-        backend.in_flight += 1
-        try:
-            yield backend
-        finally:
-            backend.in_flight -= 1
-            if backend.idle is not None and backend.in_flight == 0:
-                backend.idle.set()
+        return Lease(backend)
+
+
+class Lease:
+    """`with pool.lease(backend):` — a class, not a generator: it is entered on every request."""
+
+    __slots__ = ("backend",)
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def __enter__(self) -> Backend:
+        self.backend.in_flight += 1
+        return self.backend
+
+    def __exit__(self, *exc_info: object) -> None:
+        backend = self.backend
+        backend.in_flight -= 1
+        if backend.idle is not None and backend.in_flight == 0:
+            backend.idle.set()
 
 
 def parse_backend_spec(spec: str) -> Backend:

@@ -18,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import math
+import os
 import random
 import time
 import uuid
@@ -60,6 +62,20 @@ _RETRY_STATUSES = frozenset({429, 502, 503, 504})
 _RETRY_AFTER = (b"retry-after", b"1")
 
 
+class RequestIds:
+    """Request ids unique across processes and restarts: a random prefix and a counter.
+
+    A quarter of the cost of a uuid4 on every request, and as unique for this purpose.
+    """
+
+    def __init__(self) -> None:
+        self._prefix = os.urandom(8).hex()
+        self._count = itertools.count()
+
+    def next(self) -> str:
+        return f"{self._prefix}{next(self._count):016x}"
+
+
 class ProxyHandler:
     def __init__(
         self,
@@ -85,6 +101,7 @@ class ProxyHandler:
             min(self._first_byte_timeout, self._idle_timeout, self._request_timeout)
         )
         self._relay = Relay(metrics, self._first_byte_timeout, self._idle_timeout, self._failed)
+        self._request_ids = RequestIds()
 
     def start(self) -> None:
         self.deadlines.start()
@@ -94,7 +111,7 @@ class ProxyHandler:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers: list[tuple[bytes, bytes]] = scope["headers"]
-        request_id = header(headers, b"x-request-id") or uuid.uuid4().hex
+        request_id = header(headers, b"x-request-id") or self._request_ids.next()
         admission = self.admission
         if not admission.try_enter():
             refused = await admission.enter()
