@@ -126,11 +126,12 @@ def _http_protocol(max_header_bytes: int) -> type[asyncio.Protocol] | str:
 
 
 class CoalescingTransport:
-    """A transport whose writes in one turn of the event loop go out as one system call.
+    """A transport that sends a response's head together with the first write that follows it.
 
     uvicorn writes a response's status line and headers, then its body, as two writes: two
-    system calls, the larger part of what a small response costs. Held until the end of the
-    loop's turn, they leave together; nothing waits longer than that turn.
+    system calls, a good part of what a small response costs. The head is held until the next
+    write (normally the body, a moment later) and both leave as one; a head with nothing after
+    it leaves at the end of the event loop's turn.
     """
 
     __slots__ = ("_loop", "_pending", "_transport")
@@ -138,25 +139,32 @@ class CoalescingTransport:
     def __init__(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
         self._loop = asyncio.get_running_loop()
-        self._pending: list[bytes] = []
+        self._pending: bytes | None = None
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        if not self._pending:
+        pending = self._pending
+        if pending is not None:
+            self._pending = None
+            self._transport.write(pending + bytes(data))
+        elif data[:9] == b"HTTP/1.1 ":
+            self._pending = bytes(data)
             self._loop.call_soon(self.flush)
-        self._pending.append(bytes(data))
+        else:
+            self._transport.write(data)
 
     def flush(self) -> None:
         pending = self._pending
-        if pending:
-            self._pending = []
-            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+        if pending is not None:
+            self._pending = None
+            self._transport.write(pending)
 
     def close(self) -> None:
         self.flush()
         self._transport.close()
 
     def get_write_buffer_size(self) -> int:
-        return self._transport.get_write_buffer_size() + sum(map(len, self._pending))
+        held = len(self._pending) if self._pending is not None else 0
+        return self._transport.get_write_buffer_size() + held
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
