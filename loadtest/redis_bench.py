@@ -57,6 +57,8 @@ from tests.redis_server import RedisServer
 from tests.support import GatewayProcess
 
 MODEL = "bench-model"
+# `gateway_affinity_misses_total` causes; a gateway counts a move only between turns it saw.
+MISS_CAUSES = ("load_bound", "index", "spread", "unhealthy", "failover")
 BACKENDS = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000")
 
 
@@ -176,6 +178,11 @@ async def redis_time_per_script(
     index = redis_store.RedisPrefixIndex(client, keys, 600, clock)
     times = {}
     for kind in ("lookup", "write", "refresh"):
+        if kind == "refresh":
+            # Every chain written once in the current period; the timed writes then find
+            # every block stamped already.
+            for chain in chains:
+                await index.record(MODEL, BACKENDS[2], chain)
         await client.config_resetstat()
         for chain in chains * 10:
             if kind == "lookup":
@@ -202,7 +209,9 @@ def lookup(args: argparse.Namespace) -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     with RedisServer() as server:
-        for tokens in (1000, 8000, 32000):
+        added = []
+        for tokens in args.tokens:
+            rows = {}
             for state in ("memory", "redis"):
                 settings = Settings(
                     backend=BACKENDS, redis_url=server.url if state == "redis" else ""
@@ -210,6 +219,7 @@ def lookup(args: argparse.Namespace) -> None:
                 # The gateway serves on uvloop (uvicorn's choice when it is installed).
                 with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
                     row = runner.run(time_lookups(settings, tokens, args.samples))
+                rows[state] = row
                 redis_times = (
                     f"{row['lookup']:.0f} | {row['write']:.0f} | {row['refresh']:.0f}"
                     if state == "redis"
@@ -221,6 +231,15 @@ def lookup(args: argparse.Namespace) -> None:
                     f"| {row['decision_p99']:.0f} | {redis_times} |",
                     flush=True,
                 )
+            added.append((tokens, {key: rows["redis"][key] - rows["memory"][key] for key in row}))
+    print("\n# what Redis adds (redis row minus memory row)")
+    print("| prompt tokens | match p50 µs | match p99 µs | decision p50 µs | decision p99 µs |")
+    print("|---|---|---|---|---|")
+    for tokens, extra in added:
+        print(
+            f"| {tokens:,} | {extra['match_p50']:+.0f} | {extra['match_p99']:+.0f} "
+            f"| {extra['decision_p50']:+.0f} | {extra['decision_p99']:+.0f} |"
+        )
 
 
 # --- 2. fleet ----------------------------------------------------------------------------------
@@ -235,6 +254,12 @@ class FleetRun:
     later_turns: int = 0
     later_turns_home: int = 0
     routes: dict[str, int] = field(default_factory=dict)
+    left_home: dict[str, int] = field(default_factory=dict)
+    """Later turns served away from turn 1's replica, by the route that sent them there."""
+    moves: dict[str, int] = field(default_factory=dict)
+    """Later turns served away from the previous turn's replica, by route."""
+    explained_moves: list[dict[str, object]] = field(default_factory=list)
+    """With `--explain`: what the gateway showed just before each turn that then moved."""
 
 
 async def converse(
@@ -242,14 +267,20 @@ async def converse(
     session: Session,
     next_gateway: Callable[[], str],
     run: FleetRun,
+    explain: bool = False,
 ) -> None:
     messages = [{"role": "system", "content": session.system}]
-    home = ""
+    home = previous = ""
+    previous_blocks = 0
     for turn, question in enumerate(session.questions):
         messages.append({"role": "user", "content": question})
         body = {"model": MODEL, "messages": messages, "max_tokens": session.max_tokens}
+        gateway = next_gateway()
+        shown: dict[str, object] = {}
         try:
-            response = await http.post(next_gateway() + "/v1/chat/completions", json=body)
+            if explain:
+                shown = (await http.post(gateway + "/admin/explain", json=body)).json()
+            response = await http.post(gateway + "/v1/chat/completions", json=body)
         except httpx.HTTPError:
             run.failed += 1
             return
@@ -268,11 +299,28 @@ async def converse(
         else:
             run.later_turns += 1
             run.later_turns_home += backend == home
+            if backend != home:
+                run.left_home[route] = run.left_home.get(route, 0) + 1
+            if backend != previous:
+                run.moves[route] = run.moves.get(route, 0) + 1
+                if shown:
+                    run.explained_moves.append(
+                        {
+                            "turn": turn,
+                            "previous": previous,
+                            "previous_prompt_blocks": previous_blocks,
+                            "served": backend,
+                            "route": route,
+                            "shown": shown,
+                        }
+                    )
+        previous = backend
+        previous_blocks = int(str(shown.get("prompt_blocks", 0)))
         messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
 
 
 async def drive(
-    urls: list[str], sessions: list[Session], concurrency: int, stagger: float
+    urls: list[str], sessions: list[Session], concurrency: int, stagger: float, explain: bool
 ) -> FleetRun:
     run = FleetRun()
     rotation = itertools.cycle(urls)
@@ -285,7 +333,7 @@ async def drive(
         async def worker(position: int) -> None:
             await asyncio.sleep(position * stagger)
             while not queue.empty():
-                await converse(http, queue.get_nowait(), lambda: next(rotation), run)
+                await converse(http, queue.get_nowait(), lambda: next(rotation), run, explain)
 
         await asyncio.gather(*(worker(position) for position in range(concurrency)))
     return run
@@ -312,9 +360,10 @@ def fleet(args: argparse.Namespace) -> None:
     )
     print(
         "| gateways | prefix index | requests | failed | hit rate | later turns on turn 1's "
-        "replica | routes | Redis fallbacks |"
+        "replica | routes | turns moved, by route | moves by cause (gateways' count) "
+        "| Redis fallbacks |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     plans = [(count, "redis") for count in args.gateways] + [
         (count, "local") for count in args.local_gateways
     ]
@@ -331,14 +380,28 @@ def fleet(args: argparse.Namespace) -> None:
                 stack.enter_context(GatewayProcess(replicas.urls, *extra)) for _ in range(count)
             ]
             urls = [gateway.url for gateway in gateways]
-            run = asyncio.run(drive(urls, sessions, args.concurrency, 0.05))
+            run = asyncio.run(drive(urls, sessions, args.concurrency, 0.05, bool(args.explain)))
             fallbacks = sum(gateway.metric("gateway_redis_fallbacks_total") for gateway in gateways)
+            misses = {
+                cause: sum(
+                    gateway.metric("gateway_affinity_misses_total", cause=cause)
+                    for gateway in gateways
+                )
+                for cause in MISS_CAUSES
+            }
         routes = ", ".join(f"{name} {number}" for name, number in sorted(run.routes.items()))
+        moves = ", ".join(f"{name} {number}" for name, number in sorted(run.moves.items()))
+        causes = ", ".join(f"{name} {number:.0f}" for name, number in misses.items() if number)
         home = run.later_turns_home / run.later_turns if run.later_turns else 0.0
         label = "shared in Redis" if state == "redis" else "in each gateway's memory"
+        if args.explain:
+            with Path(args.explain).open("ab") as lines:
+                for move in run.explained_moves:
+                    lines.write(orjson.dumps({"gateways": count, "state": state, **move}) + b"\n")
         print(
             f"| {count} | {label} | {run.requests} | {run.failed} "
-            f"| {run.cached / run.prompt:.1%} | {home:.1%} | {routes} | {fallbacks:.0f} |",
+            f"| {run.cached / run.prompt:.1%} | {home:.1%} | {routes} | {moves or '–'} "
+            f"| {causes or '–'} | {fallbacks:.0f} |",
             flush=True,
         )
 
@@ -433,15 +496,24 @@ def main() -> None:
         "part", nargs="?", default="all", choices=["all", "lookup", "fleet", "memory"]
     )
     parser.add_argument("--samples", type=int, default=1000)
+    parser.add_argument("--tokens", default="1000,8000,32000", help="prompt sizes for lookup")
     parser.add_argument("--gateways", default="1,2,3,4")
     parser.add_argument("--local-gateways", default="1,3,4")
     parser.add_argument("--gateway-args", default="", help="extra flags for every gateway")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--cache-blocks", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--explain",
+        default="",
+        metavar="PATH",
+        help="fleet: ask /admin/explain before every turn (slower) and write what the gateway "
+        "showed before each turn that moved to PATH, one JSON line per move",
+    )
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--conversations", type=int, default=1000)
     args = parser.parse_args()
+    args.tokens = [int(part) for part in args.tokens.split(",") if part]
     args.gateways = [int(part) for part in args.gateways.split(",") if part]
     args.local_gateways = [int(part) for part in args.local_gateways.split(",") if part]
     if args.part in ("all", "lookup"):

@@ -6,12 +6,14 @@ than the TTL do not count, and `forget` cuts a backend at the first forgotten bl
 is one script call whatever the prompt's length (see `scripts.py` for the data model).
 
 Two differences, both deliberate: memory is bounded by Redis (`maxmemory` with a `volatile-*`
-policy evicts whole block keys, which shortens matches) rather than by a block count; and an
-entry sent to the same backend less than `refresh` seconds ago (a twentieth of the TTL by
-default) is not rewritten. Rewriting a block costs Redis twice as much as reading it, and
-every turn of a conversation re-sends its whole history: so a conversation's next turn, and
-its answer's write right after its prompt's, write only their new blocks — at the price of
-entries that may count as unused up to `refresh` seconds early.
+policy evicts whole block keys) rather than by a block count; and an
+entry's stamp is its last-sent time rounded down to `refresh` seconds (a twentieth of the TTL
+by default), so an entry already stamped in the current period is not rewritten. Rewriting a
+block costs Redis twice as much as reading it, and every turn of a conversation re-sends its
+whole history: so a conversation's next turn, and its answer's write right after its
+prompt's, write only their new blocks — at the price of entries that may count as unused up to
+`refresh` seconds early. One stamp for a whole prompt keeps the stamps prefix-closed, which is
+what lets a lookup binary-search the chain (see `scripts.py`).
 
 Times come from an injected clock in seconds (wall-clock by default, so that gateways on
 different hosts agree within their clock skew).
@@ -19,6 +21,7 @@ different hosts agree within their clock skew).
 
 from __future__ import annotations
 
+import struct
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -38,6 +41,11 @@ _KNOWN_CHAINS = 65_536
 
 def wall_clock() -> float:
     return time.time()
+
+
+def pack_hashes(hashes: Sequence[int]) -> bytes:
+    """The block hashes as 8 big-endian bytes each: the way key names spell them."""
+    return struct.pack(f">{len(hashes)}Q", *hashes)
 
 
 class RedisPrefixIndex:
@@ -66,10 +74,9 @@ class RedisPrefixIndex:
             return {}
         self._remember_chain(model, hashes)
         prefix = self._keys.block_prefix(model, hashes[0])
-        names = self._keys.block_keys(prefix, hashes)
-        width = len(prefix) + HASH_BYTES
+        packed = pack_hashes(hashes)
         oldest = self._now_ms() - self._ttl_ms
-        reply = await self._match([names[:width]], [names, width, oldest])
+        reply = await self._match([prefix + packed[:HASH_BYTES]], [prefix, packed, oldest])
         return {
             reply[position].decode(): int(reply[position + 1])
             for position in range(0, len(reply), 2)
@@ -82,12 +89,22 @@ class RedisPrefixIndex:
             raise ValueError(f"backend name {backend!r} holds a space or a newline")
         self._remember_chain(model, hashes)
         prefix = self._keys.block_prefix(model, hashes[0])
-        names = self._keys.block_keys(prefix, hashes)
-        width = len(prefix) + HASH_BYTES
+        packed = pack_hashes(hashes)
         now = self._now_ms()
+        refresh = self._refresh_ms
+        stamp = now - now % refresh if refresh > 0 else now
+        # A key lives a refresh period longer than its entries count: blocks of the prompt
+        # left alone (stamped earlier in this period) outlive the deeper ones written now.
         await self._record(
-            [names[:width]],
-            [names, width, backend, now, now - self._ttl_ms, self._ttl_ms, now - self._refresh_ms],
+            [prefix + packed[:HASH_BYTES]],
+            [
+                prefix,
+                packed,
+                backend,
+                stamp,
+                now - self._ttl_ms,
+                self._ttl_ms + refresh,
+            ],
         )
 
     async def forget(self, model: str, backend: str, hashes: Sequence[int]) -> None:

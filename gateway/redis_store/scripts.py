@@ -1,23 +1,26 @@
 """The Lua scripts of the shared prefix index, registered once per client.
 
 One block of a prompt is one string key (see `keys.py`) whose value lists every backend that
-was sent the block, with the time it was last sent there: `"<backend> <unix ms>\\n"` per
+was sent the block, with a stamp of when it was last sent there: `"<backend> <unix ms>\\n"` per
 backend. All block keys of one prompt share the hash tag of KEYS[1], the prompt's first block,
-so every key a script touches lives in that key's slot — which is why the scripts take the
-other block keys as one string of fixed-width names in ARGV instead of declaring each: a
-32k-token prompt would otherwise be 2,000 separate arguments per call, and encoding them cost
-more than the lookup itself. Redis Cluster still checks that every key a script touches is in
-the declared key's slot (and errors if not), so a mistake here is loud, never silent.
+so every key a script touches lives in that key's slot. That is why the lookup and the write
+take the prompt as its key prefix and its block hashes packed 8 bytes each, and build the few
+key names they touch themselves: a 32k-token prompt is one 16 KB argument, not 2,000 names.
+Redis Cluster still checks that every key a script touches is in the declared key's slot (and
+errors if not), so a mistake here is loud, never silent.
 
-Consecutive blocks recorded together hold byte-identical values, and Lua compares interned
-strings in O(1): the scripts decode a value only where it differs from the previous block's,
-so a conversation's history of hundreds of blocks costs one MGET and a few decodes.
+The stamps are prefix-closed: along a chain, each backend's stamp never grows with depth. A
+write stamps every block of a prompt with the same value — now, rounded down to the refresh
+period — and never lowers a stamp, so blocks deeper than the prompt keep older stamps and
+blocks within it the newest. Hence a backend holds block k (fresh) only if it holds every
+block before it, and both scripts binary-search the chain: a lookup reads O(log n) blocks per
+distinct depth, and a write finds the first block whose stamp is behind and writes from
+there, so a conversation's next turn reads a few blocks and writes only its new ones.
 """
 
 from __future__ import annotations
 
-# Blocks fetched per MGET: bounded so that `unpack` stays far below Lua's stack limit and a
-# lookup that stops early has fetched little past its end.
+# Blocks fetched per MGET: bounded so that `unpack` stays far below Lua's stack limit.
 _CHUNK = 256
 
 _BLOCK_KEYS = f"""
@@ -31,56 +34,57 @@ end
 local CHUNK = {_CHUNK}
 """
 
+# The key of block `position` (from 1) of a prompt: its prefix and its packed 8-byte hash.
+_PACKED_KEYS = f"""
+local CHUNK = {_CHUNK}
+local prefix, hashes = ARGV[1], ARGV[2]
+local blocks = #hashes / 8
+local function block_key(position)
+  return prefix .. string.sub(hashes, position * 8 - 7, position * 8)
+end
+"""
+
 MATCH_SCRIPT = (
     """
 -- Matched depth per backend along one prompt's block chain.
 -- KEYS[1]  the key of the prompt's first block (it names the slot of every block key)
--- ARGV[1]  the block keys of the prompt in chain order, concatenated
--- ARGV[2]  the length of one block key
--- ARGV[3]  oldest last-sent time (unix ms) that still counts
+-- ARGV[1]  what every block key of the prompt begins with (namespace and hash tag)
+-- ARGV[2]  the prompt's block hashes in chain order, 8 bytes each
+-- ARGV[3]  oldest stamp (unix ms) that still counts
 -- Returns  a flat array: backend, depth, backend, depth, ...
 """
-    + _BLOCK_KEYS
+    + _PACKED_KEYS
     + """
-local names, width, oldest = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local blocks = #names / width
-local depth_of, order = {}, {}
-local extending, in_run = {}, {}
-local previous = false
-local reached = 0
-local stopped = false
-for first = 1, blocks, CHUNK do
-  local last = math.min(first + CHUNK - 1, blocks)
-  local values = redis.call('MGET', unpack(block_keys(names, width, first, last)))
-  for index = 1, #values do
-    local value = values[index]
-    local position = first + index - 1
-    if not value then stopped = true break end
-    if value ~= previous then
-      -- A backend extends here if it is fresh and extended every block before this one.
-      local next_extending, next_in_run = {}, {}
+local oldest = tonumber(ARGV[3])
+-- position -> {backend -> stamp}; backends of equal depth share every probe.
+local read = {}
+local function stamps_at(position)
+  local stamps = read[position]
+  if stamps == nil then
+    stamps = {}
+    local value = redis.call('GET', block_key(position))
+    if value then
       for backend, stamp in string.gmatch(value, '([^ \\n]+) (%d+)\\n') do
-        if tonumber(stamp) >= oldest and (position == 1 or in_run[backend]) then
-          next_extending[#next_extending + 1] = backend
-          next_in_run[backend] = true
-        end
+        stamps[backend] = tonumber(stamp)
       end
-      if #next_extending == 0 then stopped = true break end
-      for _, backend in ipairs(extending) do depth_of[backend] = position - 1 end
-      for _, backend in ipairs(next_extending) do
-        if depth_of[backend] == nil then order[#order + 1] = backend end
-      end
-      extending, in_run, previous = next_extending, next_in_run, value
     end
-    reached = position
+    read[position] = stamps
   end
-  if stopped then break end
+  return stamps
 end
-for _, backend in ipairs(extending) do depth_of[backend] = reached end
 local result = {}
-for _, backend in ipairs(order) do
-  result[#result + 1] = backend
-  result[#result + 1] = depth_of[backend]
+for backend, stamp in pairs(stamps_at(1)) do
+  if stamp >= oldest then
+    -- Block `low` is fresh for this backend; find the deepest such block.
+    local low, high = 1, blocks
+    while low < high do
+      local middle = math.floor((low + high + 1) / 2)
+      local probe = stamps_at(middle)[backend]
+      if probe ~= nil and probe >= oldest then low = middle else high = middle - 1 end
+    end
+    result[#result + 1] = backend
+    result[#result + 1] = low
+  end
 end
 return result
 """
@@ -90,50 +94,67 @@ RECORD_SCRIPT = (
     """
 -- Remember that a backend was sent every block of one prompt.
 -- KEYS[1]  the key of the prompt's first block (it names the slot of every block key)
--- ARGV[1]  the block keys of the prompt in chain order, concatenated
--- ARGV[2]  the length of one block key
+-- ARGV[1]  what every block key of the prompt begins with (namespace and hash tag)
+-- ARGV[2]  the prompt's block hashes in chain order, 8 bytes each
 -- ARGV[3]  backend name (no spaces or newlines)
--- ARGV[4]  now (unix ms)
--- ARGV[5]  oldest last-sent time (unix ms) that still counts; older entries are dropped
--- ARGV[6]  the key TTL (ms), restarted on every block written
--- ARGV[7]  an entry sent at or after this time (unix ms) is fresh enough to leave alone
+-- ARGV[4]  this write's stamp: now rounded down to the refresh period (unix ms)
+-- ARGV[5]  oldest stamp that still counts; older entries are dropped
+-- ARGV[6]  the key TTL (ms), restarted on every block written: longer than an entry counts
 -- Returns  the number of block keys written
 """
-    + _BLOCK_KEYS
+    + _PACKED_KEYS
     + """
-local names, width, backend, now = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
-local oldest, ttl, recent = tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[7])
-local blocks = #names / width
-local written = 0
--- A fresh table equals no MGET value, so the first block is always decoded.
-local previous_old, previous_new = {}, false
-local function rewrite(value)
-  local parts = {}
+local backend, stamp, oldest = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+local ttl = ARGV[6]
+local function own_stamp(value)
   if value then
-    for name, stamp in string.gmatch(value, '([^ \\n]+) (%d+)\\n') do
+    for name, entry in string.gmatch(value, '([^ \\n]+) (%d+)\\n') do
+      if name == backend then return tonumber(entry) end
+    end
+  end
+  return -1
+end
+-- Blocks 1..low already carry this stamp (or a newer one): prefix-closed stamps.
+local low, high = 0, blocks
+while low < high do
+  local middle = math.floor((low + high + 1) / 2)
+  if own_stamp(redis.call('GET', block_key(middle))) >= stamp then
+    low = middle
+  else
+    high = middle - 1
+  end
+end
+-- The new value: this backend stamped, entries past the TTL dropped.
+local function rewrite(value)
+  local parts, own = {}, ARGV[4]
+  if value then
+    for name, entry in string.gmatch(value, '([^ \\n]+) (%d+)\\n') do
       if name == backend then
-        if tonumber(stamp) >= recent then return false end
-      elseif tonumber(stamp) >= oldest then
-        parts[#parts + 1] = name .. ' ' .. stamp .. '\\n'
+        -- Never lower a stamp (a gateway whose clock runs ahead wrote it).
+        if tonumber(entry) > stamp then own = entry end
+      elseif tonumber(entry) >= oldest then
+        parts[#parts + 1] = name .. ' ' .. entry .. '\\n'
       end
     end
   end
-  parts[#parts + 1] = backend .. ' ' .. now .. '\\n'
+  parts[#parts + 1] = backend .. ' ' .. own .. '\\n'
   return table.concat(parts)
 end
-for first = 1, blocks, CHUNK do
+local written = 0
+-- A fresh table equals no MGET value, so the first block is always decoded.
+local previous_old, previous_new = {}, false
+for first = low + 1, blocks, CHUNK do
   local last = math.min(first + CHUNK - 1, blocks)
-  local keys = block_keys(names, width, first, last)
+  local keys = {}
+  for position = first, last do keys[#keys + 1] = block_key(position) end
   local values = redis.call('MGET', unpack(keys))
   for index = 1, #keys do
     local value = values[index]
     if value ~= previous_old then
       previous_old, previous_new = value, rewrite(value)
     end
-    if previous_new then
-      redis.call('SET', keys[index], previous_new, 'PX', ttl)
-      written = written + 1
-    end
+    redis.call('SET', keys[index], previous_new, 'PX', ttl)
+    written = written + 1
   end
 end
 return written
