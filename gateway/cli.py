@@ -13,22 +13,29 @@ from gateway import config as gateway_config
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from gateway.app import GatewayApp
-    from gateway.fleet import EmulatedFleet
-    from gateway.server import serve
-
     try:
         settings = gateway_config.load_settings(args)
+    except (gateway_config.ConfigError, OSError) as exc:
+        print(f"prefix-gateway: {exc}", file=sys.stderr)
+        return 2
+    metrics_dir = None
+    if settings.workers > 1:
+        from gateway.workers import prepare_metrics_directory
+
+        # Before anything imports prometheus_client, which picks its mode at import.
+        metrics_dir = prepare_metrics_directory()
+    try:
         from gateway.policy import build_policy
 
         build_policy(settings)
     except (gateway_config.ConfigError, OSError) as exc:
         print(f"prefix-gateway: {exc}", file=sys.stderr)
+        if metrics_dir is not None:
+            metrics_dir.remove()
         return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    configure_logging(settings.log_level)
+    from gateway.fleet import EmulatedFleet
+
     fleet = None
     if settings.emulate > 0:
         fleet = EmulatedFleet(
@@ -39,11 +46,25 @@ def _serve(args: argparse.Namespace) -> int:
         )
         print(f"emulated replicas: {' '.join(fleet.urls)}", flush=True)
     try:
+        if metrics_dir is not None:
+            from gateway.workers import run_workers
+
+            return run_workers(settings, metrics_dir)
+        from gateway.app import GatewayApp
+        from gateway.server import serve
+
         serve(GatewayApp(settings), settings)
     finally:
         if fleet is not None:
             fleet.stop()
     return 0
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def _emulate(args: argparse.Namespace) -> int:

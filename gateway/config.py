@@ -31,6 +31,11 @@ def _opt(default: Any, help: str, **extra: Any) -> Any:
 class Settings:
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(8080, "port to listen on")
+    workers: int = _opt(
+        1,
+        "worker processes accepting on the port, under one supervising process; they share"
+        " the prefix index and sessions only through --redis-url",
+    )
     backend: tuple[str, ...] = _opt(
         (), "replica URL, or MODEL=URL for a per-model pool; repeat for several", env="BACKENDS"
     )
@@ -53,6 +58,14 @@ class Settings:
     index_max_blocks: int = _opt(2_000_000, "prefix blocks the in-memory index keeps at most")
     session_max: int = _opt(1_000_000, "sticky sessions the in-memory store keeps at most")
     session_from_user: bool = _opt(False, "use the request's `user` field as a session key")
+    cache_feedback: bool = _opt(
+        True,
+        "prune index entries a backend's reported cached tokens show it has evicted",
+    )
+    observe_usage: bool = _opt(
+        False,
+        "ask replicas for usage on streams whose client did not, and strip it from the reply",
+    )
     default_model: str = _opt("", "model used when a request names none")
     max_body_bytes: int = _opt(32 * 1024 * 1024, "largest request body accepted")
     connect_timeout: float = _opt(3.0, "seconds to connect to a replica")
@@ -156,6 +169,8 @@ class Settings:
             raise ConfigError(
                 f"unknown policy {self.policy!r}; choose one of {', '.join(POLICY_NAMES)}"
             )
+        if self.workers < 1:
+            raise ConfigError("workers must be at least 1")
         if self.load_factor < 1.0:
             raise ConfigError("load_factor must be at least 1.0")
         if self.block_tokens < 1 or self.chars_per_token <= 0:

@@ -18,6 +18,7 @@ from gateway.admin import AdminRoute, admin_guard, build_admin_router
 from gateway.admin_backends import build_backends_router
 from gateway.components import Components
 from gateway.errors import render_error
+from gateway.scrape_gauges import publish_scrape_gauges
 
 
 def build_control_app(components: Components) -> FastAPI:
@@ -62,23 +63,7 @@ def build_control_app(components: Components) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        # Cleared first so that a backend that left the pool leaves the metrics too.
-        metrics.in_flight.clear()
-        metrics.healthy.clear()
-        for backend in pool.backends:
-            metrics.in_flight.labels(backend.name).set(backend.in_flight)
-            serving = backend.healthy and not backend.draining
-            metrics.healthy.labels(backend.name).set(1 if serving else 0)
-        metrics.queued.clear()
-        for backend in pool.backends:
-            metrics.queued.labels(backend.name).set(backend.queued)
-        metrics.load_bound.clear()
-        for name, bound in components.router.load_bounds().items():
-            metrics.load_bound.labels(name).set(bound)
-        metrics.conversations.set(len(components.router.conversations))
-        size = getattr(components.index, "__len__", None)
-        if size is not None:
-            metrics.index_blocks.set(size())
+        publish_scrape_gauges(components)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -3,14 +3,24 @@
 Names and labels are a public interface (dashboards and alerts depend on them; docs/metrics.md
 lists every one); labels carry only bounded values: model names the pool serves, backend names,
 route reasons, status codes and fixed cause names — never session ids or prompts.
+
+Under several worker processes (`--workers N`), prometheus_client's multiprocess mode keeps every
+value in a memory-mapped file per process, and a scrape of any worker reads them all: counters
+and histograms are summed over live and dead workers, each gauge is combined by the
+`multiprocess_mode` given with it (ignored by a single process).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
+
+MULTIPROCESS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -32,6 +42,7 @@ _LATENCY_BUCKETS = (
     120,
 )
 _DECISION_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.01)
+_GAP_BUCKETS = (-4096, -1024, -256, -64, -16, 0, 16, 32, 64, 256, 1024, 4096)
 _REDIS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 
@@ -48,10 +59,41 @@ class _Registry(CollectorRegistry):
             yield family
 
 
+class _AllWorkers(Collector):
+    """Every worker's series from the multiprocess files, under this process's help texts,
+    followed by the families only this process knows (custom collectors, unused label sets)."""
+
+    def __init__(self, local: CollectorRegistry, directory: str) -> None:
+        self._local = local
+        self._directory = directory
+
+    def collect(self) -> Iterable[Metric]:
+        local = {family.name: family for family in self._local.collect()}
+        every_worker = MultiProcessCollector(None, self._directory)  # type: ignore[no-untyped-call]
+        for family in every_worker.collect():  # type: ignore[no-untyped-call]
+            own = local.pop(family.name, None)
+            if own is not None:
+                family.documentation = own.documentation
+            yield family
+        yield from local.values()
+
+
+def worker_restarts_counter(registry: CollectorRegistry | None) -> Counter:
+    """Counted by the supervising process; declared by every worker too, for its help text."""
+    return Counter(
+        "gateway_worker_restarts",
+        "Worker processes that died and were started again by the supervising process.",
+        registry=registry,
+    )
+
+
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or _Registry()
         r = self.registry
+        # The switch prometheus_client itself reads when it is first imported.
+        self.multiprocess_dir = os.environ.get(MULTIPROCESS_DIR_VARIABLE) or None
+        self._published: dict[Gauge, set[str]] = {}
         self.requests = Counter(
             "gateway_requests",
             "Requests answered, by model, backend, route reason and status.",
@@ -95,16 +137,43 @@ class Metrics:
             ["model", "backend"],
             registry=r,
         )
+        self.index_feedback = Counter(
+            "gateway_index_feedback",
+            "Responses whose cached tokens confirmed, fell short of or exceeded the index's"
+            " prediction, by outcome.",
+            ["model", "backend", "outcome"],
+            registry=r,
+        )
+        self.index_feedback_pruned_blocks = Counter(
+            "gateway_index_feedback_pruned_blocks",
+            "Index blocks forgotten for a backend because a response showed it had evicted them.",
+            ["model", "backend"],
+            registry=r,
+        )
+        self.index_feedback_gap_tokens = Histogram(
+            "gateway_index_feedback_gap_tokens",
+            "Cached tokens predicted by the index minus those the backend reported.",
+            ["model"],
+            buckets=_GAP_BUCKETS,
+            registry=r,
+        )
+        self.index_feedback_errors = Counter(
+            "gateway_index_feedback_errors",
+            "Failures while learning from a response's cached tokens (the response was unharmed).",
+            registry=r,
+        )
         self.in_flight = Gauge(
             "gateway_backend_in_flight",
             "Requests in flight to each backend from this gateway.",
             ["backend"],
+            multiprocess_mode="livesum",
             registry=r,
         )
         self.healthy = Gauge(
             "gateway_backend_healthy",
             "1 when the backend receives traffic, 0 when ejected.",
             ["backend"],
+            multiprocess_mode="livemax",
             registry=r,
         )
         self.first_byte_seconds = Histogram(
@@ -148,18 +217,21 @@ class Metrics:
         self.index_blocks = Gauge(
             "gateway_index_blocks",
             "Prefix blocks held by the local prefix index.",
+            multiprocess_mode="livesum",
             registry=r,
         )
         self.queued = Gauge(
             "gateway_backend_queued",
             "Requests waiting in each backend engine's own queue, as last scraped.",
             ["backend"],
+            multiprocess_mode="livemax",
             registry=r,
         )
         self.load_bound = Gauge(
             "gateway_backend_load_bound",
             "The load bound a new request meets at each backend (the largest over its models).",
             ["backend"],
+            multiprocess_mode="livesum",
             registry=r,
         )
         self.failovers = Counter(
@@ -189,6 +261,7 @@ class Metrics:
         self.conversations = Gauge(
             "gateway_conversations_tracked",
             "Conversation keys remembered for affinity and cache-break accounting.",
+            multiprocess_mode="livesum",
             registry=r,
         )
 
@@ -215,6 +288,7 @@ class Metrics:
         self.redis_up = Gauge(
             "gateway_redis_up",
             "1 while Redis answers within its timeout, 0 when down or not configured.",
+            multiprocess_mode="livemin",
             registry=r,
         )
         self.session_moves = Counter(
@@ -224,5 +298,29 @@ class Metrics:
             registry=r,
         )
 
+        # --- Worker processes ---------------------------------------------------------------
+        self.workers = Gauge(
+            "gateway_workers",
+            "Worker processes serving the gateway's port (1 without --workers).",
+            multiprocess_mode="livesum",
+            registry=r,
+        )
+        self.workers.set(1)  # this process; dead workers' files are dropped from the sum
+        self.worker_restarts = worker_restarts_counter(r)
+
+    def set_per_label(self, gauge: Gauge, values: Mapping[str, float]) -> None:
+        """Sets a one-label gauge to exactly `values`; a label value no longer given leaves it —
+        or, under several workers, where a series cannot be removed from the files, drops to 0."""
+        if self.multiprocess_dir is None:
+            gauge.clear()
+        else:
+            for gone in self._published.get(gauge, set()) - values.keys():
+                gauge.labels(gone).set(0)
+            self._published[gauge] = set(values)
+        for label, value in values.items():
+            gauge.labels(label).set(value)
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        return generate_latest(_AllWorkers(self.registry, self.multiprocess_dir))

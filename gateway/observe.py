@@ -1,7 +1,9 @@
 """Reading what a response says about the cache: usage, cached tokens and the answer text.
 
 The response is relayed untouched; this only looks at it. For streams it follows the SSE
-events as they pass, so the answer is known once the stream ends.
+events as they pass, so the answer is known once the stream ends. The one exception: a stream
+whose usage the gateway asked for on its own (`--observe-usage`) loses its usage-only event
+(empty `choices`, `usage` set) on the way to the client, which thus sees what it asked for.
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
+_HOLD_MAX = 1 << 20
+"""Bytes of one unfinished event held back at most while stripping usage."""
 
 
 @dataclass(slots=True)
@@ -52,20 +57,44 @@ def observe_body(body: bytes) -> Observation:
 
 
 class StreamObserver:
-    """Follows SSE events across arbitrary chunk boundaries."""
+    """Follows SSE events across arbitrary chunk boundaries.
 
-    def __init__(self) -> None:
+    With `strip_usage`, `feed` returns what the client is to get: the complete events of
+    what has arrived, less the usage-only one; an event cut by a chunk boundary is held until
+    its end arrives. Without, it returns each chunk as it came.
+    """
+
+    def __init__(self, strip_usage: bool = False) -> None:
         self.seen = Observation()
+        self._strip_usage = strip_usage
         self._pending = b""
 
-    def feed(self, chunk: bytes) -> None:
+    def feed(self, chunk: bytes) -> bytes:
         data = self._pending + chunk if self._pending else chunk
         events = data.split(b"\n\n")
         self._pending = events.pop()
-        for event in events:
-            self._event(event)
+        if not self._strip_usage:
+            for event in events:
+                self._event(event)
+            return chunk
+        kept = [event for event in events if not self._event(event)]
+        if len(self._pending) > _HOLD_MAX:
+            # Not an SSE stream as expected: stop holding bytes back.
+            self._strip_usage = False
+            rest, self._pending = self._pending, b""
+            return b"".join(event + b"\n\n" for event in kept) + rest
+        return b"".join(event + b"\n\n" for event in kept)
 
-    def _event(self, event: bytes) -> None:
+    def rest(self) -> bytes:
+        """What `feed` still holds back, once the stream has ended or broken off."""
+        if not self._strip_usage:
+            return b""
+        rest, self._pending = self._pending, b""
+        return rest
+
+    def _event(self, event: bytes) -> bool:
+        """Take in one event; True when it carries usage only."""
+        usage_only = False
         for line in event.split(b"\n"):
             if not line.startswith(b"data:"):
                 continue
@@ -78,9 +107,10 @@ class StreamObserver:
                 continue
             if not isinstance(message, dict):
                 continue
+            choices = message.get("choices")
             if message.get("usage"):
                 self.seen.take_usage(message["usage"])
-            choices = message.get("choices")
+                usage_only = choices == []
             if (
                 isinstance(choices, list)
                 and choices
@@ -92,3 +122,4 @@ class StreamObserver:
                     content = delta.get("content")
                     if isinstance(content, str):
                         self.seen.answer_parts.append(content)
+        return usage_only

@@ -47,14 +47,16 @@ from gateway.exchange import (
     DeadlineWatch,
     Exchange,
 )
+from gateway.feedback import CacheFeedback
 from gateway.health import Health
 from gateway.metrics import Metrics
 from gateway.observe import Observation
 from gateway.overload import Admission
-from gateway.parsing import ENDPOINTS, parse_request
+from gateway.parsing import ENDPOINTS, Endpoint, parse_request
 from gateway.relay import BeforeFirstByte, Relay, first_byte_missed, stream_timeout
 from gateway.router import RoutedRequest, Router
 from gateway.upstream import Upstream, UpstreamError, UpstreamResponse, response_headers
+from gateway.usage import request_usage
 
 log = logging.getLogger("gateway.proxy")
 
@@ -101,6 +103,10 @@ class ProxyHandler:
             min(self._first_byte_timeout, self._idle_timeout, self._request_timeout)
         )
         self._relay = Relay(metrics, self._first_byte_timeout, self._idle_timeout, self._failed)
+        self._observe_usage = settings.observe_usage
+        self.feedback = (
+            CacheFeedback(router.index, metrics, settings) if settings.cache_feedback else None
+        )
         self._request_ids = RequestIds()
 
     def start(self) -> None:
@@ -213,12 +219,23 @@ class ProxyHandler:
     ) -> None:
         outgoing = [item for item in headers if item[0] != b"x-request-id"]
         outgoing.append((b"x-request-id", request_id.encode()))
+        request = routed.input
+        strip_usage = (
+            self._observe_usage
+            and request.stream
+            and not request.wants_usage
+            and request.endpoint is not Endpoint.EMBEDDINGS
+        )
+        if strip_usage:
+            body = request_usage(body)
         watcher = asyncio.create_task(exchange.watch_client(receive))
         status = 0
         began = time.perf_counter()
         seen: Observation | None = None
         try:
-            status, seen = await self._attempts(routed, body, outgoing, request_id, exchange, send)
+            status, seen = await self._attempts(
+                routed, body, outgoing, request_id, exchange, send, strip_usage
+            )
         except asyncio.CancelledError:
             reason = exchange.reason
             if reason is not None:
@@ -243,6 +260,7 @@ class ProxyHandler:
         request_id: str,
         exchange: Exchange,
         send: Send,
+        strip_usage: bool,
     ) -> tuple[int, Observation | None]:
         """Try candidates until one answers or a failure has to be the answer."""
         path = routed.input.endpoint.value
@@ -277,7 +295,7 @@ class ProxyHandler:
                     out_headers.extend(self._gateway_headers(routed, request_id))
                     try:
                         return await self._relay(
-                            routed, exchange, response, out_headers, started, send
+                            routed, exchange, response, out_headers, started, send, strip_usage
                         )
                     except BeforeFirstByte as early:
                         retry = await self._failed_attempt(routed, early.failure)
@@ -391,6 +409,9 @@ class ProxyHandler:
             self.metrics.upstream_prompt_tokens.labels(model, backend_name).inc(seen.prompt_tokens)
         if seen.cached_tokens is not None:
             self.metrics.upstream_cached_tokens.labels(model, backend_name).inc(seen.cached_tokens)
+        if self.feedback is not None:
+            # Before the answer is recorded: pruning looks at what was known before this request.
+            await self.feedback.observe(routed, seen)
         await self.router.learn_answer(routed, seen.answer)
 
     def _gateway_headers(self, routed: RoutedRequest, request_id: str) -> list[tuple[bytes, bytes]]:

@@ -73,11 +73,17 @@ class Relay:
         out_headers: list[tuple[bytes, bytes]],
         started: float,
         send: Send,
+        strip_usage: bool = False,
     ) -> tuple[int, Observation]:
-        """Relay `response`; the status the client was given and what the response said."""
+        """Relay `response`; the status the client was given and what the response said.
+
+        `strip_usage`: the gateway asked for the stream's usage; the client does not get it.
+        """
         status = response.status
         if routed.input.stream and status == 200:
-            return await self._stream(routed, exchange, response, out_headers, started, send)
+            return await self._stream(
+                routed, exchange, response, out_headers, started, send, strip_usage
+            )
         payload = await self._first_read(exchange, response.read())
         exchange.done = True
         backend_name = routed.backend.name
@@ -100,6 +106,7 @@ class Relay:
         out_headers: list[tuple[bytes, bytes]],
         started: float,
         send: Send,
+        strip_usage: bool,
     ) -> tuple[int, Observation]:
         content = response.content
         chunk = await self._first_read(exchange, content.readany())
@@ -111,21 +118,27 @@ class Relay:
         idle = self._idle_timeout
         clock = time.monotonic
         exchange.expect(IDLE, idle)
-        observer = StreamObserver()
+        observer = StreamObserver(strip_usage)
         exchange.begun = exchange.streaming = True
         await send({"type": "http.response.start", "status": 200, "headers": out_headers})
         failure: tuple[str, GatewayError] | None = None
         last = b""
         try:
             while chunk:
-                try:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                except asyncio.CancelledError:
-                    if exchange.reason == IDLE:
-                        exchange.reason = CLIENT_STALLED
-                    raise
-                observer.feed(chunk)
-                last = chunk
+                # Without stripping the chunk leaves before it is looked at.
+                passed = observer.feed(chunk) if strip_usage else chunk
+                if passed:
+                    try:
+                        await send(
+                            {"type": "http.response.body", "body": passed, "more_body": True}
+                        )
+                    except asyncio.CancelledError:
+                        if exchange.reason == IDLE:
+                            exchange.reason = CLIENT_STALLED
+                        raise
+                    last = passed
+                if not strip_usage:
+                    observer.feed(chunk)
                 chunk = await content.readany()
                 exchange.due = clock() + idle
         except asyncio.CancelledError:
@@ -142,8 +155,9 @@ class Relay:
                 ),
             )
         exchange.done = True
+        held = observer.rest()
         if failure is None:
-            await send({"type": "http.response.body", "body": b""})
+            await send({"type": "http.response.body", "body": held})
             self._metrics.duration_seconds.labels(backend.name).observe(
                 time.perf_counter() - started
             )
@@ -152,8 +166,11 @@ class Relay:
         self._failed(backend, cause, cause != "request_timeout")
         # An event cut in the middle is closed first, so that the error is an event of its own.
         tail = sse_error(error)
-        if not last.endswith((b"\n\n", b"\r\n\r\n")):
+        if held:
+            last = held
+        if last and not last.endswith((b"\n\n", b"\r\n\r\n")):
             tail = b"\n\n" + tail
+        tail = held + tail
         await send({"type": "http.response.body", "body": tail})
         return error.status, observer.seen
 

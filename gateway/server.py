@@ -14,14 +14,22 @@ Shutdown, on SIGTERM or SIGINT:
    seconds; those still running then are cancelled, which ends a stream with an SSE error
    event and a request not yet answered with a 503;
 4. the components stop and the process exits.
+
+Under `--workers N` each worker runs this server on the listening socket its supervisor bound
+(`gateway.workers`); it names itself in an `x-gateway-worker` response header, publishes its
+scrape-time gauges every second for the other workers' scrapes, and shuts down by itself if
+its supervisor is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import os
 import signal
+import socket
 import time
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any, cast
 
@@ -30,9 +38,21 @@ import uvicorn
 from gateway.app import GatewayApp
 from gateway.config import Settings
 from gateway.errors import BadRequest, GatewayError, HeadersTooLarge
+from gateway.scrape_gauges import publish_scrape_gauges
+
+WORKER_HEADER = "x-gateway-worker"
 
 
-def serve(app: GatewayApp, settings: Settings) -> None:
+@dataclass(frozen=True)
+class WorkerRole:
+    """One of several worker processes: its number, its supervisor and their shared socket."""
+
+    number: int
+    supervisor_pid: int
+    listener: socket.socket
+
+
+def serve(app: GatewayApp, settings: Settings, worker: WorkerRole | None = None) -> None:
     """Serve until a signal has ended the shutdown; blocks."""
     config = uvicorn.Config(
         app,
@@ -50,17 +70,27 @@ def serve(app: GatewayApp, settings: Settings) -> None:
         # The proxied replica's own Date and Server headers pass through unchanged.
         server_header=False,
         date_header=False,
+        headers=[(WORKER_HEADER, str(worker.number))] if worker is not None else None,
     )
-    GatewayServer(config, app, settings.shutdown_delay).run()
+    server = GatewayServer(config, app, settings.shutdown_delay, worker)
+    server.run(sockets=[worker.listener] if worker is not None else None)
 
 
 class GatewayServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, app: GatewayApp, shutdown_delay: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        app: GatewayApp,
+        shutdown_delay: float,
+        worker: WorkerRole | None = None,
+    ) -> None:
         super().__init__(config)
         self._app = app
         self._delay = shutdown_delay
         self._exit_at: float | None = None
         self._exit_signal = int(signal.SIGTERM)
+        self._worker = worker
+        self._orphaned = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self._app.begin_shutdown()
@@ -75,7 +105,18 @@ class GatewayServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if self._exit_at is not None and not self.should_exit and time.monotonic() >= self._exit_at:
             super().handle_exit(self._exit_signal, None)
+        if self._worker is not None and counter % 10 == 0:
+            self._worker_tick(self._worker)
         return await super().on_tick(counter)
+
+    def _worker_tick(self, worker: WorkerRole) -> None:
+        if os.getppid() != worker.supervisor_pid and not self._orphaned:
+            # The supervisor was killed without passing a signal on: nobody would stop us.
+            self._orphaned = True
+            self.handle_exit(signal.SIGTERM, None)
+        components = self._app.components
+        if components is not None:
+            publish_scrape_gauges(components)
 
 
 def _http_protocol(max_header_bytes: int) -> type[asyncio.Protocol] | str:

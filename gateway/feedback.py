@@ -1,0 +1,204 @@
+"""Cache feedback: what a replica's reported cached tokens say about the prefix index.
+
+The index predicts, per request, how deep the chosen replica's cached prefix is (its matched
+depth in blocks of `block_chars` characters). The replica reports what it found
+(`usage.prompt_tokens_details.cached_tokens`). Converted to tokens with the request's own
+characters per token (canonical length over reported prompt tokens), the two agree within a
+tolerance when nothing was evicted; the tolerance covers the engine rounding its hit down to
+whole blocks (and leaving the last prompt token to compute) and the chunking's character
+counts not falling on token boundaries.
+
+A report clearly below the prediction means the replica evicted the prefix from some block on.
+The request has just computed its whole prompt again, so its own blocks are where the index
+says they are. What turned stale is every *other* chain through the first missing block:
+each use of such a chain used that block too, so under LRU (the emulator's, and vLLM's, whose
+freed blocks queue for eviction tail first) their deeper blocks were evicted no later than it.
+Those are the chains that branch off the prompt at or below the first missing block; this
+module keeps the links between blocks (`ChainLinks`, bounded, local to the process) to find
+them, and the index forgets them for that backend only.
+
+Everything here runs after the response reached the client; a failure is counted, not raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from enum import Enum
+from itertools import pairwise
+
+from gateway.config import Settings
+from gateway.index import PrefixIndex
+from gateway.metrics import Metrics
+from gateway.observe import Observation
+from gateway.parsing import Endpoint
+from gateway.router import RoutedRequest
+
+log = logging.getLogger("gateway.feedback")
+
+# With nothing evicted, the emulator's reports differ from predictions by at most 17.3 tokens
+# (loadtest/feedback_tolerance.py, docs/routing.md): one engine block plus this slack covers it.
+_SLACK_TOKENS = 8
+# Real tokenizers' characters per token vary along a prompt (code, JSON, prose), which the
+# emulator's does not show: a prediction may also be off by this share of itself.
+_SLACK_FRACTION = 0.1
+_LINKS_MAX = 1 << 18
+"""Blocks whose successors `ChainLinks` remembers (about 100 bytes each)."""
+_PRUNE_MAX = 4096
+"""Blocks one report may prune at most."""
+
+
+class Outcome(Enum):
+    CONFIRMED = "confirmed"
+    SHALLOWER = "shallower"
+    DEEPER = "deeper"
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    outcome: Outcome
+    predicted_tokens: float
+    observed_tokens: int
+    first_missing: int
+    """The first index block surely not cached on the replica when the request arrived."""
+
+
+def chars_per_token(canonical_chars: int, prompt_tokens: int | None, assumed: float) -> float:
+    """The request's own characters per token, or `assumed` when the replica did not say."""
+    if prompt_tokens and canonical_chars:
+        return canonical_chars / prompt_tokens
+    return assumed
+
+
+def judge(
+    predicted_blocks: int,
+    cached_tokens: int,
+    ratio: float,
+    block_chars: int,
+    tolerance_tokens: float,
+    tolerance_fraction: float = 0.0,
+) -> Verdict:
+    """Compare the index's prediction with a replica's report, at `ratio` characters per
+    token, allowing `tolerance_tokens` plus `tolerance_fraction` of the prediction."""
+    predicted = predicted_blocks * block_chars / ratio
+    tolerance_tokens += tolerance_fraction * predicted
+    if cached_tokens + tolerance_tokens < predicted:
+        # The block holding the character that the report plus the tolerance reaches is the
+        # first one surely missing.
+        reached = (cached_tokens + tolerance_tokens) * ratio
+        first_missing = min(predicted_blocks - 1, math.floor(reached / block_chars))
+        return Verdict(Outcome.SHALLOWER, predicted, cached_tokens, first_missing)
+    outcome = Outcome.DEEPER if cached_tokens > predicted + tolerance_tokens else Outcome.CONFIRMED
+    return Verdict(outcome, predicted, cached_tokens, predicted_blocks)
+
+
+class ChainLinks:
+    """Which block follows which, over the chains of recent requests: a bounded tree.
+
+    Hashes are chained, so a block has one predecessor and the links form a tree; a block
+    followed by one block (the common case) stores it as a plain int. When full, the blocks
+    linked longest ago are dropped first.
+    """
+
+    def __init__(self, max_blocks: int = _LINKS_MAX) -> None:
+        self._max_blocks = max_blocks
+        self._next: dict[int, int | tuple[int, ...]] = {}
+
+    def __len__(self) -> int:
+        return len(self._next)
+
+    def add(self, hashes: list[int]) -> None:
+        following = self._next
+        for block, child in pairwise(hashes):
+            known = following.get(block)
+            if known is None:
+                following[block] = child
+            elif known == child:
+                continue
+            elif isinstance(known, int):
+                following[block] = (known, child)
+            elif child not in known:
+                following[block] = (*known, child)
+        while len(following) > self._max_blocks:
+            del following[next(iter(following))]
+
+    def branches(self, hashes: list[int], start: int, limit: int = _PRUNE_MAX) -> list[list[int]]:
+        """The blocks of chains that leave `hashes` below block `start`, in runs ending at a
+        chain's last block (every block once; at most `limit` blocks)."""
+        following = self._next
+        roots: list[int] = []
+        for depth in range(start, len(hashes)):
+            known = following.get(hashes[depth])
+            if known is None:
+                continue
+            on_path = hashes[depth + 1] if depth + 1 < len(hashes) else None
+            children = (known,) if isinstance(known, int) else known
+            roots.extend(child for child in children if child != on_path)
+        runs: list[list[int]] = []
+        total = 0
+        stack: list[tuple[int, list[int]]] = [(root, []) for root in reversed(roots)]
+        while stack:
+            block, run = stack.pop()
+            run.append(block)
+            total += 1
+            if total > limit:
+                break
+            known = following.get(block)
+            if known is None:
+                runs.append(run)
+                continue
+            children = (known,) if isinstance(known, int) else known
+            stack.extend((child, []) for child in reversed(children[1:]))
+            stack.append((children[0], run))
+        return runs
+
+
+class CacheFeedback:
+    def __init__(self, index: PrefixIndex, metrics: Metrics, settings: Settings) -> None:
+        self._index = index
+        self._metrics = metrics
+        self._block_chars = settings.block_chars
+        self._chars_per_token = settings.chars_per_token
+        self.tolerance_tokens = settings.block_tokens + _SLACK_TOKENS
+        self.links = ChainLinks()
+
+    async def observe(self, routed: RoutedRequest, seen: Observation) -> None:
+        """Learn from a completed request's usage; never raises."""
+        request = routed.input
+        if seen.cached_tokens is None or request.endpoint is Endpoint.EMBEDDINGS:
+            return
+        try:
+            await self._observe(routed, seen.cached_tokens, seen.prompt_tokens)
+        except Exception:
+            self._metrics.index_feedback_errors.inc()
+            log.warning("cache feedback failed", exc_info=True)
+
+    async def _observe(
+        self, routed: RoutedRequest, cached_tokens: int, prompt_tokens: int | None
+    ) -> None:
+        request = routed.input
+        model, backend = request.model, routed.backend.name
+        hashes = routed.hashes
+        ratio = chars_per_token(len(request.canonical), prompt_tokens, self._chars_per_token)
+        verdict = judge(
+            routed.decision.matched_blocks,
+            cached_tokens,
+            ratio,
+            self._block_chars,
+            self.tolerance_tokens,
+            _SLACK_FRACTION,
+        )
+        metrics = self._metrics
+        metrics.index_feedback.labels(model, backend, verdict.outcome.value).inc()
+        metrics.index_feedback_gap_tokens.labels(model).observe(
+            verdict.predicted_tokens - cached_tokens
+        )
+        if verdict.outcome is Outcome.SHALLOWER:
+            pruned = 0
+            for run in self.links.branches(hashes, verdict.first_missing):
+                await self._index.forget(model, backend, run)
+                pruned += len(run)
+            if pruned:
+                metrics.index_feedback_pruned_blocks.labels(model, backend).inc(pruned)
+        self.links.add(hashes)

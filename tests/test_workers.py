@@ -1,0 +1,189 @@
+"""`serve --workers 2`: one port, two worker processes under a supervisor, metrics summed.
+
+Real processes throughout: emulated replicas, the gateway's supervisor and its workers, the
+official `openai` client.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+from gateway.config import ConfigError, load_settings
+from gateway.fleet import EmulatedFleet
+from gateway.server import WORKER_HEADER
+from tests.conftest import MODEL
+from tests.support import GatewayProcess, metric_value
+
+
+@pytest.fixture(scope="module")
+def replicas() -> Iterator[EmulatedFleet]:
+    with EmulatedFleet(2, MODEL, ["--chat-template", "plain"]) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def gateway(replicas: EmulatedFleet) -> Iterator[GatewayProcess]:
+    with GatewayProcess(replicas.urls, "--workers", "2") as started:
+        yield started
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue  # ended meanwhile
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def worker_pids(gateway: GatewayProcess) -> list[int]:
+    """The supervisor's children that run the gateway (not multiprocessing's own helper)."""
+    return [
+        pid
+        for pid in children(gateway.pid)
+        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+
+
+def exists(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def chat(base_url: str, text: str) -> str:
+    """One request on a connection of its own, so that any worker may accept it."""
+    with openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=3) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=4
+        )
+        assert raw.parse().choices[0].message.content
+        return raw.headers[WORKER_HEADER]
+
+
+def scrape_each_worker(gateway: GatewayProcess) -> dict[str, str]:
+    """`/metrics` as answered by each worker, on fresh connections until both have answered."""
+    answers: dict[str, str] = {}
+    for _ in range(200):
+        response = httpx.get(gateway.url + "/metrics", timeout=5)
+        answers.setdefault(response.headers[WORKER_HEADER], response.text)
+        if len(answers) == 2:
+            return answers
+    raise AssertionError(f"only workers {sorted(answers)} answered /metrics")
+
+
+def wait_for(check: Callable[[], bool], what: str, seconds: float = 20.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"not within {seconds} s: {what}")
+
+
+def test_both_workers_serve_and_every_scrape_counts_all_requests(
+    gateway: GatewayProcess, replicas: EmulatedFleet
+) -> None:
+    before = gateway.metrics()
+    with ThreadPoolExecutor(8) as pool:
+        served_by = Counter(pool.map(lambda tag: chat(gateway.url, f"hello {tag}"), range(48)))
+    assert set(served_by) == {"0", "1"}, served_by
+    for worker, text in scrape_each_worker(gateway).items():
+        for name, labels in (
+            ("gateway_requests_total", {}),
+            ("gateway_requests_total", {"status": "200"}),
+            # Histograms are summed too.
+            ("gateway_upstream_duration_seconds_count", {}),
+        ):
+            added = metric_value(text, name, **labels) - metric_value(before, name, **labels)
+            assert added == 48, (worker, name)
+        assert "# HELP gateway_requests_total Requests answered" in text
+        assert metric_value(text, "gateway_workers") == 2
+        for url in replicas.urls:
+            backend = url.removeprefix("http://")
+            assert metric_value(text, "gateway_backend_healthy", backend=backend) == 1
+
+
+def test_a_killed_worker_is_restarted_and_counted_and_requests_keep_succeeding(
+    gateway: GatewayProcess,
+) -> None:
+    before = metric_value(gateway.metrics(), "gateway_requests_total")
+    victim, survivor = sorted(worker_pids(gateway))
+    os.kill(victim, signal.SIGKILL)
+    # Served throughout: by the survivor, then by both.
+    served_by = Counter(chat(gateway.url, f"after the kill {tag}") for tag in range(30))
+    wait_for(lambda: len(worker_pids(gateway)) == 2, "a new worker")
+    replacement = (set(worker_pids(gateway)) - {survivor}).pop()
+    assert replacement != victim and not exists(victim)
+    wait_for(
+        lambda: metric_value(gateway.metrics(), "gateway_workers") == 2, "the replacement serving"
+    )
+    with ThreadPoolExecutor(8) as pool:
+        served_by += Counter(pool.map(lambda tag: chat(gateway.url, f"later {tag}"), range(40)))
+    assert set(served_by) == {"0", "1"}, served_by
+    for text in scrape_each_worker(gateway).values():
+        assert metric_value(text, "gateway_worker_restarts_total") == 1
+        # The dead worker's counts stay in the total.
+        assert metric_value(text, "gateway_requests_total") - before == 70
+
+
+def stale_counter_file(directory: Path) -> None:
+    """A file an earlier run left, as prometheus_client writes it: 1000 requests."""
+    stale = MmapedDict(str(directory / "counter_999999.db"))
+    key = mmap_key(
+        "gateway_requests",
+        "gateway_requests_total",
+        ["model", "backend", "route", "status"],
+        [MODEL, "earlier", "prefix", "200"],
+        "",
+    )
+    stale.write_value(key, 1000.0, 0.0)
+    stale.close()
+
+
+def test_sigterm_to_the_supervisor_stops_every_worker_gracefully(
+    replicas: EmulatedFleet, tmp_path: Path
+) -> None:
+    stale_counter_file(tmp_path)
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    args = ("--workers", "2", "--shutdown-delay", "2")
+    with GatewayProcess(replicas.urls, *args, env=env) as gateway:
+        chat(gateway.url, "one request")
+        # The earlier run's file was removed before the workers started.
+        assert metric_value(gateway.metrics(), "gateway_requests_total") == 1
+        wait_for(lambda: len(worker_pids(gateway)) == 2, "both workers")
+        family = children(gateway.pid)
+        os.kill(gateway.pid, signal.SIGTERM)
+        time.sleep(0.3)
+        # Every worker says no at once and still serves through the shutdown delay.
+        ready = {httpx.get(gateway.url + "/ready").status_code for _ in range(10)}
+        assert ready == {503}
+        assert chat(gateway.url, "during the delay") in {"0", "1"}
+        wait_for(lambda: not gateway.running, "the supervisor's exit", 10)
+        assert gateway.stop() == 0
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(gateway.url + "/health")
+    wait_for(lambda: not any(exists(pid) for pid in family), "no process left", 5)
+
+
+def test_workers_must_be_at_least_one() -> None:
+    with pytest.raises(ConfigError, match="workers"):
+        load_settings(environ={"GATEWAY_WORKERS": "0", "GATEWAY_BACKENDS": "http://a:1"})
+    assert load_settings(environ={"GATEWAY_BACKENDS": "http://a:1"}).workers == 1
