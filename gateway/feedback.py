@@ -29,10 +29,11 @@ from enum import Enum
 from itertools import pairwise
 
 from gateway.config import Settings
+from gateway.hashing import extend_hashes
 from gateway.index import PrefixIndex
 from gateway.metrics import Metrics
 from gateway.observe import Observation
-from gateway.parsing import Endpoint
+from gateway.parsing import Endpoint, RoutingInput, message_segment
 from gateway.router import RoutedRequest
 
 log = logging.getLogger("gateway.feedback")
@@ -98,7 +99,8 @@ class ChainLinks:
 
     Hashes are chained, so a block has one predecessor and the links form a tree; a block
     followed by one block (the common case) stores it as a plain int. When full, the blocks
-    linked longest ago are dropped first.
+    used longest ago are dropped first, and of one chain its deepest blocks first, so that a
+    block is never kept while the links leading to it are gone.
     """
 
     def __init__(self, max_blocks: int = _LINKS_MAX) -> None:
@@ -110,22 +112,27 @@ class ChainLinks:
 
     def add(self, hashes: list[int]) -> None:
         following = self._next
-        for block, child in pairwise(hashes):
-            known = following.get(block)
-            if known is None:
+        # Deepest first, each moved to the end: the order of the dict is the order to drop in.
+        for block, child in reversed(list(pairwise(hashes))):
+            known = following.pop(block, None)
+            if known is None or known == child:
                 following[block] = child
-            elif known == child:
-                continue
             elif isinstance(known, int):
                 following[block] = (known, child)
             elif child not in known:
                 following[block] = (*known, child)
+            else:
+                following[block] = known
         while len(following) > self._max_blocks:
             del following[next(iter(following))]
 
     def branches(self, hashes: list[int], start: int, limit: int = _PRUNE_MAX) -> list[list[int]]:
         """The blocks of chains that leave `hashes` below block `start`, in runs ending at a
-        chain's last block (every block once; at most `limit` blocks)."""
+        chain's last block, every block once, a run after the runs below it.
+
+        At most `limit` blocks, as whole subtrees: a block is never listed without the blocks
+        below it, so that forgetting the runs in order keeps every chain in the index a prefix.
+        """
         following = self._next
         roots: list[int] = []
         for depth in range(start, len(hashes)):
@@ -137,13 +144,29 @@ class ChainLinks:
             roots.extend(child for child in children if child != on_path)
         runs: list[list[int]] = []
         total = 0
-        stack: list[tuple[int, list[int]]] = [(root, []) for root in reversed(roots)]
+        for root in roots:
+            subtree = self._subtree(root, limit - total)
+            if subtree is None:
+                break
+            runs.extend(subtree)
+            total += sum(len(run) for run in subtree)
+        runs.reverse()
+        return runs
+
+    def _subtree(self, root: int, limit: int) -> list[list[int]] | None:
+        """The runs below and including `root` in depth-first order; None past `limit` blocks."""
+        following = self._next
+        runs: list[list[int]] = []
+        total = 0
+        seen: set[int] = set()
+        stack: list[tuple[int, list[int]]] = [(root, [])]
         while stack:
             block, run = stack.pop()
-            run.append(block)
             total += 1
-            if total > limit:
-                break
+            if total > limit or block in seen:  # `seen`: a hash collision must not loop
+                return None
+            seen.add(block)
+            run.append(block)
             known = following.get(block)
             if known is None:
                 runs.append(run)
@@ -168,8 +191,11 @@ class CacheFeedback:
         request = routed.input
         if seen.cached_tokens is None or request.endpoint is Endpoint.EMBEDDINGS:
             return
+        if _batched(request):
+            return
         try:
             await self._observe(routed, seen.cached_tokens, seen.prompt_tokens)
+            self.links.add(self._answered_chain(routed, seen.answer))
         except Exception:
             self._metrics.index_feedback_errors.inc()
             log.warning("cache feedback failed", exc_info=True)
@@ -179,7 +205,6 @@ class CacheFeedback:
     ) -> None:
         request = routed.input
         model, backend = request.model, routed.backend.name
-        hashes = routed.hashes
         ratio = chars_per_token(len(request.canonical), prompt_tokens, self._chars_per_token)
         verdict = judge(
             routed.decision.matched_blocks,
@@ -196,9 +221,26 @@ class CacheFeedback:
         )
         if verdict.outcome is Outcome.SHALLOWER:
             pruned = 0
-            for run in self.links.branches(hashes, verdict.first_missing):
+            for run in self.links.branches(routed.hashes, verdict.first_missing):
                 await self._index.forget(model, backend, run)
                 pruned += len(run)
             if pruned:
                 metrics.index_feedback_pruned_blocks.labels(model, backend).inc(pruned)
-        self.links.add(hashes)
+
+    def _answered_chain(self, routed: RoutedRequest, answer: str) -> list[int]:
+        """The chain the index holds for this request once its answer is recorded after it
+        (`Router.learn_answer`): a chat prompt and its answer, which the next turn extends."""
+        request = routed.input
+        if request.endpoint is not Endpoint.CHAT or not answer:
+            return routed.hashes
+        history = request.canonical + message_segment("assistant", answer)
+        return extend_hashes(routed.hashes, history, self._block_chars)
+
+
+def _batched(request: RoutingInput) -> bool:
+    """A completions batch (see `parsing._completion_canonical`): its usage adds up prompts
+    that the replica caches each on its own, which one chain cannot predict."""
+    canonical = request.canonical
+    return request.endpoint is Endpoint.COMPLETIONS and (
+        canonical.startswith(b"\x1c[[") or b"\x1e" in canonical
+    )

@@ -8,6 +8,7 @@ whose usage the gateway asked for on its own (`--observe-usage`) loses its usage
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,8 @@ import orjson
 
 _HOLD_MAX = 1 << 20
 """Bytes of one unfinished event held back at most while stripping usage."""
+# An event ends at a blank line; lines end in LF or CRLF (sse-starlette's default).
+_BLANK_LINE = re.compile(rb"\r?\n\r?\n")
 
 
 @dataclass(slots=True)
@@ -60,8 +63,8 @@ class StreamObserver:
     """Follows SSE events across arbitrary chunk boundaries.
 
     With `strip_usage`, `feed` returns what the client is to get: the complete events of
-    what has arrived, less the usage-only one; an event cut by a chunk boundary is held until
-    its end arrives. Without, it returns each chunk as it came.
+    what has arrived, each with its own blank line, less the usage-only one; an event cut by a
+    chunk boundary is held until its end arrives. Without, it returns each chunk as it came.
     """
 
     def __init__(self, strip_usage: bool = False) -> None:
@@ -71,22 +74,37 @@ class StreamObserver:
 
     def feed(self, chunk: bytes) -> bytes:
         data = self._pending + chunk if self._pending else chunk
-        events = data.split(b"\n\n")
-        self._pending = events.pop()
-        if not self._strip_usage:
-            for event in events:
-                self._event(event)
+        strip = self._strip_usage
+        kept: list[bytes] = []
+        start = 0
+        for blank in _BLANK_LINE.finditer(data):
+            end = blank.end()
+            usage_only = self._event(data[start : blank.start()])
+            if strip and not usage_only:
+                kept.append(data[start:end])
+            start = end
+        self._pending = data[start:]
+        if not strip:
+            if len(self._pending) > _HOLD_MAX:
+                self._pending = b""  # not SSE as expected: stop following this event
             return chunk
-        kept = [event for event in events if not self._event(event)]
         if len(self._pending) > _HOLD_MAX:
             # Not an SSE stream as expected: stop holding bytes back.
             self._strip_usage = False
-            rest, self._pending = self._pending, b""
-            return b"".join(event + b"\n\n" for event in kept) + rest
-        return b"".join(event + b"\n\n" for event in kept)
+            kept.append(self._pending)
+            self._pending = b""
+        return b"".join(kept)
+
+    def finish(self) -> bytes:
+        """Once the stream has ended: its last event when no blank line closed it, taken in
+        and, while stripping, returned unless it was the usage-only one."""
+        rest, self._pending = self._pending, b""
+        if self._event(rest) or not self._strip_usage:
+            return b""
+        return rest
 
     def rest(self) -> bytes:
-        """What `feed` still holds back, once the stream has ended or broken off."""
+        """What `feed` still holds back once the stream broke off: an event cut short."""
         if not self._strip_usage:
             return b""
         rest, self._pending = self._pending, b""
@@ -110,7 +128,8 @@ class StreamObserver:
             choices = message.get("choices")
             if message.get("usage"):
                 self.seen.take_usage(message["usage"])
-                usage_only = choices == []
+                # OpenAI's usage chunk has `choices: []`; some servers leave the key out.
+                usage_only = choices is None or choices == []
             if (
                 isinstance(choices, list)
                 and choices

@@ -155,9 +155,8 @@ class Relay:
                 ),
             )
         exchange.done = True
-        held = observer.rest()
         if failure is None:
-            await send({"type": "http.response.body", "body": held})
+            await send({"type": "http.response.body", "body": observer.finish()})
             self._metrics.duration_seconds.labels(backend.name).observe(
                 time.perf_counter() - started
             )
@@ -166,6 +165,7 @@ class Relay:
         self._failed(backend, cause, cause != "request_timeout")
         # An event cut in the middle is closed first, so that the error is an event of its own.
         tail = sse_error(error)
+        held = observer.rest()
         if held:
             last = held
         if last and not last.endswith((b"\n\n", b"\r\n\r\n")):

@@ -1,0 +1,165 @@
+"""End to end: a replica that evicted a prefix says so in its cached tokens, and the gateway
+forgets what the replica no longer holds.
+
+Two emulated replicas with a small prefix cache (100 blocks of 16 tokens), the gateway on a
+real port, the official `openai` client; the eviction is real: prompts sent to the replica
+directly, behind the gateway's back, fill its cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.fleet import EmulatedFleet
+from tests.conftest import MODEL
+from tests.support import GatewayProcess
+from tests.test_explain import AUTH, TOKEN
+from tests.words import words
+
+Message = dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[EmulatedFleet]:
+    args = ["--chat-template", "plain", "--cache-blocks", "100"]
+    with EmulatedFleet(2, MODEL, args) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def gateway(fleet: EmulatedFleet) -> Iterator[GatewayProcess]:
+    with GatewayProcess(fleet.urls, "--admin-token", TOKEN) as started:
+        yield started
+
+
+@pytest.fixture
+def client(gateway: GatewayProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+
+
+def ask(client: openai.OpenAI, messages: list[Message]) -> tuple[str, str, int]:
+    """Send `messages`; the backend that answered, its route and the cached tokens reported."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=8,
+    )
+    reply = raw.parse()
+    assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+    cached = reply.usage.prompt_tokens_details.cached_tokens or 0
+    return raw.headers["x-gateway-backend"], raw.headers["x-gateway-route"], cached
+
+
+def matched_tokens(gateway: GatewayProcess, messages: list[Message]) -> dict[str, int]:
+    """What the index predicts for `messages` on each replica (`/admin/explain`)."""
+    response = httpx.post(
+        gateway.url + "/admin/explain",
+        json={"model": MODEL, "messages": messages},
+        headers=AUTH,
+        timeout=5,
+    )
+    assert response.status_code == 200, response.text
+    return {item["backend"]: item["matched_tokens"] for item in response.json()["candidates"]}
+
+
+class Feedback:
+    """The feedback counters of one backend, and waiting for them: the gateway learns from a
+    response only after the client has it."""
+
+    def __init__(self, gateway: GatewayProcess, backend: str) -> None:
+        self._gateway = gateway
+        self._backend = backend
+        self.start = self.read()
+
+    def read(self) -> dict[str, float]:
+        metric = self._gateway.metric
+        values = {
+            outcome: metric(
+                "gateway_index_feedback_total", model=MODEL, backend=self._backend, outcome=outcome
+            )
+            for outcome in ("confirmed", "shallower", "deeper")
+        }
+        values["pruned"] = metric(
+            "gateway_index_feedback_pruned_blocks_total", model=MODEL, backend=self._backend
+        )
+        return values
+
+    def grown(self) -> dict[str, float]:
+        now = self.read()
+        return {name: now[name] - self.start[name] for name in now if now[name] != self.start[name]}
+
+    def wait(self, done: Callable[[dict[str, float]], bool]) -> dict[str, float]:
+        deadline = time.monotonic() + 5
+        while True:
+            grown = self.grown()
+            if done(grown) or time.monotonic() > deadline:
+                return grown
+            time.sleep(0.02)
+
+
+def question(system: Message, tag: str) -> list[Message]:
+    return [system, {"role": "user", "content": words(40, tag)}]
+
+
+def test_a_report_that_meets_the_prediction_confirms_it(
+    gateway: GatewayProcess, client: openai.OpenAI
+) -> None:
+    system = {"role": "system", "content": words(400, "pc")}
+    backend, _, cached = ask(client, question(system, "pcq0"))
+    assert cached == 0
+    feedback = Feedback(gateway, backend)
+    predicted = matched_tokens(gateway, question(system, "pcq1"))[backend]
+    assert predicted > 0
+    second, route, cached = ask(client, question(system, "pcq1"))
+    assert (second, route) == (backend, "prefix")
+    assert cached == 400  # the whole system prompt: 25 blocks of 16 tokens
+    assert feedback.wait(lambda grown: "confirmed" in grown) == {"confirmed": 1}
+
+
+def test_an_evicted_prefix_is_pruned_from_the_index(
+    fleet: EmulatedFleet, gateway: GatewayProcess, client: openai.OpenAI
+) -> None:
+    system = {"role": "system", "content": words(400, "pe")}
+    backend, _, _ = ask(client, question(system, "peq0"))
+    again, _, cached = ask(client, question(system, "peq1"))
+    assert again == backend and cached == 400
+    feedback = Feedback(gateway, backend)
+    before = matched_tokens(gateway, question(system, "peq0"))
+    assert before[backend] > matched_tokens(gateway, question(system, "pe-new"))[backend]
+
+    # Behind the gateway's back, other prompts fill the replica's 100 blocks three times over
+    # its least recently used ones: the system prompt is gone from its cache.
+    for filler in range(3):
+        response = httpx.post(
+            f"http://{backend}/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": words(1000, f"pf{filler}")}],
+                "max_tokens": 1,
+            },
+            timeout=10,
+        )
+        assert response.status_code == 200, response.text
+    predicted = matched_tokens(gateway, question(system, "peq2"))[backend]
+    assert predicted >= 256  # the index still attributes the system prompt to the replica
+
+    third, route, cached = ask(client, question(system, "peq2"))
+    assert (third, route) == (backend, "prefix")
+    assert cached == 0  # the replica computed it all again
+    grown = feedback.wait(lambda grown: "shallower" in grown and "pruned" in grown)
+    assert grown.get("shallower") == 1 and "confirmed" not in grown
+    assert grown["pruned"] >= 2  # the two earlier questions' own blocks, at least
+
+    # The earlier question is now predicted only as deep as the prefix the third one
+    # recomputed (the system prompt), no longer down to its own blocks.
+    after = matched_tokens(gateway, question(system, "peq0"))
+    shared = matched_tokens(gateway, question(system, "pe-new"))[backend]
+    assert after[backend] == shared < before[backend]
+    assert shared >= predicted - 16  # what the third request put back stays predicted
+    assert set(after) == set(before) == {url.removeprefix("http://") for url in fleet.urls}
