@@ -10,12 +10,14 @@ gateway (and through peers, with --peers). Prints two tables:
 
     python loadtest/overhead.py
     python loadtest/overhead.py --sequential 2000 --concurrency 16,64 --requests 4000
+    python loadtest/overhead.py --workers 1,2   # one gateway per worker count, side by side
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import http.client
 import os
 import socket
@@ -50,9 +52,29 @@ def body(stream: bool, tag: int) -> bytes:
 
 
 def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
-        fields = handle.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system time of `pid` and its live descendants (a gateway's worker processes)."""
+    total = 0.0
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            with open(f"/proc/{current}/stat", encoding="ascii") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # exited meanwhile
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        pending.extend(children(current))
+    return total
+
+
+def children(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(child) for child in (task / "children").read_text().split()]
+        except FileNotFoundError:
+            continue
+    return found
 
 
 class Sequential:
@@ -184,12 +206,24 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--peers", default="", help=f"comma-separated: {', '.join(PEERS)}")
+    parser.add_argument(
+        "--workers",
+        default="1",
+        help="comma-separated worker counts: one gateway (`serve --workers N`) for each",
+    )
     args = parser.parse_args()
+    counts = [int(count) for count in args.workers.split(",")]
     with (
         EmulatorProcess("--max-running", "1024", name=MODEL) as replica,
-        GatewayProcess([replica.url], "--health-interval", "30") as gateway,
+        contextlib.ExitStack() as stack,
     ):
-        routers = [Router("prefix-gateway", gateway.url, gateway.pid)]
+        routers = []
+        for count in counts:
+            gateway = stack.enter_context(
+                GatewayProcess([replica.url], "--health-interval", "30", "--workers", str(count))
+            )
+            name = "prefix-gateway" if counts == [1] else f"prefix-gateway --workers {count}"
+            routers.append(Router(name, gateway.url, gateway.pid))
         names = [name for name in args.peers.split(",") if name]
         peers = [start_peer(name, [replica.url], MODEL) for name in names]
         try:
