@@ -35,6 +35,11 @@ def fleet() -> Iterator[EmulatedFleet]:
 @pytest.fixture(scope="module")
 def gateway(fleet: EmulatedFleet) -> Iterator[GatewayProcess]:
     with GatewayProcess(fleet.urls, "--admin-token", TOKEN) as started:
+        # Both replicas admitted: a first probe slowed by a busy machine may have failed.
+        deadline = time.monotonic() + 10
+        while httpx.get(started.url + "/health", timeout=5).json()["healthy"] < 2:
+            assert time.monotonic() < deadline, "the replicas did not become healthy"
+            time.sleep(0.05)
         yield started
 
 

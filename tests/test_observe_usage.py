@@ -159,6 +159,15 @@ def test_something_that_is_not_sse_is_not_held_back_for_ever() -> None:
 # -- through the gateway ---------------------------------------------------------------------
 
 
+def ready(gateway: GatewayProcess) -> GatewayProcess:
+    """Wait until a backend is admitted: a probe slowed by a busy machine may fail the first."""
+    deadline = time.monotonic() + 10
+    while httpx.get(gateway.url + "/ready", timeout=5).status_code != 200:
+        assert time.monotonic() < deadline, "no backend became healthy"
+        time.sleep(0.05)
+    return gateway
+
+
 @pytest.fixture(scope="module")
 def replicas() -> Iterator[EmulatedFleet]:
     with EmulatedFleet(2, MODEL, ["--chat-template", "plain"]) as started:
@@ -168,13 +177,13 @@ def replicas() -> Iterator[EmulatedFleet]:
 @pytest.fixture(scope="module")
 def observing(replicas: EmulatedFleet) -> Iterator[GatewayProcess]:
     with GatewayProcess(replicas.urls, "--observe-usage") as started:
-        yield started
+        yield ready(started)
 
 
 @pytest.fixture(scope="module")
 def plain(replicas: EmulatedFleet) -> Iterator[GatewayProcess]:
     with GatewayProcess(replicas.urls) as started:
-        yield started
+        yield ready(started)
 
 
 def streamed(
@@ -249,6 +258,7 @@ def test_an_upstream_that_ignores_the_option_streams_through_unchanged(observe: 
     with FaultServer() as replica:
         args = ("--observe-usage",) if observe else ()
         with GatewayProcess([f"fault-model={replica.url}"], *args) as gateway:
+            ready(gateway)
             direct = httpx.post(replica.url + "/v1/chat/completions", content=RAW_BODY).content
             routed = httpx.post(
                 gateway.url + "/v1/chat/completions",
@@ -256,7 +266,8 @@ def test_an_upstream_that_ignores_the_option_streams_through_unchanged(observe: 
                 headers={"content-type": "application/json"},
                 timeout=10,
             )
-        assert routed.status_code == 200 and routed.content == direct
+        assert routed.status_code == 200, routed.text
+        assert routed.content == direct
         sent = orjson.loads(replica.seen[-1].body)
         if observe:
             assert sent.pop("stream_options") == {"include_usage": True}
@@ -270,6 +281,7 @@ def test_a_stream_cut_upstream_still_ends_in_an_error_event() -> None:
         FaultServer(mode="cut", cut_after=2) as replica,
         GatewayProcess([f"fault-model={replica.url}"], "--observe-usage") as gateway,
     ):
+        ready(gateway)
         routed = httpx.post(gateway.url + "/v1/chat/completions", content=RAW_BODY, timeout=10)
     events = routed.content.split(b"\n\n")
     assert events[-1] == b""
