@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
 from itertools import pairwise
@@ -45,7 +46,7 @@ _SLACK_TOKENS = 8
 # emulator's does not show: a prediction may also be off by this share of itself.
 _SLACK_FRACTION = 0.1
 _LINKS_MAX = 1 << 18
-"""Blocks whose successors `ChainLinks` remembers (about 100 bytes each)."""
+"""Blocks whose successors `ChainLinks` remembers (about 160 bytes each: 40 MiB at most)."""
 _PRUNE_MAX = 4096
 """Blocks one report may prune at most."""
 
@@ -105,26 +106,31 @@ class ChainLinks:
 
     def __init__(self, max_blocks: int = _LINKS_MAX) -> None:
         self._max_blocks = max_blocks
-        self._next: dict[int, int | tuple[int, ...]] = {}
+        # Ordered by last use, oldest first. (A plain dict would do without its O(1) removal
+        # of the oldest: deleting a dict's first entry again and again leaves a run of dead
+        # slots that every next look-up of the first entry walks.)
+        self._next: OrderedDict[int, int | tuple[int, ...]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._next)
 
     def add(self, hashes: list[int]) -> None:
         following = self._next
-        # Deepest first, each moved to the end: the order of the dict is the order to drop in.
+        # Deepest first, each moved to the end: the order kept is the order to drop in.
         for block, child in reversed(list(pairwise(hashes))):
-            known = following.pop(block, None)
-            if known is None or known == child:
+            known = following.get(block)
+            if known is None:
                 following[block] = child
-            elif isinstance(known, int):
+                continue
+            following.move_to_end(block)
+            if known == child:
+                continue
+            if isinstance(known, int):
                 following[block] = (known, child)
             elif child not in known:
                 following[block] = (*known, child)
-            else:
-                following[block] = known
         while len(following) > self._max_blocks:
-            del following[next(iter(following))]
+            following.popitem(last=False)
 
     def branches(self, hashes: list[int], start: int, limit: int = _PRUNE_MAX) -> list[list[int]]:
         """The blocks of chains that leave `hashes` below block `start`, in runs ending at a
