@@ -15,7 +15,10 @@ each use of such a chain used that block too, so under LRU (the emulator's, and 
 freed blocks queue for eviction tail first) their deeper blocks were evicted no later than it.
 Those are the chains that branch off the prompt at or below the first missing block; this
 module keeps the links between blocks (`ChainLinks`, bounded, local to the process) to find
-them, and the index forgets them for that backend only.
+them, and the index forgets them for that backend only. Only chains whose requests had ended
+before this one was sent count: the index records a prompt when it is routed, so a request
+sent while another with the same new prefix is still being computed finds nothing, and that is
+not eviction.
 
 Everything here runs after the response reached the client; a failure is counted, not raised.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
@@ -99,9 +103,11 @@ class ChainLinks:
     """Which block follows which, over the chains of recent requests: a bounded tree.
 
     Hashes are chained, so a block has one predecessor and the links form a tree; a block
-    followed by one block (the common case) stores it as a plain int. When full, the blocks
-    used longest ago are dropped first, and of one chain its deepest blocks first, so that a
-    block is never kept while the links leading to it are gone.
+    followed by one block (the common case) stores it as a plain int, a chain's last block an
+    empty tuple. Each block also keeps when a chain through it was last added: a block's time
+    is never earlier than any block's below it. When full, the blocks used longest ago are
+    dropped first, and of one chain its deepest blocks first, so that a block is never kept
+    while the links leading to it are gone.
     """
 
     def __init__(self, max_blocks: int = _LINKS_MAX) -> None:
@@ -110,44 +116,72 @@ class ChainLinks:
         # of the oldest: deleting a dict's first entry again and again leaves a run of dead
         # slots that every next look-up of the first entry walks.)
         self._next: OrderedDict[int, int | tuple[int, ...]] = OrderedDict()
+        self._added_at: dict[int, float] = {}
 
     def __len__(self) -> int:
         return len(self._next)
 
-    def add(self, hashes: list[int]) -> None:
+    def add(self, hashes: list[int], now: float) -> None:
+        """Link the chain `hashes`, added at `now` (a `time.perf_counter()` value)."""
+        if not hashes:
+            return
         following = self._next
+        added_at = self._added_at
+        last = hashes[-1]
+        if last in following:
+            following.move_to_end(last)
+        else:
+            following[last] = ()
+        added_at[last] = now
         # Deepest first, each moved to the end: the order kept is the order to drop in.
         for block, child in reversed(list(pairwise(hashes))):
+            added_at[block] = now
             known = following.get(block)
             if known is None:
                 following[block] = child
                 continue
             following.move_to_end(block)
-            if known == child:
-                continue
             if isinstance(known, int):
-                following[block] = (known, child)
+                if known != child:
+                    following[block] = (known, child)
+            elif not known:  # was a chain's last block
+                following[block] = child
             elif child not in known:
                 following[block] = (*known, child)
         while len(following) > self._max_blocks:
-            following.popitem(last=False)
+            dropped, _ = following.popitem(last=False)
+            del added_at[dropped]
 
-    def branches(self, hashes: list[int], start: int, limit: int = _PRUNE_MAX) -> list[list[int]]:
-        """The blocks of chains that leave `hashes` below block `start`, in runs ending at a
-        chain's last block, every block once, a run after the runs below it.
+    def branches(
+        self,
+        hashes: list[int],
+        start: int,
+        before: float = math.inf,
+        limit: int = _PRUNE_MAX,
+    ) -> list[list[int]]:
+        """The blocks of chains that leave `hashes` below block `start` and were last added
+        before `before`, in runs ending at a chain's last block, every block once, a run after
+        the runs below it.
 
         At most `limit` blocks, as whole subtrees: a block is never listed without the blocks
         below it, so that forgetting the runs in order keeps every chain in the index a prefix.
         """
         following = self._next
+        added_at = self._added_at
         roots: list[int] = []
         for depth in range(start, len(hashes)):
             known = following.get(hashes[depth])
-            if known is None:
+            if known is None or known == ():
                 continue
             on_path = hashes[depth + 1] if depth + 1 < len(hashes) else None
             children = (known,) if isinstance(known, int) else known
-            roots.extend(child for child in children if child != on_path)
+            # A child whose own entry was dropped is no more recent than its parent.
+            parent_added = added_at[hashes[depth]]
+            roots.extend(
+                child
+                for child in children
+                if child != on_path and added_at.get(child, parent_added) < before
+            )
         runs: list[list[int]] = []
         total = 0
         for root in roots:
@@ -174,7 +208,7 @@ class ChainLinks:
             seen.add(block)
             run.append(block)
             known = following.get(block)
-            if known is None:
+            if known is None or known == ():  # a chain's end, or its links were dropped
                 runs.append(run)
                 continue
             children = (known,) if isinstance(known, int) else known
@@ -200,18 +234,17 @@ class CacheFeedback:
         if _batched(request):
             return
         try:
-            await self._observe(routed, seen.cached_tokens, seen.prompt_tokens)
-            self.links.add(self._answered_chain(routed, seen.answer))
+            await self._observe(routed, seen)
+            self.links.add(self._answered_chain(routed, seen.answer), time.perf_counter())
         except Exception:
             self._metrics.index_feedback_errors.inc()
             log.warning("cache feedback failed", exc_info=True)
 
-    async def _observe(
-        self, routed: RoutedRequest, cached_tokens: int, prompt_tokens: int | None
-    ) -> None:
+    async def _observe(self, routed: RoutedRequest, seen: Observation) -> None:
         request = routed.input
         model, backend = request.model, routed.backend.name
-        ratio = chars_per_token(len(request.canonical), prompt_tokens, self._chars_per_token)
+        cached_tokens = seen.cached_tokens or 0
+        ratio = chars_per_token(len(request.canonical), seen.prompt_tokens, self._chars_per_token)
         verdict = judge(
             routed.decision.matched_blocks,
             cached_tokens,
@@ -227,7 +260,10 @@ class CacheFeedback:
         )
         if verdict.outcome is Outcome.SHALLOWER:
             pruned = 0
-            for run in self.links.branches(routed.hashes, verdict.first_missing):
+            # Only chains whose requests had ended before this one was sent: one still being
+            # computed then (a burst sharing a new prefix) was not evicted, just not there yet.
+            stale = self.links.branches(routed.hashes, verdict.first_missing, seen.sent_at)
+            for run in stale:
                 await self._index.forget(model, backend, run)
                 pruned += len(run)
             if pruned:

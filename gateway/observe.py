@@ -8,6 +8,7 @@ whose usage the gateway asked for on its own (`--observe-usage`) loses its usage
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,8 @@ class Observation:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     answer_parts: list[str] = field(default_factory=list)
+    sent_at: float = math.inf
+    """`time.perf_counter()` when the request went to the replica that answered (inf: unknown)."""
 
     @property
     def answer(self) -> str:

@@ -96,7 +96,9 @@ class Relay:
         await send({"type": "http.response.start", "status": status, "headers": out_headers})
         await send({"type": "http.response.body", "body": payload})
         self._metrics.duration_seconds.labels(backend_name).observe(time.perf_counter() - started)
-        return status, observe_body(payload) if status == 200 else Observation()
+        seen = observe_body(payload) if status == 200 else Observation()
+        seen.sent_at = started
+        return status, seen
 
     async def _stream(
         self,
@@ -119,6 +121,7 @@ class Relay:
         clock = time.monotonic
         exchange.expect(IDLE, idle)
         observer = StreamObserver(strip_usage)
+        observer.seen.sent_at = started
         exchange.begun = exchange.streaming = True
         await send({"type": "http.response.start", "status": 200, "headers": out_headers})
         failure: tuple[str, GatewayError] | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import orjson
 import pytest
@@ -68,13 +69,13 @@ def test_judge_never_blames_an_unpredicted_or_unreached_block() -> None:
 def tree() -> ChainLinks:
     links = ChainLinks()
     for chain in ([1, 2, 3, 4], [1, 2, 5, 6], [1, 2, 3, 7], [1, 8]):
-        links.add(chain)
+        links.add(chain, 0.0)
     return links
 
 
 def test_branches_are_the_chains_leaving_the_path_below_the_start() -> None:
     links = tree()
-    assert len(links) == 4  # 1, 2, 3, 5 have successors
+    assert len(links) == 8  # every block: 1, 2, 3, 5 with successors, 4, 6, 7, 8 ends
     # Below block 1 of [1, 2, 3, 4]: 5-6 leaves at block 2, 7 at block 3; 8 leaves above.
     assert links.branches([1, 2, 3, 4], 1) == [[7], [5, 6]]
     assert links.branches([1, 2, 3, 4], 0) == [[7], [5, 6], [8]]
@@ -101,10 +102,22 @@ def assert_deepest_first(links: ChainLinks, runs: list[list[int]]) -> None:
         forgotten.update(run)
 
 
+def test_only_chains_added_before_a_time_are_branches() -> None:
+    links = ChainLinks()
+    links.add([1, 2, 3], 1.0)
+    links.add([1, 2, 4], 2.0)
+    links.add([1, 2, 5, 6], 3.0)
+    assert links.branches([1, 2, 9], 1, before=2.5) == [[4], [3]]
+    # A subtree is as recent as its most recent chain: 3-7 makes all of 3's subtree new.
+    links.add([1, 2, 3, 7], 4.0)
+    assert links.branches([1, 2, 9], 1, before=3.5) == [[5, 6], [4]]
+    assert links.branches([1, 2, 9], 1) == [[5, 6], [4], [3, 7]]
+
+
 def test_the_limit_keeps_whole_subtrees() -> None:
     links = ChainLinks()
-    links.add([1, 2, 3, 4, 5])  # a subtree of 3 below block 2
-    links.add([1, 2, 6])  # a subtree of 1
+    links.add([1, 2, 3, 4, 5], 0.0)  # a subtree of 3 below block 2
+    links.add([1, 2, 6], 0.0)  # a subtree of 1
     # 3 + 1 blocks fit in 4, not in 3: the first subtree that does not fit ends the list.
     assert links.branches([1, 2, 9], 1, limit=4) == [[6], [3, 4, 5]]
     assert links.branches([1, 2, 9], 1, limit=3) == [[3, 4, 5]]
@@ -112,25 +125,29 @@ def test_the_limit_keeps_whole_subtrees() -> None:
 
 
 def test_full_links_drop_the_deepest_blocks_of_the_least_recent_chain() -> None:
-    links = ChainLinks(max_blocks=3)
-    links.add([1, 2, 3, 4])  # 1→2, 2→3, 3→4
-    links.add([1, 2, 3, 4])  # used again: still three links
-    links.add([9, 10])  # one more: 3→4, the deepest link of the older chain, goes
-    assert len(links) == 3
-    assert links.branches([1], 0) == [[2, 3]]
-    links.add([1, 2])  # refreshes 1→2, so 2→3 is now the oldest
-    links.add([11, 12])
-    assert links.branches([1], 0) == [[2]]
+    links = ChainLinks(max_blocks=5)
+    links.add([1, 2, 3, 4], 0.0)
+    links.add([1, 2, 3, 4], 1.0)  # used again: still four blocks
+    assert len(links) == 4
+    links.add([9, 10], 2.0)  # six: the oldest, the older chain's end, goes (3 still links it)
+    assert len(links) == 5
+    assert links.branches([1], 0) == [[2, 3, 4]]
+    links.add([1, 2], 3.0)  # refreshes 1 and 2, so 3 is now the oldest, then 10
+    links.add([11, 12], 4.0)
+    assert len(links) == 5
+    assert links.branches([1], 0) == [[2, 3]]  # 3's link to 4 went with it
     assert links.branches([9], 0) == [[10]]
 
 
 def test_a_block_followed_by_several_keeps_each_once() -> None:
     links = ChainLinks()
     for _ in range(3):
-        links.add([1, 2])
-        links.add([1, 3])
-        links.add([1, 4])
+        links.add([1, 2], 0.0)
+        links.add([1, 3], 0.0)
+        links.add([1, 4], 0.0)
     assert links.branches([1, 5], 0) == [[4], [3], [2]]
+    links.add([1, 2, 7], 0.0)  # a chain's end that gains a successor
+    assert links.branches([1, 5], 0) == [[4], [3], [2, 7]]
 
 
 MODEL = "m"
@@ -264,3 +281,27 @@ def test_batches_and_unreported_usage_are_left_alone() -> None:
     harness.answered(single, Observation(300, None))
     for outcome in Outcome:
         assert harness.counted(outcome.value) == 0
+
+
+def test_a_burst_on_a_new_prefix_prunes_nothing_still_being_computed() -> None:
+    # Two questions after a new system prompt, the second sent while the first is computed:
+    # the replica has no system prompt for it yet, but evicted nothing.
+    harness = Harness()
+    system = {"role": "system", "content": words(400, "fn")}
+    first = harness.route([system, {"role": "user", "content": words(200, "fn1")}])
+    second = harness.route([system, {"role": "user", "content": words(200, "fn2")}])
+    assert second.backend == first.backend and second.decision.matched_blocks > 0
+    sent = time.perf_counter()
+    harness.answered(first, usage(first))
+    report = usage(second, 0)
+    report.sent_at = sent
+    harness.answered(second, report)
+    assert harness.counted("shallower") == 1
+    assert harness.depth(first) == len(first.hashes)  # the first chain was not there yet
+    # A third, sent once both had ended, and still finding nothing: now that is eviction.
+    third = harness.route([system, {"role": "user", "content": words(200, "fn3")}])
+    report = usage(third, 0)
+    report.sent_at = time.perf_counter()
+    harness.answered(third, report)
+    assert harness.depth(first) < len(first.hashes)
+    assert harness.depth(second) < len(second.hashes)
