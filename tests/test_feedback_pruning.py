@@ -32,20 +32,35 @@ def fleet() -> Iterator[EmulatedFleet]:
         yield started
 
 
+def admitted(gateway: GatewayProcess) -> GatewayProcess:
+    """Both replicas admitted: a first probe slowed by a busy machine may have failed."""
+    deadline = time.monotonic() + 10
+    while httpx.get(gateway.url + "/health", timeout=5).json()["healthy"] < 2:
+        assert time.monotonic() < deadline, "the replicas did not become healthy"
+        time.sleep(0.05)
+    return gateway
+
+
 @pytest.fixture(scope="module")
 def gateway(fleet: EmulatedFleet) -> Iterator[GatewayProcess]:
     with GatewayProcess(fleet.urls, "--admin-token", TOKEN) as started:
-        # Both replicas admitted: a first probe slowed by a busy machine may have failed.
-        deadline = time.monotonic() + 10
-        while httpx.get(started.url + "/health", timeout=5).json()["healthy"] < 2:
-            assert time.monotonic() < deadline, "the replicas did not become healthy"
-            time.sleep(0.05)
-        yield started
+        yield admitted(started)
+
+
+@pytest.fixture(scope="module")
+def blind(fleet: EmulatedFleet) -> Iterator[GatewayProcess]:
+    """The same, without cache feedback."""
+    with GatewayProcess(fleet.urls, "--admin-token", TOKEN, "--no-cache-feedback") as started:
+        yield admitted(started)
+
+
+def client_of(gateway: GatewayProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture
 def client(gateway: GatewayProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+    return client_of(gateway)
 
 
 def ask(client: openai.OpenAI, messages: list[Message]) -> tuple[str, str, int]:
@@ -108,6 +123,22 @@ class Feedback:
             time.sleep(0.02)
 
 
+def evict(backend: str, tag: str) -> None:
+    """Behind the gateway's back, other prompts fill the replica's 100 blocks three times over
+    its least recently used ones: what it cached before is gone."""
+    for filler in range(3):
+        response = httpx.post(
+            f"http://{backend}/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": words(1000, f"{tag}{filler}")}],
+                "max_tokens": 1,
+            },
+            timeout=10,
+        )
+        assert response.status_code == 200, response.text
+
+
 def question(system: Message, tag: str) -> list[Message]:
     return [system, {"role": "user", "content": words(40, tag)}]
 
@@ -138,19 +169,7 @@ def test_an_evicted_prefix_is_pruned_from_the_index(
     before = matched_tokens(gateway, question(system, "peq0"))
     assert before[backend] > matched_tokens(gateway, question(system, "pe-new"))[backend]
 
-    # Behind the gateway's back, other prompts fill the replica's 100 blocks three times over
-    # its least recently used ones: the system prompt is gone from its cache.
-    for filler in range(3):
-        response = httpx.post(
-            f"http://{backend}/v1/chat/completions",
-            json={
-                "model": MODEL,
-                "messages": [{"role": "user", "content": words(1000, f"pf{filler}")}],
-                "max_tokens": 1,
-            },
-            timeout=10,
-        )
-        assert response.status_code == 200, response.text
+    evict(backend, "pf")
     predicted = matched_tokens(gateway, question(system, "peq2"))[backend]
     assert predicted >= 256  # the index still attributes the system prompt to the replica
 
@@ -168,3 +187,19 @@ def test_an_evicted_prefix_is_pruned_from_the_index(
     assert after[backend] == shared < before[backend]
     assert shared >= predicted - 16  # what the third request put back stays predicted
     assert set(after) == set(before) == {url.removeprefix("http://") for url in fleet.urls}
+
+
+def test_without_feedback_the_index_keeps_predicting_what_was_evicted(
+    blind: GatewayProcess,
+) -> None:
+    client = client_of(blind)
+    system = {"role": "system", "content": words(400, "pb")}
+    backend, _, _ = ask(client, question(system, "pbq0"))
+    assert ask(client, question(system, "pbq1"))[0] == backend
+    before = matched_tokens(blind, question(system, "pbq0"))[backend]
+    evict(backend, "pbf")
+    third, _, cached = ask(client, question(system, "pbq2"))
+    assert third == backend and cached == 0
+    time.sleep(0.2)  # time for the feedback to have run, were it on
+    assert matched_tokens(blind, question(system, "pbq0"))[backend] == before
+    assert blind.metric("gateway_index_feedback_total") == 0
