@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -31,9 +31,6 @@ class Backend:
     models: frozenset[str] = frozenset()
     pinned_model: str | None = None
     healthy: bool = False
-    in_flight: int = 0
-    queued: int = 0
-    """Requests waiting in the engine's own queue, where scraped."""
     source: str = "static"
     """Who added it: `static`, `admin`, or the discovery source that found it."""
     draining: bool = False
@@ -45,16 +42,88 @@ class Backend:
     """Consecutive probe results of one kind: > 0 passed, < 0 failed."""
     failures: int = 0
     """Failed requests in a row; a good answer resets it (see gateway.health)."""
+    groups: list[Candidates] = field(default_factory=list, repr=False)
+    """The candidate groups it is in now, whose load tallies follow its own."""
+    _in_flight: int = field(default=0, repr=False)
+    _queued: int = field(default=0, repr=False)
 
     @property
     def load(self) -> int:
-        return self.in_flight + self.queued
+        return self._in_flight + self._queued
+
+    @property
+    def in_flight(self) -> int:
+        """Requests this gateway has sent it that have not ended."""
+        return self._in_flight
+
+    @in_flight.setter
+    def in_flight(self, value: int) -> None:
+        self._add_load(value - self._in_flight)
+        self._in_flight = value
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting in the engine's own queue, where scraped."""
+        return self._queued
+
+    @queued.setter
+    def queued(self, value: int) -> None:
+        self._add_load(value - self._queued)
+        self._queued = value
+
+    def _add_load(self, delta: int) -> None:
+        for group in self.groups:
+            group.total_load += delta
+
+
+class Candidates:
+    """The backends serving one model now, with their summed load kept up to date.
+
+    Rebuilt by the pool on every health or membership change; between changes a lease or an
+    engine-queue scrape updates `total_load` as it changes a backend's load, so that the load
+    bound costs O(1) per request instead of a sum over the fleet.
+    """
+
+    __slots__ = ("backends", "by_name", "loads", "members", "names", "total_load")
+
+    def __init__(self, backends: list[Backend]) -> None:
+        self.backends = backends
+        self.names = tuple(backend.name for backend in backends)
+        self.members = frozenset(self.names)
+        self.by_name = {backend.name: backend for backend in backends}
+        self.loads = LoadView(self.by_name)
+        self.total_load = sum(backend.load for backend in backends)
+
+
+class LoadView(Mapping[str, int]):
+    """Each candidate's current load, read when asked: a mapping nobody has to fill."""
+
+    __slots__ = ("_by_name",)
+
+    def __init__(self, by_name: dict[str, Backend]) -> None:
+        self._by_name = by_name
+
+    def __getitem__(self, name: str) -> int:
+        return self._by_name[name].load
+
+    def get(self, name: str, default: int = 0) -> int:  # type: ignore[override]
+        backend = self._by_name.get(name)
+        return default if backend is None else backend.load
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_name)
+
+    def __len__(self) -> int:
+        return len(self._by_name)
 
 
 @dataclass
 class BackendPool:
     backends: list[Backend] = field(default_factory=list)
-    _by_model: dict[str, list[Backend]] = field(default_factory=dict)
+    _by_model: dict[str, Candidates] = field(default_factory=dict)
 
     @classmethod
     def from_specs(cls, specs: Sequence[str]) -> BackendPool:
@@ -122,15 +191,25 @@ class BackendPool:
 
     def rebuild(self) -> None:
         """Recompute the per-model candidate lists after a health or membership change."""
-        by_model: dict[str, list[Backend]] = {}
+        serving: dict[str, list[Backend]] = {}
         for backend in self.backends:
+            backend.groups = []
             if backend.healthy and not backend.draining:
                 for model in backend.models:
-                    by_model.setdefault(model, []).append(backend)
+                    serving.setdefault(model, []).append(backend)
+        by_model = {model: Candidates(backends) for model, backends in serving.items()}
+        for group in by_model.values():
+            for backend in group.backends:
+                backend.groups.append(group)
         self._by_model = by_model
 
     def candidates(self, model: str) -> list[Backend]:
-        return self._by_model.get(model, [])
+        group = self._by_model.get(model)
+        return [] if group is None else group.backends
+
+    def group(self, model: str) -> Candidates | None:
+        """The candidates of `model` with their load tally; None when no backend serves it."""
+        return self._by_model.get(model)
 
     def knows_model(self, model: str) -> bool:
         return any(model in backend.models for backend in self.backends)
@@ -166,8 +245,9 @@ class Lease:
         self.backend = backend
 
     def __enter__(self) -> Backend:
-        self.backend.in_flight += 1
-        return self.backend
+        backend = self.backend
+        backend.in_flight += 1
+        return backend
 
     def __exit__(self, *exc_info: object) -> None:
         backend = self.backend

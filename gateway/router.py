@@ -11,10 +11,10 @@ import asyncio
 import copy
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from gateway.backends import Backend, BackendPool
+from gateway.backends import Backend, BackendPool, Candidates
 from gateway.breaks import (
     AffinityMiss,
     ConversationTracker,
@@ -74,29 +74,71 @@ class Explanation:
 
 
 class RecentTraffic:
-    """Exponentially decaying request counts per backend."""
+    """Exponentially decaying request counts per backend, and their decaying sum.
+
+    Every count decays at the same rate, so the sum of the decayed counts is itself one
+    decaying value: the mean over a model's candidates costs O(1) when every backend counted
+    here is one of them (the common case, checked once per candidate group).
+    """
 
     def __init__(self, clock: Clock, half_life: float = _RECENT_HALF_LIFE) -> None:
         self._clock = clock
         self._rate = math.log(2) / half_life
         self._counts: dict[str, tuple[float, float]] = {}
+        self._total = (0.0, 0.0)
+        self._within: tuple[frozenset[str], int] | None = None
+        """A set of names known to hold every counted backend, and how many were counted."""
+        self.view = RecentView(self)
+
+    def get(self, name: str, default: float = 0.0) -> float:
+        entry = self._counts.get(name)
+        if entry is None:
+            return default
+        value, stamp = entry
+        return value * math.exp(self._rate * (stamp - self._clock()))
 
     def snapshot(self, names: Sequence[str]) -> dict[str, float]:
-        now = self._clock()
-        counts = self._counts
-        rate = self._rate
-        result: dict[str, float] = {}
-        for name in names:
-            entry = counts.get(name)
-            if entry is not None:
-                value, stamp = entry
-                result[name] = value * math.exp(rate * (stamp - now))
-        return result
+        return {name: self.get(name) for name in names if name in self._counts}
+
+    def sum_over(self, names: frozenset[str]) -> float:
+        """The summed recent counts of `names`."""
+        counted = len(self._counts)
+        if self._within != (names, counted) and not self._counts.keys() <= names:
+            return sum(self.get(name) for name in names)
+        self._within = (names, counted)
+        value, stamp = self._total
+        return value * math.exp(self._rate * (stamp - self._clock()))
 
     def add(self, name: str) -> None:
         now = self._clock()
+        rate = self._rate
         value, stamp = self._counts.get(name, (0.0, now))
-        self._counts[name] = (value * math.exp(self._rate * (stamp - now)) + 1.0, now)
+        self._counts[name] = (value * math.exp(rate * (stamp - now)) + 1.0, now)
+        total, since = self._total
+        self._total = (total * math.exp(rate * (since - now)) + 1.0, now)
+
+
+class RecentView(Mapping[str, float]):
+    """`RecentTraffic` as a read-only mapping whose values decay as they are read."""
+
+    __slots__ = ("_traffic",)
+
+    def __init__(self, traffic: RecentTraffic) -> None:
+        self._traffic = traffic
+
+    def __getitem__(self, name: str) -> float:
+        if name not in self._traffic._counts:
+            raise KeyError(name)
+        return self._traffic.get(name)
+
+    def get(self, name: str, default: float = 0.0) -> float:  # type: ignore[override]
+        return self._traffic.get(name, default)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._traffic._counts)
+
+    def __len__(self) -> int:
+        return len(self._traffic._counts)
 
 
 class Router:
@@ -132,30 +174,26 @@ class Router:
 
     async def route(self, request: RoutingInput) -> RoutedRequest:
         began = time.perf_counter()
-        candidates, hashes, affinity_key, matched, sticky = await self._gather(request)
-        decision = self._decide(request, candidates, hashes, matched, affinity_key, sticky)
-        backend = next(item for item in candidates if item.name == decision.backend)
+        group, hashes, affinity_key, matched, sticky = await self._gather(request)
+        decision = self.policy.choose(
+            self.state(request, group, hashes, matched, affinity_key, sticky)
+        )
+        backend = group.by_name[decision.backend]
         self._decision_seconds.observe(time.perf_counter() - began)
         if sticky is not None and sticky != backend.name:
-            self.metrics.session_moves.labels(_move_cause(sticky, candidates, decision)).inc()
+            self.metrics.session_moves.labels(_move_cause(sticky, group, decision)).inc()
         routed = RoutedRequest(request, hashes, affinity_key, decision, backend, [backend.name])
-        routed.turn = self._follow(routed, candidates, matched)
+        routed.turn = self._follow(routed, group, matched)
         await self._record_choice(routed)
         return routed
 
     async def explain(self, request: RoutingInput) -> Explanation:
         """The decision `route` would make for `request` now, recording nothing."""
-        candidates, hashes, affinity_key, matched, sticky = await self._gather(request)
+        group, hashes, affinity_key, matched, sticky = await self._gather(request)
+        candidates = group.backends
         # A copy, so that a policy keeping a turn (round robin) does not move on.
-        decision = self._decide(
-            request,
-            candidates,
-            hashes,
-            matched,
-            affinity_key,
-            sticky,
-            policy=copy.copy(self.policy),
-        )
+        state = self.state(request, group, hashes, matched, affinity_key, sticky)
+        decision = copy.copy(self.policy).choose(state)
         names = [item.name for item in candidates]
         prompt = fingerprint(request.canonical) if request.endpoint is Endpoint.CHAT else None
         return Explanation(
@@ -175,28 +213,32 @@ class Router:
         settings = self.settings
         bounds: dict[str, int] = {}
         for model in self.pool.served_models():
-            candidates = self.pool.candidates(model)
-            total = sum(item.load for item in candidates)
-            bound = load_bound(total, len(candidates), settings.load_factor, settings.load_floor)
-            for item in candidates:
+            group = self.candidates(model)
+            bound = load_bound(
+                group.total_load, len(group.names), settings.load_factor, settings.load_floor
+            )
+            for item in group.backends:
                 bounds[item.name] = max(bound, bounds.get(item.name, 0))
         return bounds
 
     async def reroute(self, routed: RoutedRequest) -> bool:
         """Move a request that failed before its first byte to the next candidate."""
-        candidates = [
-            item for item in self._candidates(routed.input.model) if item.name not in routed.tried
+        untried = [
+            item
+            for item in self.candidates(routed.input.model).backends
+            if item.name not in routed.tried
         ]
-        if not candidates:
+        if not untried:
             return False
+        group = Candidates(untried)
         matched = await self.index.match(routed.input.model, routed.hashes)
-        choice = self._decide(
-            routed.input, candidates, routed.hashes, matched, routed.affinity_key, None
+        choice = self.policy.choose(
+            self.state(routed.input, group, routed.hashes, matched, routed.affinity_key)
         )
         routed.decision = Decision(
             choice.backend, Route.RETRY, choice.matched_blocks, choice.load_bound
         )
-        routed.backend = next(item for item in candidates if item.name == choice.backend)
+        routed.backend = group.by_name[choice.backend]
         routed.tried.append(choice.backend)
         if routed.input.session_key is not None:
             self.metrics.session_moves.labels("failover").inc()
@@ -215,8 +257,8 @@ class Router:
 
     async def _gather(
         self, request: RoutingInput
-    ) -> tuple[list[Backend], list[int], int, dict[str, int], str | None]:
-        candidates = self._candidates(request.model)
+    ) -> tuple[Candidates, list[int], int, dict[str, int], str | None]:
+        candidates = self.candidates(request.model)
         hashes = chain_hashes(request.canonical, self._block_chars)
         affinity_key = self.affinity_key(request)
         if request.session_key is None:
@@ -229,7 +271,7 @@ class Router:
         return candidates, hashes, affinity_key, matched, sticky
 
     def _follow(
-        self, routed: RoutedRequest, candidates: list[Backend], matched: dict[str, int]
+        self, routed: RoutedRequest, candidates: Candidates, matched: dict[str, int]
     ) -> Turn | None:
         """Place the request in its conversation; count a cache break when it has one."""
         request = routed.input
@@ -243,8 +285,9 @@ class Router:
             self.metrics.cache_breaks.labels(request.model, turn.cause.value).inc()
         previous = turn.previous_backend
         if turn.continues and previous is not None and previous != chosen:
-            loads = {item.name: item.load for item in candidates}
-            turn.miss = miss_cause(previous, loads, routed.decision.load_bound, matched, chosen)
+            turn.miss = miss_cause(
+                previous, candidates.loads, routed.decision.load_bound, matched, chosen
+            )
         return turn
 
     def _settle(self, routed: RoutedRequest, answer_segment: bytes) -> None:
@@ -269,9 +312,9 @@ class Router:
             miss = AffinityMiss.FAILOVER
         self.metrics.affinity_misses.labels(model, miss.value).inc()
 
-    def _candidates(self, model: str) -> list[Backend]:
-        candidates = self.pool.candidates(model)
-        if not candidates:
+    def candidates(self, model: str) -> Candidates:
+        candidates = self.pool.group(model)
+        if candidates is None:
             if not self.pool.knows_model(model):
                 raise NotFound(
                     f"The model `{model}` does not exist.", param="model", code="model_not_found"
@@ -281,28 +324,31 @@ class Router:
             )
         return candidates
 
-    def _decide(
+    def state(
         self,
         request: RoutingInput,
-        candidates: list[Backend],
+        candidates: Candidates,
         hashes: list[int],
         matched: dict[str, int],
         affinity_key: int,
-        sticky: str | None,
-        policy: Policy | None = None,
-    ) -> Decision:
-        names = [item.name for item in candidates]
-        state = RoutingState(
-            candidates=names,
-            loads={item.name: item.load for item in candidates},
+        sticky: str | None = None,
+    ) -> RoutingState:
+        """What the policy is shown: views of live load and traffic, nothing copied per backend."""
+        members = candidates.members
+        return RoutingState(
+            candidates=candidates.names,
+            loads=candidates.loads,
             hashes=hashes,
             matched=matched,
             affinity_key=affinity_key,
             private_from=request.distinct_from // self._block_chars,
             sticky=sticky,
-            recent=self.recent.snapshot(names),
+            keyed=request.session_key is not None,
+            recent=self.recent.view,
+            members=members,
+            total_load=candidates.total_load,
+            recent_total=self.recent.sum_over(members),
         )
-        return (policy or self.policy).choose(state)
 
     async def _record_choice(self, routed: RoutedRequest) -> None:
         request = routed.input
@@ -316,9 +362,9 @@ class Router:
             self.metrics.overflows.labels(request.model).inc()
 
 
-def _move_cause(sticky: str, candidates: list[Backend], decision: Decision) -> str:
+def _move_cause(sticky: str, candidates: Candidates, decision: Decision) -> str:
     """Why a session left its backend: gone from the candidates, over the bound, or the policy."""
-    backend = next((item for item in candidates if item.name == sticky), None)
+    backend = candidates.by_name.get(sticky)
     if backend is None:
         return "unhealthy"
     if decision.load_bound > 0 and not within_bound(backend.load, decision.load_bound):

@@ -35,7 +35,7 @@ from gateway.hashing import chain_hashes
 from gateway.index import InMemoryPrefixIndex
 from gateway.metrics import Metrics
 from gateway.parsing import Endpoint, parse_request
-from gateway.policy import RoutingState, build_policy
+from gateway.policy import build_policy
 from gateway.router import Router
 from gateway.sessions import InMemorySessionStore
 
@@ -111,12 +111,9 @@ def measure(tokens: int, backends: int, indexed: int, samples: int) -> dict[str,
         request = parse_request(Endpoint.CHAT, bodies[next(turn) % 16], None)
         hashes = chain_hashes(request.canonical, settings.block_chars)
         matched = loop.run_until_complete(router.index.match(MODEL, hashes))
-        names = [backend.name for backend in router.pool.candidates(MODEL)]
-        router.policy.choose(
-            RoutingState(
-                names, dict.fromkeys(names, 0), hashes, matched, router.affinity_key(request)
-            )
-        )
+        candidates = router.candidates(MODEL)
+        affinity_key = router.affinity_key(request)
+        router.policy.choose(router.state(request, candidates, hashes, matched, affinity_key))
 
     def route() -> None:
         request = parse_request(Endpoint.CHAT, bodies[next(turn) % 16], None)
@@ -125,8 +122,7 @@ def measure(tokens: int, backends: int, indexed: int, samples: int) -> dict[str,
     request = parse_request(Endpoint.CHAT, bodies[1], None)
     hashes = chain_hashes(request.canonical, settings.block_chars)
     matched = loop.run_until_complete(router.index.match(MODEL, hashes))
-    names = [backend.name for backend in router.pool.candidates(MODEL)]
-    state = RoutingState(names, dict.fromkeys(names, 0), hashes, matched, 1)
+    state = router.state(request, router.candidates(MODEL), hashes, matched, 1)
     results = {
         "decision": timed(samples, decision),
         "route": timed(samples, route),

@@ -8,10 +8,14 @@ from collections import Counter
 
 import pytest
 
+from gateway.backends import Backend, BackendPool
+from gateway.clock import ManualClock
 from gateway.config import POLICY_NAMES, ConfigError, Settings
 from gateway.hashing import key_hash
 from gateway.policy import POLICIES, Route, RoutingState, build_policy
-from gateway.policy.prefix import PrefixPolicy
+from gateway.policy.prefix import PrefixPolicy, PromptShares
+from gateway.ring import HashRing
+from gateway.router import RecentTraffic
 
 A, B, C, D = "a:1", "b:1", "c:1", "d:1"
 FOUR = (A, B, C, D)
@@ -157,3 +161,126 @@ def test_registry_matches_the_documented_names() -> None:
 def test_unknown_policy_is_a_start_up_error() -> None:
     with pytest.raises(ConfigError):
         Settings(backend=("x",), policy="fastest").validate()
+
+
+def shared_prompt_state(
+    loads: dict[str, int], matched: dict[str, int], prompt: int, key: int = 1
+) -> RoutingState:
+    """A 40-block request whose first 36 blocks are a system prompt numbered `prompt`."""
+    hashes = [prompt * 1000 + depth for depth in range(40)]
+    return RoutingState(
+        candidates=FOUR,
+        loads=loads,
+        hashes=hashes,
+        matched=matched,
+        affinity_key=key,
+        private_from=36,
+    )
+
+
+def test_a_cold_shared_prompt_stays_with_its_only_holder_past_the_plain_bound() -> None:
+    # One customer's system prompt among many: a small share of the traffic, held by A alone.
+    fresh = PrefixPolicy(load_factor=1.25, load_floor=2, min_match_blocks=4)
+    for other in range(40):
+        fresh.choose(shared_prompt_state(dict.fromkeys(FOUR, 1), {}, prompt=other + 100))
+    loads = {A: 4, B: 1, C: 1, D: 1}  # 7 in flight: plain bound ceil(1.25 * 8 / 4) = 3
+    decision = fresh.choose(shared_prompt_state(loads, {A: 36}, prompt=7))
+    assert decision.load_bound == 3
+    assert (decision.backend, decision.route) == (A, Route.PREFIX)
+
+
+def test_a_hot_shared_prompt_spreads_at_the_plain_bound() -> None:
+    # The same shape, but every request carries this one system prompt: more than one
+    # replica's share, so its holder keeps only what the plain bound allows.
+    fresh = PrefixPolicy(load_factor=1.25, load_floor=2, min_match_blocks=4)
+    for _ in range(40):
+        fresh.choose(shared_prompt_state(dict.fromkeys(FOUR, 1), {A: 36}, prompt=7))
+    loads = {A: 4, B: 1, C: 1, D: 1}
+    decision = fresh.choose(shared_prompt_state(loads, {A: 36}, prompt=7))
+    assert decision.backend != A
+    assert decision.route is Route.OVERFLOW
+
+
+def test_prompt_shares_decay_per_request() -> None:
+    shares = PromptShares(window=10)
+    assert shares.add(1) == 1.0
+    for _ in range(30):
+        shares.add(2)
+    assert shares.add(1) < 0.15  # one in the last 32 requests, decayed over a 10-request window
+    assert shares.add(2) > 0.5
+
+
+def two_choices(key: int) -> tuple[str, str]:
+    ring = HashRing(FOUR)
+    walk = ring.walk(key)
+    return next(walk), next(walk)
+
+
+def test_a_new_prefix_takes_the_less_used_of_its_two_ring_backends() -> None:
+    first, second = two_choices(777)
+    recent = dict.fromkeys(FOUR, 1.0) | {first: 9.0}
+    decision = policy.choose(state(recent=recent, key=777))
+    assert (decision.backend, decision.route) == (second, Route.HASH)
+
+
+def test_a_new_session_takes_its_first_ring_backend_whatever_the_traffic() -> None:
+    # Concurrent first requests of one session (or through several gateways) must agree.
+    first, _ = two_choices(777)
+    recent = dict.fromkeys(FOUR, 1.0) | {first: 9.0}
+    keyed = RoutingState(FOUR, dict.fromkeys(FOUR, 0), HASHES, {}, 777, keyed=True, recent=recent)
+    assert policy.choose(keyed).backend == first
+
+
+def test_the_router_state_decides_as_plain_snapshots_do() -> None:
+    # The router shows the policy live views and running sums instead of per-request copies.
+    clock = ManualClock(100.0)
+    traffic = RecentTraffic(clock)
+    pool = BackendPool()
+    for name in FOUR:
+        pool.add(Backend(name, f"http://{name}", frozenset({"m"}), healthy=True))
+    group = pool.group("m")
+    assert group is not None
+    rng = random.Random(5)
+    for _ in range(200):
+        traffic.add(rng.choice(FOUR))
+        clock.advance(rng.random())
+        pool.get(rng.choice(FOUR)).queued = rng.randrange(4)  # type: ignore[union-attr]
+        matched = {name: rng.randrange(0, 12) for name in rng.sample(FOUR, 2)}
+        key = rng.randrange(1 << 32)
+        loads = {name: pool.get(name).load for name in FOUR}  # type: ignore[union-attr]
+        live = RoutingState(
+            group.names,
+            group.loads,
+            HASHES,
+            matched,
+            key,
+            recent=traffic.view,
+            members=group.members,
+            total_load=group.total_load,
+            recent_total=traffic.sum_over(group.members),
+        )
+        copied = RoutingState(FOUR, loads, HASHES, matched, key, recent=traffic.snapshot(FOUR))
+        assert group.total_load == sum(loads.values())
+        assert traffic.sum_over(group.members) == pytest.approx(sum(copied.recent.values()))
+        assert PrefixPolicy().choose(live) == PrefixPolicy().choose(copied)
+
+
+def test_the_load_tally_follows_leases_scrapes_and_health() -> None:
+    pool = BackendPool()
+    for name in (A, B):
+        pool.add(Backend(name, f"http://{name}", frozenset({"m"}), healthy=True))
+    pool.rebuild()
+    a, b = pool.get(A), pool.get(B)
+    assert a is not None and b is not None
+    with pool.lease(a), pool.lease(b), pool.lease(b):
+        b.queued = 5
+        group = pool.group("m")
+        assert group is not None and group.total_load == 8
+        pool.set_health(b, False)  # b leaves the candidates: its load leaves the tally
+        group = pool.group("m")
+        assert group is not None and group.total_load == 1
+        b.queued = 0
+        assert group.total_load == 1
+    assert group.total_load == 0
+    pool.set_health(b, True)
+    assert pool.group("m").total_load == 0  # type: ignore[union-attr]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
@@ -37,8 +37,16 @@ class RoutingState:
     """The block where the request's own part begins (after a shared system prompt)."""
     sticky: str | None = None
     """The backend bound to the request's session key, if any."""
+    keyed: bool = False
+    """The request carries a session key (its affinity key), bound to a backend or not yet."""
     recent: Mapping[str, float] = field(default_factory=dict)
     """Recent request counts per backend (decaying), for spreading ties."""
+    members: Set[str] | None = None
+    """`candidates` as a set, where the caller keeps one (else a policy builds it)."""
+    total_load: int | None = None
+    """The candidates' summed load, where the caller keeps it (else a policy sums it)."""
+    recent_total: float | None = None
+    """The candidates' summed recent counts, where the caller keeps it."""
 
 
 @dataclass(frozen=True, slots=True)

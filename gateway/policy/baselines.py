@@ -18,10 +18,12 @@ class ConsistentHashPolicy:
         self._rings = RingCache()
 
     def choose(self, state: RoutingState) -> Decision:
-        bound = load_bound(
-            sum(state.loads.values()), len(state.candidates), self._factor, self._floor
-        )
-        for position, name in enumerate(self._rings.get(state.candidates).walk(state.affinity_key)):
+        total_load = state.total_load
+        if total_load is None:
+            total_load = sum(state.loads.get(name, 0) for name in state.candidates)
+        bound = load_bound(total_load, len(state.candidates), self._factor, self._floor)
+        ring = self._rings.get(state.members or state.candidates)
+        for position, name in enumerate(ring.walk(state.affinity_key)):
             if within_bound(state.loads.get(name, 0), bound):
                 route = Route.HASH if position == 0 else Route.OVERFLOW
                 return Decision(name, route, state.matched.get(name, 0), bound)
