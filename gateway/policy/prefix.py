@@ -61,7 +61,7 @@ class PrefixPolicy:
         min_match_blocks: int = 4,
         clear_margin_blocks: int = 4,
         recent_cap: float = 1.1,
-        recent_slack: float = 4.0,
+        recent_slack: float = 2.0,
         hash_choices: int = 2,
     ) -> None:
         self._factor = load_factor
