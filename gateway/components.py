@@ -50,7 +50,7 @@ class Components:
         local_sessions = InMemorySessionStore(settings.affinity_ttl, settings.session_max)
         index: PrefixIndex = local_index
         sessions: SessionStore = local_sessions
-        redis = None
+        redis = shared = None
         if settings.redis_url:
             shared = redis_store.connect(settings, metrics, local_index, local_sessions)
             redis, index, sessions = shared.link, shared.index, shared.sessions
@@ -77,6 +77,8 @@ class Components:
         proxy = ProxyHandler(router, upstream, metrics, health, admission)
         discovery = Discovery.build(settings, pool, monitor.refresh)
         engine_load = EngineLoadScraper(pool, probes, settings.scrape_interval)
+        if shared is not None:
+            shared.share_load(pool, engine_load)
         return cls(
             settings,
             pool,

@@ -5,6 +5,11 @@ replica's running and waiting counts (vLLM `vllm:num_requests_running` / `_waiti
 `sglang:num_running_reqs` / `num_queue_reqs`) tell every gateway the load the others put there.
 The part of the engine's count that this gateway did not send becomes the backend's `queued`
 load, which the load bound adds to the gateway's own in-flight count.
+
+A scrape is seconds old, and requests may last less than that. With Redis, the gateways also
+exchange their in-flight counts many times a second (`gateway/redis_store/loads.py`): then
+`queued` is the other gateways' requests as of that exchange, plus whatever the engine reported
+beyond them at the last scrape (clients that bypass the gateways).
 """
 
 from __future__ import annotations
@@ -76,6 +81,11 @@ class EngineLoadScraper:
         self._interval = interval
         self._task: asyncio.Task[None] | None = None
         self.kv_cache_usage: dict[str, float] = {}
+        # Per backend: the other gateways' requests in flight (from Redis), their count when
+        # the engine was last scraped, and the engine's requests beyond ours at that scrape.
+        self._fleet: dict[str, int] = {}
+        self._fleet_at_scrape: dict[str, int] = {}
+        self._engine_others: dict[str, int] = {}
 
     def start(self) -> None:
         if self._interval > 0:
@@ -93,19 +103,37 @@ class EngineLoadScraper:
         )
 
     async def _scrape(self, backend: Backend) -> None:
-        # Our own count at the moment the engine's is read, so the difference is the others'.
-        own = backend.in_flight
+        # Our own count (and the other gateways') at the moment the engine's is read, so the
+        # difference is the others' (and what came from outside the fleet).
+        own, fleet = backend.in_flight, self._fleet.get(backend.name, 0)
         try:
             response = await self._client.get(backend.url + "/metrics")
             engine = parse_engine_load(response.text) if response.status_code == 200 else None
         except httpx.HTTPError:
             engine = None
+        name = backend.name
+        self._fleet_at_scrape[name] = fleet
         if engine is None:
-            backend.queued = 0
-            return
-        backend.queued = others_load(engine, own)
-        if engine.kv_cache_usage is not None:
-            self.kv_cache_usage[backend.name] = engine.kv_cache_usage
+            self._engine_others.pop(name, None)
+        else:
+            self._engine_others[name] = others_load(engine, own)
+            if engine.kv_cache_usage is not None:
+                self.kv_cache_usage[name] = engine.kv_cache_usage
+        self._apply(backend)
+
+    def set_fleet(self, others: dict[str, int]) -> None:
+        """The other gateways' requests in flight per backend, just read from Redis."""
+        self._fleet = others
+        for backend in self._pool.backends:
+            self._apply(backend)
+
+    def _apply(self, backend: Backend) -> None:
+        name = backend.name
+        # What the engine held beyond our requests and the other gateways' at the scrape.
+        outside = max(0, self._engine_others.get(name, 0) - self._fleet_at_scrape.get(name, 0))
+        queued = self._fleet.get(name, 0) + outside
+        if backend.queued != queued:  # the pool's load tallies follow every assignment
+            backend.queued = queued
 
     async def _run(self) -> None:
         while True:

@@ -14,7 +14,7 @@ gateway processes):
    and `MEMORY USAGE` of one block key.
 
     python loadtest/redis_bench.py                 # all three
-    python loadtest/redis_bench.py lookup --samples 2000
+    python loadtest/redis_bench.py lookup --samples 2000 --repeat 3
     python loadtest/redis_bench.py fleet --gateways 1,2,3,4 --local-gateways 3,4
     python loadtest/redis_bench.py fleet --gateway-args "--scrape-interval 0"
 """
@@ -27,9 +27,11 @@ import contextlib
 import itertools
 import random
 import shlex
+import statistics
 import string
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +61,7 @@ from tests.support import GatewayProcess
 MODEL = "bench-model"
 # `gateway_affinity_misses_total` causes; a gateway counts a move only between turns it saw.
 MISS_CAUSES = ("load_bound", "index", "spread", "unhealthy", "failover")
+REDIS_OPERATIONS = ("match", "record", "forget", "session_get", "session_put")
 BACKENDS = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000")
 
 
@@ -173,9 +176,14 @@ async def redis_time_per_script(
 ) -> dict[str, float]:
     """Redis's own µs per lookup, per write of a prompt none of whose blocks the backend was
     sent within the refresh window, and per write of one it was (only read, not rewritten)."""
-    keys = redis_store.KeySpace(namespace)
+    # A namespace of its own: the writes below run the clock ahead, and a stamp is never
+    # lowered, so a second run in the same namespace would find every block stamped already.
+    keys = redis_store.KeySpace(f"{namespace}-{uuid.uuid4().hex[:8]}")
     clock = ManualClock(time.time())
     index = redis_store.RedisPrefixIndex(client, keys, 600, clock)
+    for chain in chains:
+        for backend in BACKENDS[:2]:
+            await index.record(MODEL, backend, chain)
     times = {}
     for kind in ("lookup", "write", "refresh"):
         if kind == "refresh":
@@ -197,7 +205,8 @@ async def redis_time_per_script(
 
 def lookup(args: argparse.Namespace) -> None:
     print(
-        f"# routing lookup in one process (uvloop), {args.samples} samples per row, one request "
+        f"# routing lookup in one process (uvloop), {args.samples} samples per run, median of "
+        f"{args.repeat} run(s) per figure, one request "
         "at a time; every block of the prompt indexed on 2 of 4 backends; Redis on loopback. "
         "decision = parse, hash, match, choose and record, as Router.route does it. Redis µs = "
         "Redis's own time per script (INFO commandstats): a lookup, a write of a prompt's "
@@ -217,8 +226,11 @@ def lookup(args: argparse.Namespace) -> None:
                     backend=BACKENDS, redis_url=server.url if state == "redis" else ""
                 )
                 # The gateway serves on uvloop (uvicorn's choice when it is installed).
-                with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                    row = runner.run(time_lookups(settings, tokens, args.samples))
+                runs = []
+                for _ in range(args.repeat):
+                    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                        runs.append(runner.run(time_lookups(settings, tokens, args.samples)))
+                row = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
                 rows[state] = row
                 redis_times = (
                     f"{row['lookup']:.0f} | {row['write']:.0f} | {row['refresh']:.0f}"
@@ -361,7 +373,7 @@ def fleet(args: argparse.Namespace) -> None:
     print(
         "| gateways | prefix index | requests | failed | hit rate | later turns on turn 1's "
         "replica | routes | turns moved, by route | moves by cause (gateways' count) "
-        "| Redis fallbacks |"
+        "| Redis fallbacks, by operation |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     plans = [(count, "redis") for count in args.gateways] + [
@@ -381,7 +393,13 @@ def fleet(args: argparse.Namespace) -> None:
             ]
             urls = [gateway.url for gateway in gateways]
             run = asyncio.run(drive(urls, sessions, args.concurrency, 0.05, bool(args.explain)))
-            fallbacks = sum(gateway.metric("gateway_redis_fallbacks_total") for gateway in gateways)
+            fallbacks = {
+                operation: sum(
+                    gateway.metric("gateway_redis_fallbacks_total", operation=operation)
+                    for gateway in gateways
+                )
+                for operation in REDIS_OPERATIONS
+            }
             misses = {
                 cause: sum(
                     gateway.metric("gateway_affinity_misses_total", cause=cause)
@@ -392,6 +410,7 @@ def fleet(args: argparse.Namespace) -> None:
         routes = ", ".join(f"{name} {number}" for name, number in sorted(run.routes.items()))
         moves = ", ".join(f"{name} {number}" for name, number in sorted(run.moves.items()))
         causes = ", ".join(f"{name} {number:.0f}" for name, number in misses.items() if number)
+        fell_back = ", ".join(f"{name} {count:.0f}" for name, count in fallbacks.items() if count)
         home = run.later_turns_home / run.later_turns if run.later_turns else 0.0
         label = "shared in Redis" if state == "redis" else "in each gateway's memory"
         if args.explain:
@@ -401,7 +420,7 @@ def fleet(args: argparse.Namespace) -> None:
         print(
             f"| {count} | {label} | {run.requests} | {run.failed} "
             f"| {run.cached / run.prompt:.1%} | {home:.1%} | {routes} | {moves or '–'} "
-            f"| {causes or '–'} | {fallbacks:.0f} |",
+            f"| {causes or '–'} | {fell_back or '–'} |",
             flush=True,
         )
 
@@ -496,6 +515,9 @@ def main() -> None:
         "part", nargs="?", default="all", choices=["all", "lookup", "fleet", "memory"]
     )
     parser.add_argument("--samples", type=int, default=1000)
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="lookup: runs per row; each figure is their median"
+    )
     parser.add_argument("--tokens", default="1000,8000,32000", help="prompt sizes for lookup")
     parser.add_argument("--gateways", default="1,2,3,4")
     parser.add_argument("--local-gateways", default="1,3,4")

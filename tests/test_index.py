@@ -135,6 +135,27 @@ def test_forget_cuts_a_backend_at_the_first_forgotten_block(make_index: IndexFac
     run(scenario())
 
 
+def test_a_forgotten_block_inside_a_chain_is_never_a_matched_depth(
+    make_index: IndexFactory,
+) -> None:
+    # Feedback forgets the chains it knows through an evicted block; one it does not know (a
+    # deeper prompt another gateway recorded) keeps its entries past the forgotten run. The
+    # depth is then at least the first forgotten block's, at most the deepest held, and a
+    # block the backend holds.
+    index = make_index(ManualClock(), 600, 10_000)
+
+    async def scenario() -> None:
+        chain = list(range(1, 17))
+        await index.record("m", "a", chain)
+        await index.forget("m", "a", chain[5:9])
+        depth = (await index.match("m", chain))["a"]
+        assert 5 <= depth <= 16 and depth not in range(6, 10)
+        await index.forget("m", "a", chain[2:])
+        assert await index.match("m", chain) == {"a": 2}
+
+    run(scenario())
+
+
 def test_size_bound_drops_the_deepest_blocks_of_the_oldest_prompt(
     make_bounded_index: IndexFactory,
 ) -> None:

@@ -10,20 +10,26 @@ import asyncio
 import time
 from collections.abc import Callable, Iterator
 
+import httpx
 import pytest
 from redis.crc import key_slot
 
+from gateway.backends import Backend, BackendPool
+from gateway.clock import ManualClock
+from gateway.engine_load import EngineLoadScraper
 from gateway.index import InMemoryPrefixIndex
 from gateway.metrics import Metrics
 from gateway.redis_store import (
     FallbackPrefixIndex,
     FallbackSessionStore,
+    FleetLoad,
     KeySpace,
     RedisLink,
     RedisPrefixIndex,
     RedisSessionStore,
     open_client,
 )
+from gateway.redis_store.index import pack_hashes
 from gateway.redis_store.keys import HASH_BYTES
 from gateway.sessions import InMemorySessionStore
 from tests.redis_server import RedisServer
@@ -206,26 +212,93 @@ def test_background_writes_in_flight_are_bounded(server: RedisServer) -> None:
 
 
 def test_at_maxmemory_the_least_recently_written_blocks_go_first() -> None:
-    # Every write restarts a block key's TTL, so volatile-ttl evicts what was written longest ago.
+    # A key expires by its newest stamp (one per refresh period): volatile-ttl evicts what was
+    # written in the oldest periods first.
     with RedisServer("--maxmemory", "2mb", "--maxmemory-policy", "volatile-ttl") as server:
 
         async def scenario() -> None:
             gateway = Gateway(server.url, "ns")
             await gateway.link.start()
+            # Every prompt in a refresh period of its own, as turns minutes apart would be.
+            index = RedisPrefixIndex(gateway.link.client, KeySpace("ns"), 600, refresh=0.004)
             chains = [
                 [prompt * 1000 + block for block in range(1, 101)] for prompt in range(1, 300)
             ]
             for chain in chains:
-                await gateway.index.shared.record(MODEL, "a:1", chain)
+                await index.record(MODEL, "a:1", chain)
+                await asyncio.sleep(0.005)
             info = await gateway.link.client.info()
             assert info["evicted_keys"] > 0
-            depths = [(await gateway.index.match(MODEL, chain)).get("a:1", 0) for chain in chains]
+            depths = [(await index.match(MODEL, chain)).get("a:1", 0) for chain in chains]
             assert sum(depths[:50]) < sum(depths[-50:]) / 4
             assert depths[-1] == 100
             assert gateway.count("gateway_redis_errors_total") == 0
             await gateway.link.close()
 
         asyncio.run(scenario())
+
+
+def index_prefix(chain: list[int]) -> bytes:
+    return KeySpace("ns").block_prefix(MODEL, chain[0])
+
+
+def test_a_chain_expires_from_its_end_though_its_beginning_was_written_first(
+    server: RedisServer,
+) -> None:
+    async def scenario() -> None:
+        client = open_client(server.url, 1.0, 2)
+        clock = ManualClock(1_800_000_000.0)  # the start of a refresh period
+        index = RedisPrefixIndex(client, KeySpace("ns"), 600, clock)
+        await index.record(MODEL, "a:1", CHAIN[:20])
+        clock.advance(10)  # the next turn, in the same refresh period: blocks 1-20 are kept
+        await index.record(MODEL, "a:1", CHAIN)
+        prefix = index_prefix(CHAIN)
+        ttls = [await client.pttl(prefix + pack_hashes([block])) for block in CHAIN]
+        # Block 21 on were written 10 s later, yet expire before the root and block 20.
+        assert ttls[0] > ttls[19] > ttls[20] > ttls[39] > 0
+        assert max(ttls) <= (600 + 30) * 1000
+        await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_write_restores_an_evicted_first_block(server: RedisServer) -> None:
+    async def scenario() -> None:
+        client = open_client(server.url, 1.0, 2)
+        index = RedisPrefixIndex(client, KeySpace("ns"), 600)
+        await index.record(MODEL, "a:1", CHAIN)
+        prefix = index_prefix(CHAIN)
+        await client.delete(prefix + pack_hashes(CHAIN[:1]))
+        assert await index.match(MODEL, CHAIN) == {}
+        # Blocks 2-40 carry this period's stamp already; the first one is written again.
+        await index.record(MODEL, "a:1", CHAIN)
+        assert await index.match(MODEL, CHAIN) == {"a:1": 40}
+        await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_missing_middle_block_never_yields_a_block_without_an_entry(
+    server: RedisServer,
+) -> None:
+    # Binary search over a chain with holes (keys evicted): the depth is at least the first
+    # hole's (a linear scan's answer), at most the deepest block still held, and always a
+    # block the backend holds. Deeper than the first hole is right for an evicted key: the
+    # entry there was written with every block before it.
+    async def scenario() -> None:
+        client = open_client(server.url, 1.0, 2)
+        index = RedisPrefixIndex(client, KeySpace("ns"), 600)
+        prefix = index_prefix(CHAIN)
+        await index.record(MODEL, "a:1", CHAIN)
+        await index.record(MODEL, "b:2", CHAIN[:30])
+        for position in (19, 39):  # blocks 20 and 40
+            await client.delete(prefix + pack_hashes(CHAIN[position : position + 1]))
+        matched = await index.match(MODEL, CHAIN)
+        assert 19 <= matched["a:1"] <= 39 and matched["a:1"] != 20
+        assert 19 <= matched["b:2"] <= 30 and matched["b:2"] != 20
+        await client.aclose()
+
+    asyncio.run(scenario())
 
 
 def test_an_error_reply_fails_one_operation_and_keeps_the_link_up() -> None:
@@ -264,3 +337,68 @@ def test_one_lookup_is_one_slot_and_prompts_spread_over_slots() -> None:
     assert keys.session("a").startswith("pgw:s:")
     with pytest.raises(ValueError):
         KeySpace("bad{prefix}")
+
+
+def test_gateways_see_each_others_requests_in_flight(server: RedisServer) -> None:
+    async def scenario() -> None:
+        probes = httpx.AsyncClient()
+        gateways = []
+        for _ in range(3):
+            gateway = Gateway(server.url, "ns")
+            await gateway.link.start()
+            pool = BackendPool()
+            for name in ("a:1", "b:2"):
+                pool.add(Backend(name, f"http://{name}", frozenset({MODEL}), healthy=True))
+            engine_load = EngineLoadScraper(pool, probes, 0)
+            fleet = FleetLoad(gateway.link.client, gateway.link, KeySpace("ns"), pool, engine_load)
+            gateways.append((gateway, pool, fleet))
+        (_, first_pool, first_fleet), (_, second_pool, second_fleet) = gateways[:2]
+        third_gateway, third_pool, third_fleet = gateways[2]
+        first_pool.backends[0].in_flight = 3
+        second_pool.backends[0].in_flight = 1
+        second_pool.backends[1].in_flight = 2
+        for _, _, fleet in gateways:
+            await fleet.sync()
+        await first_fleet.sync()
+        # Each sees the others' requests, never its own.
+        assert [backend.queued for backend in first_pool.backends] == [1, 2]
+        assert [backend.queued for backend in third_pool.backends] == [4, 2]
+        assert [backend.load for backend in first_pool.backends] == [4, 2]
+        # A gateway that stopped writing stops counting within a second.
+        await asyncio.sleep(1.1)
+        await first_fleet.sync()
+        assert [backend.queued for backend in first_pool.backends] == [0, 0]
+        # With Redis away, the others' counts are dropped rather than kept stale.
+        await second_fleet.sync()
+        await third_fleet.sync()
+        assert third_pool.backends[0].queued == 4
+        await third_gateway.link.close()
+        await third_fleet.sync()
+        assert third_pool.backends[0].queued == 0
+        for gateway, _, _ in gateways[:2]:
+            await gateway.link.close()
+        await probes.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_burst_of_forgets_takes_one_write_slot(server: RedisServer) -> None:
+    async def scenario() -> None:
+        gateway = Gateway(server.url, "ns", max_pending=2)
+        await gateway.link.start()
+        chains = [[prompt * 1000 + block for block in range(1, 11)] for prompt in range(2, 102)]
+        for chain in chains:
+            await gateway.index.record(MODEL, "a:1", chain)
+            await gateway.settle()
+        # Cache feedback forgets every chain through one evicted block at once.
+        for chain in chains:
+            await gateway.index.forget(MODEL, "a:1", chain[5:])
+        await gateway.index.record(MODEL, "b:2", CHAIN)
+        await gateway.settle()
+        assert gateway.count("gateway_redis_fallbacks_total") == 0
+        for chain in (chains[0], chains[-1]):
+            assert await gateway.index.shared.match(MODEL, chain) == {"a:1": 5}
+        assert await gateway.index.shared.match(MODEL, CHAIN) == {"b:2": 40}
+        await gateway.link.close()
+
+    asyncio.run(scenario())

@@ -1,20 +1,24 @@
 """Prefix index and sticky sessions shared through Redis by every gateway replica.
 
 `connect(settings, metrics, index, sessions)` wraps the local stores so that Redis is asked
-first and the local stores answer whenever Redis cannot. See docs/redis.md for the data model.
+first and the local stores answer whenever Redis cannot; `SharedState.share_load` adds the
+exchange of requests in flight between gateways. See docs/redis.md for the data model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.backends import BackendPool
 from gateway.config import Settings
+from gateway.engine_load import EngineLoadScraper
 from gateway.index import InMemoryPrefixIndex
 from gateway.metrics import Metrics
 from gateway.redis_store.connection import RedisLink, RedisUnavailable, open_client
 from gateway.redis_store.fallback import FallbackPrefixIndex, FallbackSessionStore
 from gateway.redis_store.index import RedisPrefixIndex
 from gateway.redis_store.keys import KeySpace
+from gateway.redis_store.loads import LOAD_SCRIPT, FleetLoad
 from gateway.redis_store.scripts import FORGET_SCRIPT, MATCH_SCRIPT, RECORD_SCRIPT
 from gateway.redis_store.sessions import RedisSessionStore
 from gateway.sessions import InMemorySessionStore
@@ -25,6 +29,12 @@ class SharedState:
     link: RedisLink
     index: FallbackPrefixIndex
     sessions: FallbackSessionStore
+    keys: KeySpace
+
+    def share_load(self, pool: BackendPool, engine_load: EngineLoadScraper) -> None:
+        """Exchange requests in flight with the other gateways while the link runs."""
+        fleet_load = FleetLoad(self.link.client, self.link, self.keys, pool, engine_load)
+        self.link.run_while_open(fleet_load.start, fleet_load.stop)
 
 
 def connect(
@@ -37,7 +47,7 @@ def connect(
     client = open_client(settings.redis_url, settings.redis_timeout, settings.redis_max_connections)
     # Half the connections at most carry background writes: lookups always find one free.
     link = RedisLink(client, settings.redis_timeout, metrics, settings.redis_max_connections // 2)
-    link.preload(MATCH_SCRIPT, RECORD_SCRIPT, FORGET_SCRIPT)
+    link.preload(MATCH_SCRIPT, RECORD_SCRIPT, FORGET_SCRIPT, LOAD_SCRIPT)
     keys = KeySpace(settings.redis_prefix)
     shared_index = RedisPrefixIndex(client, keys, settings.affinity_ttl)
     shared_sessions = RedisSessionStore(client, keys, settings.affinity_ttl)
@@ -45,12 +55,14 @@ def connect(
         link,
         FallbackPrefixIndex(index, shared_index, link, settings.affinity_ttl),
         FallbackSessionStore(sessions, shared_sessions, link),
+        keys,
     )
 
 
 __all__ = [
     "FallbackPrefixIndex",
     "FallbackSessionStore",
+    "FleetLoad",
     "KeySpace",
     "RedisLink",
     "RedisPrefixIndex",

@@ -107,6 +107,7 @@ class RedisLink:
         self._closed = False
         self._lost_write_at = -math.inf
         self._scripts: list[str] = []
+        self._companions: list[tuple[Callable[[], None], Callable[[], Awaitable[None]]]] = []
 
     @property
     def up(self) -> bool:
@@ -120,12 +121,20 @@ class RedisLink:
         """Scripts to load whenever the link comes up, so no lookup pays for NOSCRIPT."""
         self._scripts.extend(scripts)
 
+    def run_while_open(
+        self, start: Callable[[], None], stop: Callable[[], Awaitable[None]]
+    ) -> None:
+        """A background job over this link: started with it, stopped before it closes."""
+        self._companions.append((start, stop))
+
     async def start(self) -> None:
         """Connect if Redis answers now; otherwise serve locally and keep trying.
 
         The first connection may take longer than a request's deadline (a cluster client
         discovers its nodes, and every script is loaded on every primary).
         """
+        for begin, _ in self._companions:
+            begin()
         patience = max(self.timeout, _START_SECONDS)
         if not await self._ping(patience):
             log.warning("Redis does not answer; serving from local state until it does")
@@ -159,15 +168,17 @@ class RedisLink:
         self._metrics.redis_seconds.labels(operation).observe(time.perf_counter() - started)
         return result
 
-    def submit(self, operation: str, work: Callable[[], Awaitable[object]]) -> None:
-        """Write in the background, unless Redis is down or `max_pending` writes are in flight."""
+    def submit(self, operation: str, work: Callable[[], Awaitable[object]]) -> bool:
+        """Write in the background, unless Redis is down or `max_pending` writes are in flight
+        (then the write is counted as lost and False returned)."""
         if not self._up or len(self._pending) >= self._max_pending or self._closed:
             self._lost_write_at = time.monotonic()
             self.fell_back(operation)
-            return
+            return False
         task = asyncio.create_task(self._write(operation, work))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
+        return True
 
     def fell_back(self, operation: str) -> None:
         self._metrics.redis_fallbacks.labels(operation).inc()
@@ -179,6 +190,8 @@ class RedisLink:
     async def close(self) -> None:
         """Let writes in flight finish (within the timeout), stop reconnecting, disconnect."""
         self._closed = True
+        for _, end in self._companions:
+            await end()
         if self._pending:
             await asyncio.wait(set(self._pending), timeout=self.timeout)
         for task in (*self._pending, self._reconnecting):

@@ -8,10 +8,15 @@ Redis knows what every gateway learned; it may lack what this gateway learned if
 ours was lost — Redis was away (and may have restarted empty), or a write failed or was dropped.
 For one TTL after such a loss a lookup takes, per backend, the deeper of Redis's answer and the
 local one. Otherwise Redis's answer stands alone, and the local match is not paid for.
+
+Cache feedback forgets in bursts (every chain through one evicted block at once). Those go to
+Redis one after another in a single background write, so that a burst never takes the slots
+the prompts' own writes need.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 from gateway.index import InMemoryPrefixIndex
@@ -19,6 +24,11 @@ from gateway.redis_store.connection import RedisLink, RedisUnavailable
 from gateway.redis_store.index import RedisPrefixIndex
 from gateway.redis_store.sessions import RedisSessionStore
 from gateway.sessions import InMemorySessionStore
+
+# Forgets waiting for Redis at most; beyond, one is dropped (and counted as a fallback).
+_FORGETS_WAITING = 4096
+# Forgets per background write: each well under a millisecond, all within the write deadline.
+_FORGETS_PER_WRITE = 32
 
 
 class FallbackPrefixIndex:
@@ -29,6 +39,8 @@ class FallbackPrefixIndex:
         self.shared = shared
         self._link = link
         self._ttl = ttl
+        self._forgets: deque[tuple[str, str, Sequence[int]]] = deque()
+        self._forgetting = False
 
     def __len__(self) -> int:
         return len(self.local)
@@ -54,8 +66,34 @@ class FallbackPrefixIndex:
 
     async def forget(self, model: str, backend: str, hashes: Sequence[int]) -> None:
         await self.local.forget(model, backend, hashes)
-        if hashes:
-            self._link.submit("forget", lambda: self.shared.forget(model, backend, hashes))
+        if not hashes:
+            return
+        if len(self._forgets) >= _FORGETS_WAITING:
+            self._link.fell_back("forget")
+            return
+        self._forgets.append((model, backend, hashes))
+        if not self._forgetting:
+            self._submit_forgets()
+
+    def _submit_forgets(self) -> None:
+        self._forgetting = self._link.submit("forget", self._forget_waiting)
+        if not self._forgetting:
+            self._forgets.clear()
+
+    async def _forget_waiting(self) -> None:
+        done = False
+        try:
+            for _ in range(min(_FORGETS_PER_WRITE, len(self._forgets))):
+                await self.shared.forget(*self._forgets[0])
+                self._forgets.popleft()
+            done = True
+        finally:
+            if done and self._forgets:
+                self._submit_forgets()
+            else:
+                # Whatever a failed write left is lost: the link counted it.
+                self._forgets.clear()
+                self._forgetting = False
 
 
 class FallbackSessionStore:

@@ -91,20 +91,13 @@ class RedisPrefixIndex:
         prefix = self._keys.block_prefix(model, hashes[0])
         packed = pack_hashes(hashes)
         now = self._now_ms()
-        refresh = self._refresh_ms
+        refresh, ttl = self._refresh_ms, self._ttl_ms
         stamp = now - now % refresh if refresh > 0 else now
-        # A key lives a refresh period longer than its entries count: blocks of the prompt
-        # left alone (stamped earlier in this period) outlive the deeper ones written now.
+        # A key lives a refresh period longer than its newest entry counts, less up to that
+        # period for its depth, so that eviction by TTL cuts a chain from its end.
         await self._record(
             [prefix + packed[:HASH_BYTES]],
-            [
-                prefix,
-                packed,
-                backend,
-                stamp,
-                now - self._ttl_ms,
-                self._ttl_ms + refresh,
-            ],
+            [prefix, packed, backend, stamp, now - ttl, ttl + refresh, now, refresh],
         )
 
     async def forget(self, model: str, backend: str, hashes: Sequence[int]) -> None:

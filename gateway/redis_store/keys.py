@@ -2,6 +2,7 @@
 
     <ns>:{<model id>:<tag>}<block hash>   one prefix block (the hash as 8 raw bytes)
     <ns>:s:<session key hash>             one sticky session
+    <ns>:load                             every gateway's requests in flight (`loads.py`)
 
 `<model id>` is 8 hex digits of the model name's hash (names may be long or hold braces) and
 `<tag>` 4 hex digits of the prompt's first block hash. The hash tag `{model id:tag}` puts every
@@ -39,3 +40,6 @@ class KeySpace:
 
     def session(self, key: str) -> str:
         return f"{self.namespace}:s:{key_hash(key):016x}"
+
+    def fleet_load(self) -> str:
+        return f"{self.namespace}:load"

@@ -16,6 +16,12 @@ blocks within it the newest. Hence a backend holds block k (fresh) only if it ho
 block before it, and both scripts binary-search the chain: a lookup reads O(log n) blocks per
 distinct depth, and a write finds the first block whose stamp is behind and writes from
 there, so a conversation's next turn reads a few blocks and writes only its new ones.
+
+A key expires by its newest stamp, a millisecond earlier per block of depth, so keys too are
+prefix-closed and `volatile-ttl` evicts a chain from its end. An evicted middle key, or a
+`forget` that missed a deeper chain, still leaves holes: the search then answers a depth
+between a walk from the root's and the deepest block whose entry counts, never a block without
+one (docs/redis.md says why that is safe).
 """
 
 from __future__ import annotations
@@ -99,13 +105,15 @@ RECORD_SCRIPT = (
 -- ARGV[3]  backend name (no spaces or newlines)
 -- ARGV[4]  this write's stamp: now rounded down to the refresh period (unix ms)
 -- ARGV[5]  oldest stamp that still counts; older entries are dropped
--- ARGV[6]  the key TTL (ms), restarted on every block written: longer than an entry counts
+-- ARGV[6]  how long a key outlives the newest stamp in it (ms): longer than an entry counts
+-- ARGV[7]  now (unix ms, the gateway's clock: key TTLs are durations from it)
+-- ARGV[8]  the most a key expires early for its depth (ms): at most ARGV[6] minus the TTL
 -- Returns  the number of block keys written
 """
     + _PACKED_KEYS
     + """
 local backend, stamp, oldest = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
-local ttl = ARGV[6]
+local lifetime, now, stagger = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local function own_stamp(value)
   if value then
     for name, entry in string.gmatch(value, '([^ \\n]+) (%d+)\\n') do
@@ -114,8 +122,11 @@ local function own_stamp(value)
   end
   return -1
 end
--- Blocks 1..low already carry this stamp (or a newer one): prefix-closed stamps.
-local low, high = 0, blocks
+-- Blocks 1..low already carry this stamp (or a newer one): prefix-closed stamps. The first
+-- block is read apart: were it evicted while deeper blocks stayed, the search would skip it
+-- and leave the whole chain unmatchable until the next period.
+local low, high = 1, blocks
+if own_stamp(redis.call('GET', block_key(1))) < stamp then low, high = 0, 0 end
 while low < high do
   local middle = math.floor((low + high + 1) / 2)
   if own_stamp(redis.call('GET', block_key(middle))) >= stamp then
@@ -124,25 +135,27 @@ while low < high do
     high = middle - 1
   end
 end
--- The new value: this backend stamped, entries past the TTL dropped.
+-- The new value (this backend stamped, entries past the TTL dropped) and its newest stamp.
 local function rewrite(value)
-  local parts, own = {}, ARGV[4]
+  local parts, own, newest = {}, ARGV[4], stamp
   if value then
     for name, entry in string.gmatch(value, '([^ \\n]+) (%d+)\\n') do
+      local time = tonumber(entry)
       if name == backend then
         -- Never lower a stamp (a gateway whose clock runs ahead wrote it).
-        if tonumber(entry) > stamp then own = entry end
-      elseif tonumber(entry) >= oldest then
+        if time > stamp then own = entry end
+      elseif time >= oldest then
         parts[#parts + 1] = name .. ' ' .. entry .. '\\n'
       end
+      if time > newest and (name == backend or time >= oldest) then newest = time end
     end
   end
   parts[#parts + 1] = backend .. ' ' .. own .. '\\n'
-  return table.concat(parts)
+  return table.concat(parts), newest
 end
 local written = 0
 -- A fresh table equals no MGET value, so the first block is always decoded.
-local previous_old, previous_new = {}, false
+local previous_old, previous_new, newest = {}, false, stamp
 for first = low + 1, blocks, CHUNK do
   local last = math.min(first + CHUNK - 1, blocks)
   local keys = {}
@@ -151,9 +164,13 @@ for first = low + 1, blocks, CHUNK do
   for index = 1, #keys do
     local value = values[index]
     if value ~= previous_old then
-      previous_old, previous_new = value, rewrite(value)
+      previous_old = value
+      previous_new, newest = rewrite(value)
     end
-    redis.call('SET', keys[index], previous_new, 'PX', ttl)
+    -- A key expires by its newest stamp, a millisecond earlier per block of depth: stamps
+    -- never grow with depth, so `volatile-ttl` evicts a chain from its end, never its root.
+    local early = math.min(first + index - 2, stagger)
+    redis.call('SET', keys[index], previous_new, 'PX', math.max(1, newest + lifetime - early - now))
     written = written + 1
   end
 end
