@@ -66,6 +66,11 @@ class Settings:
         False,
         "ask replicas for usage on streams whose client did not, and strip it from the reply",
     )
+    prefill_wait: float = _opt(
+        2.0,
+        "seconds a request may wait for its prefix being computed on its replica by an earlier"
+        " stream, to find it cached instead of computing it again (0: never wait)",
+    )
     default_model: str = _opt("", "model used when a request names none")
     max_body_bytes: int = _opt(32 * 1024 * 1024, "largest request body accepted")
     connect_timeout: float = _opt(3.0, "seconds to connect to a replica")

@@ -162,6 +162,19 @@ class Metrics:
             "Failures while learning from a response's cached tokens (the response was unharmed).",
             registry=r,
         )
+        self.prefill_waits = Counter(
+            "gateway_prefill_waits",
+            "Requests held while their prefix was being computed on their replica, by how the"
+            " wait ended: `computed` (the earlier request's first token came) or `timeout`.",
+            ["outcome"],
+            registry=r,
+        )
+        self.prefill_wait_seconds = Histogram(
+            "gateway_prefill_wait_seconds",
+            "How long requests were held for a prefill in progress on their replica.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.in_flight = Gauge(
             "gateway_backend_in_flight",
             "Requests in flight to each backend from this gateway.",

@@ -53,6 +53,7 @@ from gateway.metrics import Metrics
 from gateway.observe import Observation
 from gateway.overload import Admission
 from gateway.parsing import ENDPOINTS, Endpoint, parse_request
+from gateway.prefills import Prefills
 from gateway.relay import BeforeFirstByte, Relay, first_byte_missed, stream_timeout
 from gateway.router import RoutedRequest, Router
 from gateway.upstream import Upstream, UpstreamError, UpstreamResponse, response_headers
@@ -108,6 +109,7 @@ class ProxyHandler:
             CacheFeedback(router.index, metrics, settings) if settings.cache_feedback else None
         )
         self._request_ids = RequestIds()
+        self.prefills = Prefills(settings.prefill_wait, metrics)
 
     def start(self) -> None:
         self.deadlines.start()
@@ -233,9 +235,13 @@ class ProxyHandler:
         began = time.perf_counter()
         seen: Observation | None = None
         try:
-            status, seen = await self._attempts(
-                routed, body, outgoing, request_id, exchange, send, strip_usage
-            )
+            with self.router.pool.lease(routed.backend):
+                # Counted in its backend's load meanwhile, so the bound sees who waits there.
+                await self.prefills.wait(routed)
+            with self.prefills.computing(routed):
+                status, seen = await self._attempts(
+                    routed, body, outgoing, request_id, exchange, send, strip_usage
+                )
         except asyncio.CancelledError:
             reason = exchange.reason
             if reason is not None:

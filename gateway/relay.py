@@ -87,7 +87,7 @@ class Relay:
         payload = await self._first_read(exchange, response.read())
         exchange.done = True
         backend_name = routed.backend.name
-        routed.first_byte_at = time.perf_counter()
+        routed.reached_first_byte()
         self._metrics.first_byte_seconds.labels(backend_name).observe(
             routed.first_byte_at - started
         )
@@ -113,7 +113,7 @@ class Relay:
         content = response.content
         chunk = await self._first_read(exchange, content.readany())
         backend = routed.backend
-        routed.first_byte_at = time.perf_counter()
+        routed.reached_first_byte()
         self._metrics.first_byte_seconds.labels(backend.name).observe(
             routed.first_byte_at - started
         )

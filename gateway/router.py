@@ -49,12 +49,19 @@ class RoutedRequest:
     """The request's place in its conversation (chat, or any request with a session key)."""
     first_byte_at: float = 0.0
     """`time.perf_counter()` when the response's first byte came back."""
+    prefilled: asyncio.Event | None = None
+    """Set at the first byte, for requests waiting for this one's prefill (`gateway.prefills`)."""
     issued_session: str | None = None
     """A session key the gateway minted for this request, sent back as a sticky cookie."""
 
     @property
     def route(self) -> Route:
         return self.decision.route
+
+    def reached_first_byte(self) -> None:
+        self.first_byte_at = time.perf_counter()
+        if self.prefilled is not None:
+            self.prefilled.set()
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,10 +32,10 @@ def fleet() -> Iterator[EmulatedFleet]:
         yield started
 
 
-def admitted(gateway: GatewayProcess) -> GatewayProcess:
-    """Both replicas admitted: a first probe slowed by a busy machine may have failed."""
+def admitted(gateway: GatewayProcess, replicas: int = 2) -> GatewayProcess:
+    """Every replica admitted: a first probe slowed by a busy machine may have failed."""
     deadline = time.monotonic() + 10
-    while httpx.get(gateway.url + "/health", timeout=5).json()["healthy"] < 2:
+    while httpx.get(gateway.url + "/health", timeout=5).json()["healthy"] < replicas:
         assert time.monotonic() < deadline, "the replicas did not become healthy"
         time.sleep(0.05)
     return gateway
