@@ -8,9 +8,10 @@ Algorithm, for the candidates (healthy backends serving the model) and the load 
    `clear_margin_blocks`) keeps the request up to a looser bound that grows with the share of
    the prompt only it holds — moving it would recompute that share elsewhere, for nothing —
    when what it alone holds is the request's own history (past the first user message: a
-   conversation), or a shared prompt that is not hot: one drawing less than a replica's share
-   of recent requests (a customer's own system prompt, say). A hot shared prompt spreads
-   instead (steps 3 and 4).
+   conversation), or a shared prompt that is not hot: one drawing at most the load factor
+   times a replica's share of recent requests (a customer's own system prompt, say), held by
+   a backend whose recent requests stay within the load factor times the mean. A hot shared
+   prompt, or one whose holder is that busy, spreads instead (steps 3 and 4).
 3. Prefix: among holders of a match of at least `min_match_blocks` that are within B, the
    deepest wins; equal depths (a shared system prompt) go to the least loaded, then the one
    with the fewest recent requests, then a hash of the first block after the shared depth — a
@@ -103,7 +104,7 @@ class PrefixPolicy:
         hot = self._hot_check(state, total_load, count)
         deepest = max(depth_of.values(), default=0)
         if deepest >= self._min_match:
-            owner = self._owner(state, depth_of, bound, shared_hot)
+            owner = self._owner(state, depth_of, bound, shared_hot, hot)
             if owner is not None:
                 return Decision(owner, Route.PREFIX, depth_of[owner], bound)
             holders = [
@@ -151,13 +152,18 @@ class PrefixPolicy:
         return self._shares.add(state.hashes[shared_end - 1]) > self._factor / max(count, 1)
 
     def _owner(
-        self, state: RoutingState, depth_of: dict[str, int], bound: int, shared_hot: bool
+        self,
+        state: RoutingState,
+        depth_of: dict[str, int],
+        bound: int,
+        shared_hot: bool,
+        hot: _HotCheck,
     ) -> str | None:
         """The one backend holding clearly more of the prompt than any other, where moving
         the request would recompute that part for nothing."""
         owner = max(depth_of, key=lambda name: depth_of[name])
         depth = depth_of[owner]
-        if depth <= state.private_from and shared_hot:
+        if depth <= state.private_from and (shared_hot or hot.busy(owner)):
             return None
         runner_up = max((other for name, other in depth_of.items() if name != owner), default=0)
         exclusive = depth - runner_up
@@ -180,7 +186,12 @@ class PrefixPolicy:
         if recent_total is None:
             recent_total = sum(state.recent.get(name, 0.0) for name in state.candidates)
         mean = recent_total / count
-        return _HotCheck(state.recent, max(self._recent_cap * mean, mean + self._recent_slack))
+        slack = self._recent_slack
+        return _HotCheck(
+            state.recent,
+            max(self._recent_cap * mean, mean + slack),
+            max(self._factor * mean, mean + slack),
+        )
 
     def _spread(self, state: RoutingState, names: Sequence[str], depth_of: dict[str, int]) -> str:
         """The deepest of `names`; ties to the least loaded, least recent, then a hash."""
@@ -202,21 +213,31 @@ class PrefixPolicy:
 
 
 class _HotCheck:
-    __slots__ = ("_cap", "_recent")
+    """`hot(name)`: over the recent cap; `hot.busy(name)`: over the looser cap that an owner of
+    a cold shared prompt may reach (the load factor times the mean) before it shares it."""
 
-    def __init__(self, recent: Mapping[str, float], cap: float) -> None:
+    __slots__ = ("_busy_cap", "_cap", "_recent")
+
+    def __init__(self, recent: Mapping[str, float], cap: float, busy_cap: float) -> None:
         self._recent = recent
         self._cap = cap
+        self._busy_cap = busy_cap
 
     def __call__(self, name: str) -> bool:
         return self._recent.get(name, 0.0) > self._cap
 
+    def busy(self, name: str) -> bool:
+        return self._recent.get(name, 0.0) > self._busy_cap
+
 
 class _NeverHot(_HotCheck):
     def __init__(self) -> None:
-        super().__init__({}, math.inf)
+        super().__init__({}, math.inf, math.inf)
 
     def __call__(self, name: str) -> bool:
+        return False
+
+    def busy(self, name: str) -> bool:
         return False
 
 
