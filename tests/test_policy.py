@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections import Counter
@@ -284,3 +285,17 @@ def test_the_load_tally_follows_leases_scrapes_and_health() -> None:
     assert group.total_load == 0
     pool.set_health(b, True)
     assert pool.group("m").total_load == 0  # type: ignore[union-attr]
+
+
+def test_a_busy_owner_of_a_cold_shared_prompt_shares_it() -> None:
+    # As in the cold case, but A has drawn far more than its share of recent requests.
+    fresh = PrefixPolicy(load_factor=1.25, load_floor=2, min_match_blocks=4)
+    for other in range(40):
+        fresh.choose(shared_prompt_state(dict.fromkeys(FOUR, 1), {}, prompt=other + 100))
+    loads = {A: 4, B: 1, C: 1, D: 1}
+    calm = dataclasses.replace(
+        shared_prompt_state(loads, {A: 36}, prompt=7), recent=dict.fromkeys(FOUR, 10.0)
+    )
+    assert fresh.choose(calm).backend == A
+    busy = dataclasses.replace(calm, recent=dict.fromkeys(FOUR, 10.0) | {A: 16.0})
+    assert fresh.choose(busy).backend != A
