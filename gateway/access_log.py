@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO
 
 import orjson
 
@@ -23,16 +23,51 @@ from gateway.router import RoutedRequest
 LOGGER = "gateway.access"
 
 
+class JsonLinesHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The default handler: each message a line on a stream.
+
+    When the stream has a binary buffer (stdout does), `AccessLog` writes its lines straight
+    into it, skipping the log record and the flush after every line that the logging module
+    costs per request; `flush_access_log` then empties the buffer, from the server's tick (ten
+    times a second) and at exit, so a line is out within a tenth of a second.
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__(stream)
+        self.setFormatter(logging.Formatter("%(message)s"))
+        self.binary: BinaryIO | None = getattr(stream, "buffer", None)
+
+    def write_line(self, line: bytes) -> None:
+        assert self.binary is not None
+        self.acquire()
+        try:
+            self.binary.write(line + b"\n")
+        finally:
+            self.release()
+
+    def flush(self) -> None:
+        self.acquire()
+        try:
+            if self.binary is not None:
+                self.binary.flush()
+        finally:
+            self.release()
+        super().flush()
+
+
 def configure_access_logger(stream: TextIO | None = None) -> None:
     """Plain JSON lines on stdout, whatever the root format, unless already configured."""
     logger = logging.getLogger(LOGGER)
     if logger.handlers:
         return
-    handler = logging.StreamHandler(stream or sys.stdout)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    logger.addHandler(handler)
+    logger.addHandler(JsonLinesHandler(stream or sys.stdout))
     logger.setLevel(logging.INFO)
     logger.propagate = False
+
+
+def flush_access_log() -> None:
+    for handler in logging.getLogger(LOGGER).handlers:
+        handler.flush()
 
 
 class AccessLog:
@@ -94,8 +129,14 @@ class AccessLog:
         )
 
     def _write(self, line: dict[str, Any]) -> None:
+        logger = self._logger
+        handlers = logger.handlers
+        if len(handlers) == 1 and not logger.filters:
+            handler = handlers[0]
+            if isinstance(handler, JsonLinesHandler) and handler.binary is not None:
+                handler.write_line(orjson.dumps(line))
+                return
         # A record made directly skips the logger's look-up of its caller's frame: the line's
         # origin is always here, and that look-up was a third of the cost.
-        logger = self._logger
         message = orjson.dumps(line).decode()
         logger.handle(logger.makeRecord(LOGGER, logging.INFO, __file__, 0, message, (), None))

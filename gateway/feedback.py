@@ -34,11 +34,10 @@ from enum import Enum
 from itertools import pairwise
 
 from gateway.config import Settings
-from gateway.hashing import extend_hashes
 from gateway.index import PrefixIndex
 from gateway.metrics import Metrics
 from gateway.observe import Observation
-from gateway.parsing import Endpoint, RoutingInput, message_segment
+from gateway.parsing import Endpoint, RoutingInput
 from gateway.router import RoutedRequest
 
 log = logging.getLogger("gateway.feedback")
@@ -226,8 +225,9 @@ class CacheFeedback:
         self.tolerance_tokens = settings.block_tokens + _SLACK_TOKENS
         self.links = ChainLinks()
 
-    async def observe(self, routed: RoutedRequest, seen: Observation) -> None:
-        """Learn from a completed request's usage; never raises."""
+    async def observe(self, routed: RoutedRequest, seen: Observation, chain: list[int]) -> None:
+        """Learn from a completed request's usage; `chain` is what the index holds for it once
+        its answer is recorded (`Router.answered_chain`). Never raises."""
         request = routed.input
         if seen.cached_tokens is None or request.endpoint is Endpoint.EMBEDDINGS:
             return
@@ -235,7 +235,7 @@ class CacheFeedback:
             return
         try:
             await self._observe(routed, seen)
-            self.links.add(self._answered_chain(routed, seen.answer), time.perf_counter())
+            self.links.add(chain, time.perf_counter())
         except Exception:
             self._metrics.index_feedback_errors.inc()
             log.warning("cache feedback failed", exc_info=True)
@@ -254,8 +254,8 @@ class CacheFeedback:
             _SLACK_FRACTION,
         )
         metrics = self._metrics
-        metrics.index_feedback.labels(model, backend, verdict.outcome.value).inc()
-        metrics.index_feedback_gap_tokens.labels(model).observe(
+        metrics.child(metrics.index_feedback, model, backend, verdict.outcome.value).inc()
+        metrics.child(metrics.index_feedback_gap_tokens, model).observe(
             verdict.predicted_tokens - cached_tokens
         )
         if verdict.outcome is Outcome.SHALLOWER:
@@ -268,15 +268,6 @@ class CacheFeedback:
                 pruned += len(run)
             if pruned:
                 metrics.index_feedback_pruned_blocks.labels(model, backend).inc(pruned)
-
-    def _answered_chain(self, routed: RoutedRequest, answer: str) -> list[int]:
-        """The chain the index holds for this request once its answer is recorded after it
-        (`Router.learn_answer`): a chat prompt and its answer, which the next turn extends."""
-        request = routed.input
-        if request.endpoint is not Endpoint.CHAT or not answer:
-            return routed.hashes
-        history = request.canonical + message_segment("assistant", answer)
-        return extend_hashes(routed.hashes, history, self._block_chars)
 
 
 def _batched(request: RoutingInput) -> bool:

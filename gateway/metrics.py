@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
@@ -94,6 +95,7 @@ class Metrics:
         # The switch prometheus_client itself reads when it is first imported.
         self.multiprocess_dir = os.environ.get(MULTIPROCESS_DIR_VARIABLE) or None
         self._published: dict[Gauge, set[str]] = {}
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.requests = Counter(
             "gateway_requests",
             "Requests answered, by model, backend, route reason and status.",
@@ -320,6 +322,16 @@ class Metrics:
         )
         self.workers.set(1)  # this process; dead workers' files are dropped from the sum
         self.worker_restarts = worker_restarts_counter(r)
+
+    def child(self, family: Counter | Histogram, *values: str) -> Any:
+        """`family.labels(*values)`, looked up once: the request path counts into the same few
+        series again and again (label values are bounded, so is this cache). Not for gauges,
+        which `set_per_label` clears."""
+        key = (id(family), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = family.labels(*values)
+        return found
 
     def set_per_label(self, gauge: Gauge, values: Mapping[str, float]) -> None:
         """Sets a one-label gauge to exactly `values`; a label value no longer given leaves it —

@@ -78,6 +78,15 @@ class StreamObserver:
     def feed(self, chunk: bytes) -> bytes:
         data = self._pending + chunk if self._pending else chunk
         strip = self._strip_usage
+        if not strip and b"\r" not in data:
+            # The common case, relayed untouched: plain split, no event kept.
+            events = data.split(b"\n\n")
+            self._pending = events.pop()
+            for event in events:
+                self._event(event)
+            if len(self._pending) > _HOLD_MAX:
+                self._pending = b""  # not SSE as expected: stop following this event
+            return chunk
         kept: list[bytes] = []
         start = 0
         for blank in _BLANK_LINE.finditer(data):

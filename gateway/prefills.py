@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from gateway.metrics import Metrics
 from gateway.router import RoutedRequest
 
 
 class _Computing:
-    __slots__ = ("done", "first_block", "hashes")
+    __slots__ = ("backend", "done", "first_block", "hashes")
 
-    def __init__(self, hashes: list[int], first_block: int) -> None:
+    def __init__(self, backend: str, hashes: list[int], first_block: int) -> None:
+        self.backend = backend
         self.hashes = hashes
         self.first_block = first_block
         """The first block this request computes (the ones before were cached)."""
@@ -48,48 +47,48 @@ class Prefills:
         self._metrics = metrics
         self._by_backend: dict[str, list[_Computing]] = {}
 
-    async def wait(self, routed: RoutedRequest) -> None:
-        """Hold `routed` while its matched prefix is being computed on its backend."""
-        depth = routed.decision.matched_blocks
-        if self._max_wait <= 0 or depth <= 0:
-            return
+    def earlier(self, routed: RoutedRequest) -> asyncio.Event | None:
+        """The first-byte event of a stream computing `routed`'s matched prefix on its
+        backend now, if there is one: `routed` should wait for it."""
         running = self._by_backend.get(routed.backend.name)
-        if not running:
-            return
+        depth = routed.decision.matched_blocks
+        if not running or depth <= 0 or self._max_wait <= 0:
+            return None
         hashes = routed.hashes
-        earlier = next(
-            (item for item in running if not item.done.is_set() and item.computes(hashes, depth)),
-            None,
-        )
-        if earlier is None:
-            return
+        for item in running:
+            if not item.done.is_set() and item.computes(hashes, depth):
+                return item.done
+        return None
+
+    async def wait(self, done: asyncio.Event) -> None:
+        """Wait for `done` (from `earlier`), at most `--prefill-wait` seconds; counted."""
         began = time.perf_counter()
         outcome = "computed"
         try:
-            await asyncio.wait_for(earlier.done.wait(), self._max_wait)
+            await asyncio.wait_for(done.wait(), self._max_wait)
         except TimeoutError:
             outcome = "timeout"
         self._metrics.prefill_waits.labels(outcome).inc()
         self._metrics.prefill_wait_seconds.observe(time.perf_counter() - began)
 
-    @contextmanager
-    def computing(self, routed: RoutedRequest) -> Iterator[None]:
+    def begin(self, routed: RoutedRequest) -> _Computing | None:
         """While `routed` runs, the blocks past its cached depth count as being computed on
-        its backend, until its first byte (`RoutedRequest.reached_first_byte`) or its end."""
+        its backend, until its first byte (`RoutedRequest.reached_first_byte`) or `end`."""
         hashes = routed.hashes
         first_block = routed.decision.matched_blocks
         if self._max_wait <= 0 or not routed.input.stream or first_block >= len(hashes):
-            yield
-            return
-        entry = _Computing(hashes, first_block)
-        name = routed.backend.name
-        running = self._by_backend.setdefault(name, [])
-        running.append(entry)
+            return None
+        entry = _Computing(routed.backend.name, hashes, first_block)
+        self._by_backend.setdefault(entry.backend, []).append(entry)
         routed.prefilled = entry.done
-        try:
-            yield
-        finally:
-            entry.done.set()
+        return entry
+
+    def end(self, entry: _Computing | None) -> None:
+        if entry is None:
+            return
+        entry.done.set()
+        running = self._by_backend.get(entry.backend)
+        if running is not None:
             running.remove(entry)
-            if not running and self._by_backend.get(name) is running:
-                del self._by_backend[name]
+            if not running:
+                del self._by_backend[entry.backend]

@@ -235,13 +235,19 @@ class ProxyHandler:
         began = time.perf_counter()
         seen: Observation | None = None
         try:
-            with self.router.pool.lease(routed.backend):
-                # Counted in its backend's load meanwhile, so the bound sees who waits there.
-                await self.prefills.wait(routed)
-            with self.prefills.computing(routed):
+            prefills = self.prefills
+            earlier = prefills.earlier(routed)
+            if earlier is not None:
+                with self.router.pool.lease(routed.backend):
+                    # Counted in its backend's load meanwhile, so the bound sees who waits.
+                    await prefills.wait(earlier)
+            computing = prefills.begin(routed)
+            try:
                 status, seen = await self._attempts(
                     routed, body, outgoing, request_id, exchange, send, strip_usage
                 )
+            finally:
+                prefills.end(computing)
         except asyncio.CancelledError:
             reason = exchange.reason
             if reason is not None:
@@ -251,8 +257,12 @@ class ProxyHandler:
         finally:
             exchange.done = True
             watcher.cancel()
-            self.metrics.requests.labels(
-                routed.input.model, routed.backend.name, routed.route.value, str(status)
+            self.metrics.child(
+                self.metrics.requests,
+                routed.input.model,
+                routed.backend.name,
+                routed.route.value,
+                str(status),
             ).inc()
             self.access_log.answered(routed, status, seen, request_id, began)
         if status == 200 and seen is not None:
@@ -405,20 +415,27 @@ class ProxyHandler:
         model = routed.input.model
         backend_name = routed.backend.name
         block_tokens = self.settings.block_tokens
-        self.metrics.prompt_tokens_estimated.labels(model).inc(
+        metrics = self.metrics
+        metrics.child(metrics.prompt_tokens_estimated, model).inc(
             len(routed.input.canonical) / self.settings.chars_per_token
         )
-        self.metrics.matched_tokens_predicted.labels(model).inc(
+        metrics.child(metrics.matched_tokens_predicted, model).inc(
             routed.decision.matched_blocks * block_tokens
         )
         if seen.prompt_tokens is not None:
-            self.metrics.upstream_prompt_tokens.labels(model, backend_name).inc(seen.prompt_tokens)
+            metrics.child(metrics.upstream_prompt_tokens, model, backend_name).inc(
+                seen.prompt_tokens
+            )
         if seen.cached_tokens is not None:
-            self.metrics.upstream_cached_tokens.labels(model, backend_name).inc(seen.cached_tokens)
+            metrics.child(metrics.upstream_cached_tokens, model, backend_name).inc(
+                seen.cached_tokens
+            )
+        answer = seen.answer
+        chain = self.router.answered_chain(routed, answer)
         if self.feedback is not None:
             # Before the answer is recorded: pruning looks at what was known before this request.
-            await self.feedback.observe(routed, seen)
-        await self.router.learn_answer(routed, seen.answer)
+            await self.feedback.observe(routed, seen, chain)
+        await self.router.learn_answer(routed, answer, chain)
 
     def _gateway_headers(self, routed: RoutedRequest, request_id: str) -> list[tuple[bytes, bytes]]:
         headers = [

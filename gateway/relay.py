@@ -88,14 +88,16 @@ class Relay:
         exchange.done = True
         backend_name = routed.backend.name
         routed.reached_first_byte()
-        self._metrics.first_byte_seconds.labels(backend_name).observe(
+        self._metrics.child(self._metrics.first_byte_seconds, backend_name).observe(
             routed.first_byte_at - started
         )
         out_headers.append((b"content-length", str(len(payload)).encode()))
         exchange.begun = True
         await send({"type": "http.response.start", "status": status, "headers": out_headers})
         await send({"type": "http.response.body", "body": payload})
-        self._metrics.duration_seconds.labels(backend_name).observe(time.perf_counter() - started)
+        self._metrics.child(self._metrics.duration_seconds, backend_name).observe(
+            time.perf_counter() - started
+        )
         seen = observe_body(payload) if status == 200 else Observation()
         seen.sent_at = started
         return status, seen
@@ -114,7 +116,7 @@ class Relay:
         chunk = await self._first_read(exchange, content.readany())
         backend = routed.backend
         routed.reached_first_byte()
-        self._metrics.first_byte_seconds.labels(backend.name).observe(
+        self._metrics.child(self._metrics.first_byte_seconds, backend.name).observe(
             routed.first_byte_at - started
         )
         idle = self._idle_timeout
@@ -160,7 +162,7 @@ class Relay:
         exchange.done = True
         if failure is None:
             await send({"type": "http.response.body", "body": observer.finish()})
-            self._metrics.duration_seconds.labels(backend.name).observe(
+            self._metrics.child(self._metrics.duration_seconds, backend.name).observe(
                 time.perf_counter() - started
             )
             return 200, observer.seen

@@ -252,15 +252,21 @@ class Router:
         await self._record_choice(routed)
         return True
 
-    async def learn_answer(self, routed: RoutedRequest, answer: str) -> None:
-        """The answer joins the conversation's history: index it on the backend that wrote it."""
+    def answered_chain(self, routed: RoutedRequest, answer: str) -> list[int]:
+        """The chain of the prompt and its answer, which a chat's next turn extends; the
+        prompt's own chain for anything else."""
+        if routed.input.endpoint is not Endpoint.CHAT or not answer:
+            return routed.hashes
+        history = routed.input.canonical + message_segment("assistant", answer)
+        return extend_hashes(routed.hashes, history, self._block_chars)
+
+    async def learn_answer(self, routed: RoutedRequest, answer: str, chain: list[int]) -> None:
+        """The answer joins the conversation's history: index `chain` (`answered_chain`) on
+        the backend that wrote it."""
         segment = message_segment("assistant", answer) if answer else b""
         self._settle(routed, segment)
-        if routed.input.endpoint is not Endpoint.CHAT or not answer:
-            return
-        history = routed.input.canonical + segment
-        hashes = extend_hashes(routed.hashes, history, self._block_chars)
-        await self.index.record(routed.input.model, routed.backend.name, hashes)
+        if chain is not routed.hashes:
+            await self.index.record(routed.input.model, routed.backend.name, chain)
 
     async def _gather(
         self, request: RoutingInput
@@ -289,7 +295,7 @@ class Router:
         chosen = routed.backend.name
         turn = self.conversations.follow(request.session_key, prompt, chosen)
         if turn.cause is not None:
-            self.metrics.cache_breaks.labels(request.model, turn.cause.value).inc()
+            self.metrics.child(self.metrics.cache_breaks, request.model, turn.cause.value).inc()
         previous = turn.previous_backend
         if turn.continues and previous is not None and previous != chosen:
             turn.miss = miss_cause(
@@ -302,7 +308,7 @@ class Router:
         model = routed.input.model
         served = routed.backend.name
         if len(routed.tried) > 1:
-            self.metrics.failovers.labels(model).inc()
+            self.metrics.child(self.metrics.failovers, model).inc()
         turn = routed.turn
         if turn is None:
             return
@@ -312,12 +318,12 @@ class Router:
         if not turn.continues:
             return
         if turn.previous_backend == served:
-            self.metrics.affinity_hits.labels(model).inc()
+            self.metrics.child(self.metrics.affinity_hits, model).inc()
             return
         miss = turn.miss or AffinityMiss.SPREAD
         if turn.previous_backend in routed.tried:
             miss = AffinityMiss.FAILOVER
-        self.metrics.affinity_misses.labels(model, miss.value).inc()
+        self.metrics.child(self.metrics.affinity_misses, model, miss.value).inc()
 
     def candidates(self, model: str) -> Candidates:
         candidates = self.pool.group(model)
@@ -366,7 +372,7 @@ class Router:
         if request.session_key is not None:
             await self.sessions.put(request.session_key, name)
         if routed.decision.route is Route.OVERFLOW:
-            self.metrics.overflows.labels(request.model).inc()
+            self.metrics.child(self.metrics.overflows, request.model).inc()
 
 
 def _move_cause(sticky: str, candidates: Candidates, decision: Decision) -> str:

@@ -35,6 +35,7 @@ from typing import Any, cast
 
 import uvicorn
 
+from gateway.access_log import flush_access_log
 from gateway.app import GatewayApp
 from gateway.config import Settings
 from gateway.errors import BadRequest, GatewayError, HeadersTooLarge
@@ -103,6 +104,7 @@ class GatewayServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     async def on_tick(self, counter: int) -> bool:
+        flush_access_log()
         if self._exit_at is not None and not self.should_exit and time.monotonic() >= self._exit_at:
             super().handle_exit(self._exit_signal, None)
         if self._worker is not None and counter % 10 == 0:

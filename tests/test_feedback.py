@@ -181,8 +181,9 @@ class Harness:
         """As the proxy does after a response: feedback, then the answer is recorded."""
 
         async def learn() -> None:
-            await self.feedback.observe(routed, seen)
-            await self.router.learn_answer(routed, seen.answer)
+            chain = self.router.answered_chain(routed, seen.answer)
+            await self.feedback.observe(routed, seen, chain)
+            await self.router.learn_answer(routed, seen.answer, chain)
 
         asyncio.run(learn())
 
