@@ -161,3 +161,15 @@ def test_a_dead_replica_is_failed_over_before_the_first_byte() -> None:
         text = gateway.metrics()
         assert metric_value(text, "gateway_upstream_retries_total", cause="connect") >= 1
         assert metric_value(text, "gateway_backend_healthy") == 1
+
+
+def test_expect_100_continue_gets_the_replicas_answer(gateway: GatewayProcess) -> None:
+    # curl sends `Expect: 100-continue` with larger bodies. The gateway answers the interim
+    # 100 itself; the replica, which gets the body at once, must not be asked for one, or its
+    # `100 Continue` came back as the response (on a reused upstream connection).
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    with httpx.Client(base_url=gateway.url, timeout=10) as http:
+        for expect in ({}, {"expect": "100-continue"}, {"expect": "100-continue"}):
+            response = http.post("/v1/chat/completions", json=body, headers=expect)
+            assert response.status_code == 200
+            assert response.json()["object"] == "chat.completion"
