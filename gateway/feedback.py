@@ -126,6 +126,14 @@ class ChainLinks:
             return
         following = self._next
         added_at = self._added_at
+        if hashes[0] not in following:
+            # A chain whose first block is new is new throughout (chained hashes): linked in
+            # one pass, deepest first, as the general case below would.
+            following[hashes[-1]] = ()
+            following.update(zip(reversed(hashes[:-1]), reversed(hashes[1:]), strict=True))
+            added_at.update(dict.fromkeys(hashes, now))
+            self._trim()
+            return
         last = hashes[-1]
         if last in following:
             following.move_to_end(last)
@@ -147,6 +155,11 @@ class ChainLinks:
                 following[block] = child
             elif child not in known:
                 following[block] = (*known, child)
+        self._trim()
+
+    def _trim(self) -> None:
+        following = self._next
+        added_at = self._added_at
         while len(following) > self._max_blocks:
             dropped, _ = following.popitem(last=False)
             del added_at[dropped]

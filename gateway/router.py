@@ -258,7 +258,9 @@ class Router:
         if routed.input.endpoint is not Endpoint.CHAT or not answer:
             return routed.hashes
         history = routed.input.canonical + message_segment("assistant", answer)
-        return extend_hashes(routed.hashes, history, self._block_chars)
+        chain = extend_hashes(routed.hashes, history, self._block_chars)
+        # An answer too short to complete a block adds nothing the routing did not record.
+        return chain if len(chain) > len(routed.hashes) else routed.hashes
 
     async def learn_answer(self, routed: RoutedRequest, answer: str, chain: list[int]) -> None:
         """The answer joins the conversation's history: index `chain` (`answered_chain`) on
