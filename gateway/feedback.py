@@ -240,7 +240,7 @@ class CacheFeedback:
 
     async def observe(self, routed: RoutedRequest, seen: Observation, chain: list[int]) -> None:
         """Learn from a completed request's usage; `chain` is what the index holds for it once
-        its answer is recorded (`Router.answered_chain`). Never raises."""
+        its answer is recorded (`Router.answered`). Never raises."""
         request = routed.input
         if seen.cached_tokens is None or request.endpoint is Endpoint.EMBEDDINGS:
             return

@@ -78,24 +78,21 @@ class StreamObserver:
     def feed(self, chunk: bytes) -> bytes:
         data = self._pending + chunk if self._pending else chunk
         strip = self._strip_usage
-        if not strip and b"\r" not in data:
-            # The common case, relayed untouched: plain split, no event kept.
+        kept: list[bytes] = []
+        if strip or b"\r" in data:
+            start = 0
+            for blank in _BLANK_LINE.finditer(data):
+                end = blank.end()
+                if not self._event(data[start : blank.start()]) and strip:
+                    kept.append(data[start:end])
+                start = end
+            self._pending = data[start:]
+        else:
+            # Plain LF events, relayed untouched (the usual stream): a split beats the pattern.
             events = data.split(b"\n\n")
             self._pending = events.pop()
             for event in events:
                 self._event(event)
-            if len(self._pending) > _HOLD_MAX:
-                self._pending = b""  # not SSE as expected: stop following this event
-            return chunk
-        kept: list[bytes] = []
-        start = 0
-        for blank in _BLANK_LINE.finditer(data):
-            end = blank.end()
-            usage_only = self._event(data[start : blank.start()])
-            if strip and not usage_only:
-                kept.append(data[start:end])
-            start = end
-        self._pending = data[start:]
         if not strip:
             if len(self._pending) > _HOLD_MAX:
                 self._pending = b""  # not SSE as expected: stop following this event

@@ -52,7 +52,7 @@ class Prefills:
         backend now, if there is one: `routed` should wait for it."""
         running = self._by_backend.get(routed.backend.name)
         depth = routed.decision.matched_blocks
-        if not running or depth <= 0 or self._max_wait <= 0:
+        if not running or depth <= 0:  # `begin` registers nothing when waits are off
             return None
         hashes = routed.hashes
         for item in running:

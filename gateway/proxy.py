@@ -430,12 +430,11 @@ class ProxyHandler:
             metrics.child(metrics.upstream_cached_tokens, model, backend_name).inc(
                 seen.cached_tokens
             )
-        answer = seen.answer
-        chain = self.router.answered_chain(routed, answer)
+        answered = self.router.answered(routed, seen.answer)
         if self.feedback is not None:
             # Before the answer is recorded: pruning looks at what was known before this request.
-            await self.feedback.observe(routed, seen, chain)
-        await self.router.learn_answer(routed, answer, chain)
+            await self.feedback.observe(routed, seen, answered.chain)
+        await self.router.learn_answer(routed, answered)
 
     def _gateway_headers(self, routed: RoutedRequest, request_id: str) -> list[tuple[bytes, bytes]]:
         headers = [

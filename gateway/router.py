@@ -65,6 +65,16 @@ class RoutedRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class Answered:
+    """What a response's answer adds (`Router.answered`)."""
+
+    segment: bytes
+    """The answer as the next turn's history carries it (empty when there is none)."""
+    chain: list[int]
+    """What the index holds for the request once the answer is recorded."""
+
+
+@dataclass(frozen=True, slots=True)
 class Explanation:
     """What `Router.explain` found: the decision and everything the policy was shown."""
 
@@ -252,23 +262,23 @@ class Router:
         await self._record_choice(routed)
         return True
 
-    def answered_chain(self, routed: RoutedRequest, answer: str) -> list[int]:
-        """The chain of the prompt and its answer, which a chat's next turn extends; the
-        prompt's own chain for anything else."""
+    def answered(self, routed: RoutedRequest, answer: str) -> Answered:
+        """The answer as the next turn's history carries it, and the chain of the prompt and
+        that answer, which a chat's next turn extends (the prompt's own chain otherwise)."""
+        segment = message_segment("assistant", answer) if answer else b""
         if routed.input.endpoint is not Endpoint.CHAT or not answer:
-            return routed.hashes
-        history = routed.input.canonical + message_segment("assistant", answer)
+            return Answered(segment, routed.hashes)
+        history = routed.input.canonical + segment
         chain = extend_hashes(routed.hashes, history, self._block_chars)
         # An answer too short to complete a block adds nothing the routing did not record.
-        return chain if len(chain) > len(routed.hashes) else routed.hashes
+        return Answered(segment, chain if len(chain) > len(routed.hashes) else routed.hashes)
 
-    async def learn_answer(self, routed: RoutedRequest, answer: str, chain: list[int]) -> None:
-        """The answer joins the conversation's history: index `chain` (`answered_chain`) on
-        the backend that wrote it."""
-        segment = message_segment("assistant", answer) if answer else b""
-        self._settle(routed, segment)
-        if chain is not routed.hashes:
-            await self.index.record(routed.input.model, routed.backend.name, chain)
+    async def learn_answer(self, routed: RoutedRequest, answered: Answered) -> None:
+        """The answer joins the conversation's history: index its chain on the backend that
+        wrote it."""
+        self._settle(routed, answered.segment)
+        if answered.chain is not routed.hashes:
+            await self.index.record(routed.input.model, routed.backend.name, answered.chain)
 
     async def _gather(
         self, request: RoutingInput

@@ -181,9 +181,9 @@ class Harness:
         """As the proxy does after a response: feedback, then the answer is recorded."""
 
         async def learn() -> None:
-            chain = self.router.answered_chain(routed, seen.answer)
-            await self.feedback.observe(routed, seen, chain)
-            await self.router.learn_answer(routed, seen.answer, chain)
+            answered = self.router.answered(routed, seen.answer)
+            await self.feedback.observe(routed, seen, answered.chain)
+            await self.router.learn_answer(routed, answered)
 
         asyncio.run(learn())
 

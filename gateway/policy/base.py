@@ -48,6 +48,13 @@ class RoutingState:
     recent_total: float | None = None
     """The candidates' summed recent counts, where the caller keeps it."""
 
+    def summed_load(self) -> int:
+        """`total_load`, or the sum over the candidates when the caller keeps none."""
+        if self.total_load is not None:
+            return self.total_load
+        loads = self.loads
+        return sum(loads.get(name, 0) for name in self.candidates)
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:

@@ -18,10 +18,7 @@ class ConsistentHashPolicy:
         self._rings = RingCache()
 
     def choose(self, state: RoutingState) -> Decision:
-        total_load = state.total_load
-        if total_load is None:
-            total_load = sum(state.loads.get(name, 0) for name in state.candidates)
-        bound = load_bound(total_load, len(state.candidates), self._factor, self._floor)
+        bound = load_bound(state.summed_load(), len(state.candidates), self._factor, self._floor)
         ring = self._rings.get(state.members or state.candidates)
         for position, name in enumerate(ring.walk(state.affinity_key)):
             if within_bound(state.loads.get(name, 0), bound):

@@ -87,9 +87,7 @@ class PrefixPolicy:
         members = state.members if state.members is not None else frozenset(candidates)
         loads = state.loads
         count = len(candidates)
-        total_load = state.total_load
-        if total_load is None:
-            total_load = sum(loads.get(name, 0) for name in candidates)
+        total_load = state.summed_load()
         bound = load_bound(total_load, count, self._factor, self._floor)
         shared_hot = self._count_shared_prompt(state, count)
 
@@ -230,18 +228,7 @@ class _HotCheck:
         return self._recent.get(name, 0.0) > self._busy_cap
 
 
-class _NeverHot(_HotCheck):
-    def __init__(self) -> None:
-        super().__init__({}, math.inf, math.inf)
-
-    def __call__(self, name: str) -> bool:
-        return False
-
-    def busy(self, name: str) -> bool:
-        return False
-
-
-_never_hot = _NeverHot()
+_never_hot = _HotCheck({}, math.inf, math.inf)
 
 
 class PromptShares:
