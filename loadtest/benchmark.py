@@ -5,7 +5,9 @@ decode time model) and a gateway in front of them, drives the workload with a bo
 concurrent sessions, and prints one table: prompt tokens, prefilled tokens (prompt tokens not
 reported as cached), the fewest possible for that workload (one unbounded cache that saw every
 earlier request), token hit rate from observed `cached_tokens`, requests per replica
-(max/mean) and time to first token.
+(max/mean) and time to first token; then a second table, per shape of request, of the tokens
+and of the requests each replica served (read from the replica's response ids, so it is the
+same for every router).
 
     python loadtest/benchmark.py                      # every workload, every policy
     python loadtest/benchmark.py --workloads conversation --policies prefix,round_robin
@@ -54,6 +56,9 @@ class Outcome:
     sent_at: float = 0.0
     done_at: float = 0.0
     route: str = ""
+    shape: str = ""
+    replica: str = ""
+    """The serving replica's response-id prefix, the same for every router."""
 
 
 @dataclass
@@ -76,6 +81,7 @@ async def one_request(
     ttft = 0.0
     parts: list[str] = []
     usage: dict[str, object] = {}
+    replica = ""
     async with http.stream("POST", "/v1/chat/completions", json=body) as response:
         backend = response.headers.get("x-gateway-backend", "?")
         route = response.headers.get("x-gateway-route", "?")
@@ -86,6 +92,7 @@ async def one_request(
             if not line.startswith("data: {"):
                 continue
             chunk = orjson.loads(line[6:])
+            replica = replica or replica_of(chunk.get("id"))
             for choice in chunk.get("choices") or []:
                 content = choice.get("delta", {}).get("content")
                 if content:
@@ -107,7 +114,16 @@ async def one_request(
         started,
         time.perf_counter(),
         route,
+        replica=replica,
     )
+
+
+def replica_of(response_id: object) -> str:
+    """The replica part of an emulated replica's response id (`chatcmpl-<replica><serial>`):
+    it tells which replica served a request through any router, ours or a peer."""
+    if not isinstance(response_id, str) or "-" not in response_id:
+        return ""
+    return response_id.split("-", 1)[1][:8]
 
 
 async def run_session(http: httpx.AsyncClient, session: Session, run: Run) -> None:
@@ -119,6 +135,7 @@ async def run_session(http: httpx.AsyncClient, session: Session, run: Run) -> No
         except httpx.HTTPError:
             run.failures += 1
             return
+        outcome.shape = session.shape
         run.outcomes.append(outcome)
         if outcome.status != 200:
             run.failures += 1
@@ -216,6 +233,57 @@ def summarise(workload: str, policy: str, run: Run, counts: list[float]) -> dict
     }
 
 
+def by_shape(workload: str, policy: str, run: Run, replicas: list[str]) -> list[dict[str, object]]:
+    """Per shape of request: tokens, hit rate and where each request went (requests per
+    replica, in the fleet's order), which shows how a router places each kind of traffic."""
+    rows = []
+    shapes = sorted({outcome.shape for outcome in run.outcomes})
+    for shape in shapes:
+        done = [o for o in run.outcomes if o.status == 200 and o.shape == shape]
+        prompt = sum(outcome.prompt_tokens for outcome in done)
+        cached = sum(outcome.cached_tokens for outcome in done)
+        where = Counter(outcome.replica for outcome in done)
+        rows.append(
+            {
+                "workload": workload,
+                "policy": policy,
+                "shape": shape,
+                "requests": len(done),
+                "prompt": prompt,
+                "prefilled": prompt - cached,
+                "hit_rate": cached / prompt if prompt else 0.0,
+                "per_replica": " / ".join(str(where.get(name, 0)) for name in replicas),
+            }
+        )
+    return rows
+
+
+def print_shape_table(rows: list[dict[str, object]]) -> None:
+    print(
+        "| workload | policy | shape | requests | prompt tok | prefilled tok | hit rate "
+        "| requests per replica |"
+    )
+    print("|" + "---|" * 8)
+    for row in rows:
+        print(
+            f"| {row['workload']} | {row['policy']} | {row['shape']} | {row['requests']} "
+            f"| {row['prompt']:,} | {row['prefilled']:,} | {row['hit_rate']:.1%} "
+            f"| {row['per_replica']} |",
+            flush=True,
+        )
+
+
+def replica_ids(fleet: EmulatedFleet) -> list[str]:
+    """Each replica's response-id prefix, in the fleet's order, from one direct request."""
+    ids = []
+    for replica in fleet.replicas:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+        response = httpx.post(replica.url + "/v1/completions", json=body, timeout=30)
+        response.raise_for_status()
+        ids.append(replica_of(response.json().get("id")))
+    return ids
+
+
 def print_table(rows: list[dict[str, object]]) -> None:
     header = (
         "| workload | policy | requests | failed | prompt tok | prefilled tok | fewest (1 cache) "
@@ -291,7 +359,8 @@ def main() -> None:
         f"seed {args.seed}, scale {args.scale}",
         flush=True,
     )
-    rows = []
+    rows: list[dict[str, object]] = []
+    shape_rows: list[dict[str, object]] = []
     for workload in args.workloads.split(","):
         sessions = build_workload(workload, args.seed, args.scale)
         for policy in args.policies.split(","):
@@ -300,13 +369,17 @@ def main() -> None:
                 contextlib.ExitStack() as stack,
             ):
                 url = start_router(stack, policy, fleet.urls, args.gateway_args)
+                replicas = replica_ids(fleet)
                 before = finished_per_replica(fleet)
                 run = asyncio.run(drive(url, sessions, args.concurrency, args.stagger))
                 after = finished_per_replica(fleet)
             counts = [end - start for start, end in zip(before, after, strict=True)]
             rows.append(summarise(workload, policy, run, counts))
+            shape_rows.extend(by_shape(workload, policy, run, replicas))
             print(f"done: {workload} / {policy}", file=sys.stderr, flush=True)
     print_table(rows)
+    print()
+    print_shape_table(shape_rows)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,69 @@
+"""A small run of loadtest/benchmark.py: the mixed workload at a twentieth of its size, through
+our gateway with two policies, against real emulated replicas.
+
+Both tables come out, the per-shape rows add up to the workload's rows, and the requests each
+replica served, as read from the response ids, add up to the requests of each shape.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def rows(table: str) -> list[list[str]]:
+    return [
+        [cell.strip() for cell in line.strip("|").split("|")]
+        for line in table.splitlines()
+        if line.startswith("| mixed |")
+    ]
+
+
+def test_mixed_workload_tables_add_up() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "loadtest/benchmark.py",
+            "--workloads",
+            "mixed",
+            "--policies",
+            "prefix,round_robin",
+            "--scale",
+            "0.1",
+            "--concurrency",
+            "4",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    output = result.stdout
+    tables = output.split("\n\n")
+    assert len(tables) == 2, output
+    summary, shapes = (rows(table) for table in tables)
+    assert [row[1] for row in summary] == ["prefix", "round_robin"]
+    for row in summary:
+        policy, requests, failed = row[1], int(row[2]), int(row[3])
+        assert failed == 0
+        mine = [shape for shape in shapes if shape[1] == policy]
+        assert {shape[2] for shape in mine} == {"shared", "customers", "conversation", "rag"}
+        assert sum(int(shape[3]) for shape in mine) == requests
+        assert sum(int(shape[4].replace(",", "")) for shape in mine) == int(row[4].replace(",", ""))
+        for shape in mine:
+            served = [int(count) for count in shape[7].split(" / ")]
+            assert len(served) == 4
+            assert sum(served) == int(shape[3])
+    # Round robin takes the replicas in turn: the ids tell all four apart.
+    per_replica = [0, 0, 0, 0]
+    for shape in shapes:
+        if shape[1] == "round_robin":
+            for position, count in enumerate(shape[7].split(" / ")):
+                per_replica[position] += int(count)
+    assert max(per_replica) - min(per_replica) <= 1, per_replica
