@@ -22,6 +22,7 @@ from gateway.replay import (
     synthetic_trace,
 )
 from gateway.replay.command import replay_table
+from gateway.replay.report import render_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -120,6 +121,26 @@ def test_prefix_keeps_a_hot_prefix_within_the_load_bound() -> None:
     assert summary.hit_rate > 0.8
 
 
+def test_synthetic_replay_is_broken_down_by_shape() -> None:
+    trace = synthetic_trace("mixed", 2, rate=20.0, think_seconds=0.1, scale=0.2)
+    config = ReplayConfig(replicas=4, cache_tokens=16_384, time_model=TimeModel(5e-5, 2e-4))
+    result = run_replay(trace, "prefix", config)
+    summary = summarise(result)
+    shapes = {item.shape: item for item in summary.shapes}
+    assert set(shapes) == {"shared", "customers", "conversation", "rag"}
+    assert sum(item.requests for item in shapes.values()) == summary.requests
+    assert sum(item.prompt_tokens for item in shapes.values()) == summary.prompt_tokens
+    assert sum(item.cached_tokens for item in shapes.values()) == summary.cached_tokens
+    for shape, item in shapes.items():
+        for name, count in zip(result.replicas, item.per_replica, strict=True):
+            served = [one for one in result.served if one.shape == shape and one.backend == name]
+            assert len(served) == count
+    # Each turn re-sends the history its replica cached; RAG passages come in a new order.
+    assert shapes["conversation"].hit_rate > 0.8 > shapes["rag"].hit_rate
+    table = render_table("mixed", [summary])
+    assert "| prefix | conversation | " in table
+
+
 def test_cli_prints_the_table(tmp_path: Path) -> None:
     trace = conversation_trace(
         tmp_path / "trace.jsonl", seed=1, conversations=6, turns=3, gap_ms=500
@@ -148,6 +169,7 @@ def test_cli_prints_the_table(tmp_path: Path) -> None:
     rows = [line for line in completed.stdout.splitlines() if line.startswith("| ")]
     assert [row.split(" | ")[0] for row in rows] == ["| policy", "| prefix", "| oracle"]
     assert "18 requests, 2 replicas" in completed.stdout
+    assert "| shape |" not in completed.stdout  # a trace file has no shapes
 
 
 def test_cli_rejects_what_it_cannot_replay(tmp_path: Path) -> None:

@@ -7,7 +7,10 @@
   prefill itself;
 - over bound: placements that left the chosen replica above the gateway's load bound at that
   instant (the `prefix` policy lets the one holder of a conversation's history go past it);
-- the count of each route reason.
+- the count of each route reason;
+- for a synthetic workload of several shapes, the same per shape of request (shared prompt,
+  per-customer prompts, conversation, RAG): hit rate, prefilled tokens and the requests each
+  replica served, which shows how a policy places each kind of traffic.
 """
 
 from __future__ import annotations
@@ -22,6 +25,20 @@ WINDOW_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
+class ShapeSummary:
+    shape: str
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    per_replica: tuple[int, ...]
+    """Requests each replica served, in the replicas' order."""
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass(frozen=True)
 class Summary:
     policy: str
     requests: int
@@ -33,6 +50,7 @@ class Summary:
     ttft_p99: float
     over_bound: int
     routes: dict[str, int]
+    shapes: tuple[ShapeSummary, ...] = ()
 
     @property
     def hit_rate(self) -> float:
@@ -56,7 +74,26 @@ def summarise(result: RunResult) -> Summary:
         ttft_p99=_percentile(ttfts, 0.99),
         over_bound=sum(1 for item in served if item.load > item.bound),
         routes=dict(sorted(routes.items(), key=lambda pair: (-pair[1], pair[0]))),
+        shapes=_by_shape(served, result.replicas),
     )
+
+
+def _by_shape(served: Sequence[Served], replicas: Sequence[str]) -> tuple[ShapeSummary, ...]:
+    shapes = sorted({item.shape for item in served if item.shape})
+    summaries = []
+    for shape in shapes:
+        mine = [item for item in served if item.shape == shape]
+        counts = Counter(item.backend for item in mine)
+        summaries.append(
+            ShapeSummary(
+                shape=shape,
+                requests=len(mine),
+                prompt_tokens=sum(item.prompt_tokens for item in mine),
+                cached_tokens=sum(item.cached_tokens for item in mine),
+                per_replica=tuple(counts.get(name, 0) for name in replicas),
+            )
+        )
+    return tuple(summaries)
 
 
 def render_table(title: str, summaries: Sequence[Summary]) -> str:
@@ -78,6 +115,20 @@ def render_table(title: str, summaries: Sequence[Summary]) -> str:
             f"| {item.worst_window_max_mean:.2f} | {item.ttft_p50 * 1000:,.1f} "
             f"| {item.ttft_p99 * 1000:,.1f} | {item.over_bound} | {routes} |"
         )
+    if any(len(item.shapes) > 1 for item in summaries):
+        lines += [
+            "",
+            "| policy | shape | requests | hit rate | prefilled tokens | requests per replica |",
+            "|---|---|---:|---:|---:|---|",
+        ]
+        for item in summaries:
+            for shape in item.shapes:
+                per_replica = " / ".join(str(count) for count in shape.per_replica)
+                lines.append(
+                    f"| {item.policy} | {shape.shape} | {shape.requests:,} "
+                    f"| {shape.hit_rate:.1%} | {shape.prompt_tokens - shape.cached_tokens:,} "
+                    f"| {per_replica} |"
+                )
     return "\n".join(lines)
 
 

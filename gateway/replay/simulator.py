@@ -68,6 +68,7 @@ class Served:
     ttft: float
     finished: float
     """When its last token came out: it counted in its replica's load until then."""
+    shape: str = ""
 
 
 @dataclass(frozen=True)
@@ -212,6 +213,7 @@ async def _simulate(
             cached_tokens=flight.cached_tokens,
             ttft=flight.first_token_at - flight.arrived_at,
             finished=flight.done_at,
+            shape=flight.request.shape,
         )
         for flight in flights
         if flight is not None

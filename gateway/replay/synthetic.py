@@ -77,6 +77,7 @@ def synthetic_trace(
                     after=previous,
                     answered=tuple(answered),
                     held=tuple(held),
+                    shape=session.shape,
                 )
             )
             if limit is not None and len(requests) >= limit:

@@ -48,6 +48,8 @@ class TraceRequest:
     held: tuple[int, ...] = ()
     """Blocks the replica caches once the request finishes (prompt and answer but its last
     token, as vLLM); empty means the prompt's blocks only."""
+    shape: str = ""
+    """The synthetic workload shape the request belongs to; empty for a trace file."""
 
     @property
     def cached_at_finish(self) -> tuple[int, ...]:
