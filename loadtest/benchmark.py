@@ -7,10 +7,12 @@ reported as cached), the fewest possible for that workload (one unbounded cache 
 earlier request), token hit rate from observed `cached_tokens`, requests per replica
 (max/mean) and time to first token; then a second table, per shape of request, of the tokens
 and of the requests each replica served (read from the replica's response ids, so it is the
-same for every router).
+same for every router). With `--runs N` it does all of it N times and ends with a summary per
+workload and router: the range of the hit rate and of max/mean, and the median TTFT.
 
     python loadtest/benchmark.py                      # every workload, every policy
     python loadtest/benchmark.py --workloads conversation --policies prefix,round_robin
+    python loadtest/benchmark.py --policies prefix,sglang-cache_aware --runs 3
 """
 
 from __future__ import annotations
@@ -348,6 +350,12 @@ def main() -> None:
     )
     parser.add_argument("--prefill-us-per-token", type=float, default=50.0)
     parser.add_argument("--decode-ms-per-token", type=float, default=0.2)
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="repeat everything this many times and end with a summary over the runs",
+    )
     args = parser.parse_args()
     emulator_args = [
         "--chat-template",
@@ -366,6 +374,24 @@ def main() -> None:
         f"seed {args.seed}, scale {args.scale}",
         flush=True,
     )
+    runs = []
+    for number in range(1, args.runs + 1):
+        rows, shape_rows = run_suite(args, emulator_args)
+        if args.runs > 1:
+            print(f"\n## Run {number} of {args.runs}\n")
+        print_table(rows)
+        print()
+        print_shape_table(shape_rows)
+        runs.append(rows)
+    if args.runs > 1:
+        print(f"\n## Over the {args.runs} runs\n")
+        print_summary(runs)
+
+
+def run_suite(
+    args: argparse.Namespace, emulator_args: list[str]
+) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
+    """Every workload through every router once, each on fresh replicas."""
     rows: list[dict[str, object]] = []
     shape_rows: list[dict[str, object]] = []
     for workload in args.workloads.split(","):
@@ -384,9 +410,37 @@ def main() -> None:
             rows.append(summarise(workload, policy, run, counts))
             shape_rows.extend(by_shape(workload, policy, run, replicas))
             print(f"done: {workload} / {policy}", file=sys.stderr, flush=True)
-    print_table(rows)
-    print()
-    print_shape_table(shape_rows)
+    return rows, shape_rows
+
+
+def print_summary(runs: list[list[dict[str, object]]]) -> None:
+    """Per workload and router over repeated runs: the range of the hit rate and of max/mean,
+    and the median TTFT (a p99 over a few hundred requests moves a lot from run to run)."""
+    print(
+        "| workload | policy | runs | hit rate | max/mean req | TTFT p50 ms (median) "
+        "| TTFT p99 ms (median) | TTFT p99 ms (each run) |"
+    )
+    print("|" + "---|" * 8)
+    for position, first in enumerate(runs[0]):
+        same = [rows[position] for rows in runs]
+        hits = [float(row["hit_rate"]) for row in same]  # type: ignore[arg-type]
+        spread = [float(row["max_mean"]) for row in same]  # type: ignore[arg-type]
+        p50s = [float(row["ttft_p50"]) for row in same]  # type: ignore[arg-type]
+        p99s = [float(row["ttft_p99"]) for row in same]  # type: ignore[arg-type]
+        print(
+            f"| {first['workload']} | {first['policy']} | {len(same)} "
+            f"| {_range(hits, '.1%')} | {_range(spread, '.2f')} "
+            f"| {statistics.median(p50s):.1f} | {statistics.median(p99s):.1f} "
+            f"| {', '.join(f'{value:.0f}' for value in p99s)} |",
+            flush=True,
+        )
+
+
+def _range(values: list[float], spec: str) -> str:
+    low, high = min(values), max(values)
+    if format(low, spec) == format(high, spec):
+        return format(low, spec)
+    return f"{format(low, spec)}–{format(high, spec)}"
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""A small run of loadtest/benchmark.py: the mixed workload at a twentieth of its size, through
-our gateway with two policies, against real emulated replicas.
+"""Small runs of loadtest/benchmark.py against real emulated replicas.
 
-Both tables come out, the per-shape rows add up to the workload's rows, and the requests each
-replica served, as read from the response ids, add up to the requests of each shape.
+The mixed workload at a tenth of its size through our gateway with two policies: both tables
+come out, the per-shape rows add up to the workload's rows, and the requests each replica
+served, as read from the response ids, add up to the requests of each shape. Two repeated runs
+end with a summary that agrees with the runs' own rows.
 """
 
 from __future__ import annotations
@@ -15,6 +16,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def benchmark(*args: str) -> str:
+    """What `loadtest/benchmark.py ARGS` prints, after checking that it succeeded."""
+    result = subprocess.run(
+        [sys.executable, "loadtest/benchmark.py", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
 def rows(table: str) -> list[list[str]]:
     return [
         [cell.strip() for cell in line.strip("|").split("|")]
@@ -24,27 +39,10 @@ def rows(table: str) -> list[list[str]]:
 
 
 def test_mixed_workload_tables_add_up() -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "loadtest/benchmark.py",
-            "--workloads",
-            "mixed",
-            "--policies",
-            "prefix,round_robin",
-            "--scale",
-            "0.1",
-            "--concurrency",
-            "4",
-        ],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert result.returncode == 0, result.stderr
-    output = result.stdout
+    output = benchmark(
+        "--workloads", "mixed", "--policies", "prefix,round_robin", "--scale", "0.1",
+        "--concurrency", "4",
+    )  # fmt: skip
     tables = output.split("\n\n")
     assert len(tables) == 2, output
     summary, shapes = (rows(table) for table in tables)
@@ -67,3 +65,21 @@ def test_mixed_workload_tables_add_up() -> None:
             for position, count in enumerate(shape[7].split(" / ")):
                 per_replica[position] += int(count)
     assert max(per_replica) - min(per_replica) <= 1, per_replica
+
+
+def test_repeated_runs_end_with_a_summary() -> None:
+    output = benchmark(
+        "--workloads", "shared", "--policies", "prefix", "--scale", "0.05", "--concurrency", "2",
+        "--runs", "2",
+    )  # fmt: skip
+    lines = output.splitlines()
+    runs = [line for line in lines if line.startswith("| shared | prefix | 8 |")]
+    assert len(runs) == 2  # one row per run, 8 requests each
+    summary = output.split("## Over the 2 runs")[1]
+    (row,) = [line for line in summary.splitlines() if line.startswith("| shared | prefix |")]
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[2] == "2"
+    hit_rates = sorted(run.split(" | ")[8] for run in runs)
+    assert cells[3] in (hit_rates[0], f"{hit_rates[0]}–{hit_rates[1]}")
+    each = [float(value) for value in cells[7].split(", ")]
+    assert each == [round(float(run.strip("|").split("|")[11])) for run in runs]
