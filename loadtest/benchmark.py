@@ -431,7 +431,7 @@ def print_summary(runs: list[list[dict[str, object]]]) -> None:
             f"| {first['workload']} | {first['policy']} | {len(same)} "
             f"| {_range(hits, '.1%')} | {_range(spread, '.2f')} "
             f"| {statistics.median(p50s):.1f} | {statistics.median(p99s):.1f} "
-            f"| {', '.join(f'{value:.0f}' for value in p99s)} |",
+            f"| {', '.join(f'{value:.1f}' for value in p99s)} |",
             flush=True,
         )
 

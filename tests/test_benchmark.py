@@ -82,4 +82,4 @@ def test_repeated_runs_end_with_a_summary() -> None:
     hit_rates = sorted(run.split(" | ")[8] for run in runs)
     assert cells[3] in (hit_rates[0], f"{hit_rates[0]}–{hit_rates[1]}")
     each = [float(value) for value in cells[7].split(", ")]
-    assert each == [round(float(run.strip("|").split("|")[11])) for run in runs]
+    assert each == [float(run.strip("|").split("|")[11]) for run in runs]
