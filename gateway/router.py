@@ -207,20 +207,18 @@ class Router:
     async def explain(self, request: RoutingInput) -> Explanation:
         """The decision `route` would make for `request` now, recording nothing."""
         group, hashes, affinity_key, matched, sticky = await self._gather(request)
-        candidates = group.backends
         # A copy, so that a policy keeping a turn (round robin) does not move on.
         state = self.state(request, group, hashes, matched, affinity_key, sticky)
         decision = copy.copy(self.policy).choose(state)
-        names = [item.name for item in candidates]
         prompt = fingerprint(request.canonical) if request.endpoint is Endpoint.CHAT else None
         return Explanation(
             request,
             len(hashes),
             affinity_key,
             sticky,
-            {item.name: item.load for item in candidates},
+            {item.name: item.load for item in group.backends},
             matched,
-            self.recent.snapshot(names),
+            self.recent.snapshot(group.names),
             decision,
             self.conversations.peek(request.session_key, prompt),
         )

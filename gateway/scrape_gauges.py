@@ -19,7 +19,7 @@ def publish_scrape_gauges(components: Components) -> None:
     serving = {backend.name: backend.healthy and not backend.draining for backend in backends}
     metrics.set_per_label(metrics.healthy, {name: int(up) for name, up in serving.items()})
     metrics.set_per_label(metrics.queued, {backend.name: backend.queued for backend in backends})
-    metrics.set_per_label(metrics.load_bound, dict(components.router.load_bounds()))
+    metrics.set_per_label(metrics.load_bound, components.router.load_bounds())
     metrics.conversations.set(len(components.router.conversations))
     size = getattr(components.index, "__len__", None)
     if size is not None:

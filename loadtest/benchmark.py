@@ -52,14 +52,12 @@ _JSON = {"content-type": "application/json"}
 class Outcome:
     messages: list[dict[str, str]]
     answer: str
-    backend: str
     prompt_tokens: int
     cached_tokens: int
     ttft: float
     status: int
     sent_at: float = 0.0
     done_at: float = 0.0
-    route: str = ""
     shape: str = ""
     replica: str = ""
     """The serving replica's response-id prefix, the same for every router."""
@@ -89,11 +87,9 @@ async def one_request(
     usage: dict[str, object] = {}
     replica = ""
     async with http.post(url + "/v1/chat/completions", data=body, headers=_JSON) as response:
-        backend = response.headers.get("x-gateway-backend", "?")
-        route = response.headers.get("x-gateway-route", "?")
         if response.status != 200:
             await response.read()
-            return Outcome(list(messages), "", backend, 0, 0, 0.0, response.status)
+            return Outcome(list(messages), "", 0, 0, 0.0, response.status)
         async for line in response.content:
             if not line.startswith(b"data: {"):
                 continue
@@ -112,14 +108,12 @@ async def one_request(
     return Outcome(
         list(messages),
         "".join(parts),
-        backend,
         int(usage.get("prompt_tokens", 0)),  # type: ignore[call-overload]
         int(details.get("cached_tokens") or 0),
         ttft,
         200,
         started,
         time.perf_counter(),
-        route,
         replica=replica,
     )
 
@@ -222,8 +216,7 @@ def percentile(values: list[float], share: float) -> float:
 def summarise(workload: str, policy: str, run: Run, counts: list[float]) -> dict[str, object]:
     """`counts`: requests each replica finished during the run, from its own metrics."""
     done = [outcome for outcome in run.outcomes if outcome.status == 200]
-    prompt = sum(outcome.prompt_tokens for outcome in done)
-    cached = sum(outcome.cached_tokens for outcome in done)
+    prompt, cached = token_totals(done)
     mean = statistics.mean(counts) if counts else 0.0
     ttfts = [outcome.ttft * 1000 for outcome in done]
     return {
@@ -242,6 +235,14 @@ def summarise(workload: str, policy: str, run: Run, counts: list[float]) -> dict
     }
 
 
+def token_totals(done: list[Outcome]) -> tuple[int, int]:
+    """Prompt tokens and cached prompt tokens over `done`, as the replicas reported them."""
+    return (
+        sum(outcome.prompt_tokens for outcome in done),
+        sum(outcome.cached_tokens for outcome in done),
+    )
+
+
 def by_shape(workload: str, policy: str, run: Run, replicas: list[str]) -> list[dict[str, object]]:
     """Per shape of request: tokens, hit rate and where each request went (requests per
     replica, in the fleet's order), which shows how a router places each kind of traffic."""
@@ -249,8 +250,7 @@ def by_shape(workload: str, policy: str, run: Run, replicas: list[str]) -> list[
     shapes = sorted({outcome.shape for outcome in run.outcomes})
     for shape in shapes:
         done = [o for o in run.outcomes if o.status == 200 and o.shape == shape]
-        prompt = sum(outcome.prompt_tokens for outcome in done)
-        cached = sum(outcome.cached_tokens for outcome in done)
+        prompt, cached = token_totals(done)
         where = Counter(outcome.replica for outcome in done)
         rows.append(
             {
