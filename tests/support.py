@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from gateway.child import ChildProcess, free_port
 
-__all__ = ["GatewayProcess", "free_port", "metric_value"]
+__all__ = ["GatewayProcess", "free_port", "metric_value", "run_script"]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_script(script: str, *args: str, timeout: float = 180) -> str:
+    """What `python SCRIPT ARGS` prints, run from the checkout; fails the test if it failed."""
+    result = subprocess.run(
+        [sys.executable, script, *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
 
 
 class GatewayProcess(ChildProcess):

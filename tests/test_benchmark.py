@@ -8,26 +8,12 @@ end with a summary that agrees with the runs' own rows.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support import run_script
 
 
 def benchmark(*args: str) -> str:
     """What `loadtest/benchmark.py ARGS` prints, after checking that it succeeded."""
-    result = subprocess.run(
-        [sys.executable, "loadtest/benchmark.py", *args],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert result.returncode == 0, result.stderr
-    return result.stdout
+    return run_script("loadtest/benchmark.py", *args)
 
 
 def rows(table: str) -> list[list[str]]:

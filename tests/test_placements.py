@@ -1,0 +1,58 @@
+"""loadtest/placements.py: the fixed placements put each shape where its docstring says, and
+the script prints one row per placement with hit rates that agree with the replays."""
+
+from __future__ import annotations
+
+from gateway.replay.synthetic import synthetic_trace
+from loadtest.placements import replay
+from tests.support import run_script
+
+
+def per_replica(name: str, seed: int = 1) -> dict[str, tuple[int, ...]]:
+    trace = synthetic_trace("mixed", seed, rate=74.0, think_seconds=0.0)
+    return {shape.shape: shape.per_replica for shape in replay(trace, name).shapes}
+
+
+def test_one_per_shape_keeps_every_shape_but_customers_on_one_replica() -> None:
+    placed = per_replica("one-per-shape")
+    assert placed["conversation"] == (96, 0, 0, 0)
+    assert placed["rag"] == (0, 80, 0, 0)
+    assert placed["shared"] == (0, 0, 80, 0)
+    # Per-customer prompts fill the replicas the other shapes leave light.
+    assert sum(placed["customers"]) == 120
+    totals = [sum(counts) for counts in zip(*placed.values(), strict=True)]
+    assert max(totals) / (sum(totals) / len(totals)) < 1.1
+
+
+def test_rag_on_two_keeps_customers_off_the_rag_only_replica() -> None:
+    placed = per_replica("rag-on-two")
+    assert placed["rag"][0] == placed["rag"][3] == 0
+    assert placed["rag"][1] > 0 and placed["rag"][2] > 0
+    assert placed["customers"][1] == 0
+    assert placed["conversation"] == (96, 0, 0, 0)
+    assert placed["shared"] == (0, 0, 0, 80)
+
+
+def test_pinned_rag_leaves_the_rest_to_the_policy() -> None:
+    placed = per_replica("rag-on-one+prefix")
+    assert placed["rag"] == (0, 80, 0, 0)
+    assert sum(1 for count in placed["customers"] if count) > 1
+
+
+def test_the_script_prints_a_row_per_placement() -> None:
+    output = run_script("loadtest/placements.py", "--seeds", "1", timeout=120)
+    rows = {
+        line.split("|")[1].strip(): line
+        for line in output.splitlines()
+        if line.startswith("| ") and not line.startswith("| placement")
+    }
+    assert set(rows) == {
+        "prefix",
+        "one-per-shape",
+        "rag-on-two",
+        "rag-on-one+prefix",
+        "rag-on-two+prefix",
+    }
+    trace = synthetic_trace("mixed", 1, rate=74.0, think_seconds=0.0)
+    for name, line in rows.items():
+        assert f"| {replay(trace, name).hit_rate:.1%} |" in line
