@@ -169,6 +169,7 @@ def _render(explained: Explanation, components: Components) -> dict[str, Any]:
                 "in_flight": backend.in_flight,
                 "queued": backend.queued,
                 "load": backend.load,
+                "pending_prefill_blocks": backend.pending_prefill,
                 "within_bound": candidate and (not bound or backend.load + 1 <= bound),
                 "matched_blocks": matched,
                 "matched_tokens": matched * block_tokens,

@@ -51,6 +51,7 @@ def backend_view(backend: Backend) -> dict[str, Any]:
         "in_flight": backend.in_flight,
         "queued": backend.queued,
         "load": backend.load,
+        "pending_prefill_blocks": backend.pending_prefill,
         "source": backend.source,
     }
 

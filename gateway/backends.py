@@ -44,6 +44,9 @@ class Backend:
     """Failed requests in a row; a good answer resets it (see gateway.health)."""
     groups: list[Candidates] = field(default_factory=list, repr=False)
     """The candidate groups it is in now, whose load tallies follow its own."""
+    pending_prefill: int = field(default=0, repr=False)
+    """Prompt blocks this gateway has sent it that it has not computed yet, by the index's
+    estimate: each request counts its unmatched blocks until its first byte (or its end)."""
     _in_flight: int = field(default=0, repr=False)
     _queued: int = field(default=0, repr=False)
 
@@ -84,7 +87,15 @@ class Candidates:
     bound costs O(1) per request instead of a sum over the fleet.
     """
 
-    __slots__ = ("backends", "by_name", "loads", "members", "names", "total_load")
+    __slots__ = (
+        "backends",
+        "by_name",
+        "loads",
+        "members",
+        "names",
+        "pending_prefill",
+        "total_load",
+    )
 
     def __init__(self, backends: list[Backend]) -> None:
         self.backends = backends
@@ -92,23 +103,28 @@ class Candidates:
         self.members = frozenset(self.names)
         self.by_name = {backend.name: backend for backend in backends}
         self.loads = LoadView(self.by_name)
+        self.pending_prefill = PendingPrefillView(self.by_name)
         self.total_load = sum(backend.load for backend in backends)
 
 
-class LoadView(Mapping[str, int]):
-    """Each candidate's current load, read when asked: a mapping nobody has to fill."""
+class _PerBackend(Mapping[str, int]):
+    """One number per candidate, read from the backend when asked: a mapping nobody fills."""
 
     __slots__ = ("_by_name",)
 
     def __init__(self, by_name: dict[str, Backend]) -> None:
         self._by_name = by_name
 
+    @staticmethod
+    def _of(backend: Backend) -> int:
+        raise NotImplementedError
+
     def __getitem__(self, name: str) -> int:
-        return self._by_name[name].load
+        return self._of(self._by_name[name])
 
     def get(self, name: str, default: int = 0) -> int:  # type: ignore[override]
         backend = self._by_name.get(name)
-        return default if backend is None else backend.load
+        return default if backend is None else self._of(backend)
 
     def __contains__(self, name: object) -> bool:
         return name in self._by_name
@@ -118,6 +134,26 @@ class LoadView(Mapping[str, int]):
 
     def __len__(self) -> int:
         return len(self._by_name)
+
+
+class LoadView(_PerBackend):
+    """Each candidate's current load."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def _of(backend: Backend) -> int:
+        return backend.load
+
+
+class PendingPrefillView(_PerBackend):
+    """Each candidate's pending prefill in blocks (`Backend.pending_prefill`)."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def _of(backend: Backend) -> int:
+        return backend.pending_prefill
 
 
 @dataclass

@@ -256,6 +256,7 @@ class ProxyHandler:
             status = await self._cut_short(routed, exchange, request_id, send, reason)
         finally:
             exchange.done = True
+            routed.prefill_done()
             watcher.cancel()
             self.metrics.child(
                 self.metrics.requests,

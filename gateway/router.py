@@ -53,6 +53,8 @@ class RoutedRequest:
     """Set at the first byte, for requests waiting for this one's prefill (`gateway.prefills`)."""
     issued_session: str | None = None
     """A session key the gateway minted for this request, sent back as a sticky cookie."""
+    pending_prefill: int = 0
+    """Blocks this request adds to its backend's pending prefill until its first byte."""
 
     @property
     def route(self) -> Route:
@@ -60,8 +62,19 @@ class RoutedRequest:
 
     def reached_first_byte(self) -> None:
         self.first_byte_at = time.perf_counter()
+        self.prefill_done()
         if self.prefilled is not None:
             self.prefilled.set()
+
+    def prefill_starts(self, matched: Mapping[str, int]) -> None:
+        """Count the blocks its backend has to compute for it (the prompt past its match)."""
+        self.pending_prefill = max(0, len(self.hashes) - matched.get(self.backend.name, 0))
+        self.backend.pending_prefill += self.pending_prefill
+
+    def prefill_done(self) -> None:
+        """Its prefill is over: the first byte came, or it ended or moved without one."""
+        self.backend.pending_prefill -= self.pending_prefill
+        self.pending_prefill = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +213,7 @@ class Router:
         if sticky is not None and sticky != backend.name:
             self.metrics.session_moves.labels(_move_cause(sticky, group, decision)).inc()
         routed = RoutedRequest(request, hashes, affinity_key, decision, backend, [backend.name])
+        routed.prefill_starts(matched)
         routed.turn = self._follow(routed, group, matched)
         await self._record_choice(routed)
         return routed
@@ -253,7 +267,9 @@ class Router:
         routed.decision = Decision(
             choice.backend, Route.RETRY, choice.matched_blocks, choice.load_bound
         )
+        routed.prefill_done()
         routed.backend = group.by_name[choice.backend]
+        routed.prefill_starts(matched)
         routed.tried.append(choice.backend)
         if routed.input.session_key is not None:
             self.metrics.session_moves.labels("failover").inc()
@@ -371,6 +387,7 @@ class Router:
             members=members,
             total_load=candidates.total_load,
             recent_total=self.recent.sum_over(members),
+            pending_prefill=candidates.pending_prefill,
         )
 
     async def _record_choice(self, routed: RoutedRequest) -> None:

@@ -224,6 +224,27 @@ def test_a_new_prefix_takes_the_less_used_of_its_two_ring_backends() -> None:
     assert (decision.backend, decision.route) == (second, Route.HASH)
 
 
+def test_a_new_prefix_goes_where_its_prefill_starts_sooner() -> None:
+    # The first ring backend is the less used but has a prompt's prefill still to compute.
+    first, second = two_choices(777)
+    recent = dict.fromkeys(FOUR, 1.0) | {second: 9.0}
+    assert policy.choose(state(recent=recent, key=777)).backend == first
+    waiting = dataclasses.replace(state(recent=recent, key=777), pending_prefill={first: 120})
+    decision = policy.choose(waiting)
+    assert (decision.backend, decision.route) == (second, Route.HASH)
+
+
+def test_an_overflow_copy_goes_where_its_prefill_starts_sooner() -> None:
+    # A holds the prompt but is over the bound; of the two ring backends past the match, the
+    # one with nothing pending takes the copy.
+    full = state(loads={A: 30}, matched={A: 38})
+    ring = HashRing(FOUR)
+    candidates = [name for name in ring.walk(HASHES[38]) if name != A][:2]
+    for busy, idle in (candidates, candidates[::-1]):
+        decision = policy.choose(dataclasses.replace(full, pending_prefill={busy: 80}))
+        assert (decision.backend, decision.route) == (idle, Route.OVERFLOW)
+
+
 def test_a_new_session_takes_its_first_ring_backend_whatever_the_traffic() -> None:
     # Concurrent first requests of one session (or through several gateways) must agree.
     first, _ = two_choices(777)

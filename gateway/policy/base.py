@@ -47,6 +47,9 @@ class RoutingState:
     """The candidates' summed load, where the caller keeps it (else a policy sums it)."""
     recent_total: float | None = None
     """The candidates' summed recent counts, where the caller keeps it."""
+    pending_prefill: Mapping[str, int] = field(default_factory=dict)
+    """Prompt blocks sent to each candidate and not computed yet, by the caller's estimate
+    (unmatched blocks until the first byte): how long a new prefill would wait there."""
 
     def summed_load(self) -> int:
         """`total_load`, or the sum over the candidates when the caller keeps none."""

@@ -20,15 +20,18 @@ Algorithm, for the candidates (healthy backends serving the model) and the load 
    mean plus `recent_slack` is passed over, so a hot shared prefix keeps spreading; the slack
    keeps the handful of requests at start-up from counting as a trend.
 4. Overflow: holders exist but none may take the request ⇒ the deepest other holder within B
-   takes it, else the less loaded of the first two backends within B on the ring from the
-   first block past the match; it becomes a holder, so a popular prefix spreads to as many
-   backends as its traffic needs and no more.
+   takes it, else the one of the first two backends within B on the ring from the first block
+   past the match whose prefill would start soonest (see step 5); it becomes a holder, so a
+   popular prefix spreads to as many backends as its traffic needs and no more.
 5. Hash: no worthwhile match ⇒ of the first `hash_choices` backends within B (and, under load,
-   not hot) on the ring walked from the affinity key, the one with the fewest recent requests
-   (`hash`, or `overflow` when the walk passed over a backend to get there). Two choices
-   instead of one keep new prefixes as balanced as the ring keeps them stable. A request with
-   a session key takes the first of them: the first requests of a new session, sent at once
-   or through several gateways, then agree before its binding is stored.
+   not hot) on the ring walked from the affinity key, the one with the least pending prefill
+   (prompt blocks sent there and not computed yet), then the fewest recent requests (`hash`,
+   or `overflow` when the walk passed over a backend to get there). The whole prompt is
+   computed either way; behind a shorter queue of prefills it starts sooner, and it does not
+   hold up the requests that hit the cache of a backend busy computing other prompts. Two
+   choices instead of one keep new prefixes as balanced as the ring keeps them stable. A
+   request with a session key takes the first of them: the first requests of a new session,
+   sent at once or through several gateways, then agree before its binding is stored.
 6. Fallback: nothing within B ⇒ the least loaded candidate (B always admits the least loaded,
    so this is a guard, not a path traffic takes).
 
@@ -123,15 +126,13 @@ class PrefixPolicy:
             if shallower:
                 chosen = self._spread(state, shallower, depth_of)
                 return Decision(chosen, Route.OVERFLOW, depth_of[chosen], bound)
-            picked = _ring_pick(
-                ring, _key_after(state, deepest), loads, state.recent, bound, hot, 2, by_load=True
-            )
+            picked = _ring_pick(ring, _key_after(state, deepest), state, bound, hot, 2)
             if picked is not None:
                 return Decision(picked[0], Route.OVERFLOW, depth_of.get(picked[0], 0), bound)
         else:
             # A new prefix goes to its ring position, or the next one when that is busier.
             choices = 1 if state.keyed else self._hash_choices
-            picked = _ring_pick(ring, state.affinity_key, loads, state.recent, bound, hot, choices)
+            picked = _ring_pick(ring, state.affinity_key, state, bound, hot, choices)
             if picked is not None:
                 name, passed_over = picked
                 route = Route.OVERFLOW if passed_over else Route.HASH
@@ -261,18 +262,13 @@ class PromptShares:
 
 
 def _ring_pick(
-    ring: HashRing,
-    key: int,
-    loads: Mapping[str, int],
-    recent: Mapping[str, float],
-    bound: int,
-    hot: _HotCheck,
-    choices: int,
-    by_load: bool = False,
+    ring: HashRing, key: int, state: RoutingState, bound: int, hot: _HotCheck, choices: int
 ) -> tuple[str, bool] | None:
     """Of the first `choices` backends within `bound` and not hot on the ring from `key`, the
-    least recently used (or, `by_load`, the least loaded); the first within `bound` if all
-    are hot. With whether the walk passed over a backend before it (over the bound or hot)."""
+    one with the least pending prefill, then the fewest recent requests; the first within
+    `bound` if all are hot. With whether the walk passed over a backend before it (over the
+    bound or hot)."""
+    loads = state.loads
     fits: list[tuple[str, int]] = []
     first_fit: tuple[str, bool] | None = None
     for position, name in enumerate(ring.walk(key)):
@@ -286,13 +282,11 @@ def _ring_pick(
             break
     if not fits:
         return first_fit
-    if by_load:
-        name, position = min(
-            fits,
-            key=lambda fit: (loads.get(fit[0], 0), round(recent.get(fit[0], 0.0)), fit[1]),
-        )
-    else:
-        name, position = min(fits, key=lambda fit: recent.get(fit[0], 0.0))
+    pending = state.pending_prefill
+    recent = state.recent
+    name, position = min(
+        fits, key=lambda fit: (pending.get(fit[0], 0), recent.get(fit[0], 0.0), fit[1])
+    )
     # Positions run 0, 1, ... until a backend is passed over.
     passed_over = position != fits.index((name, position))
     return name, passed_over

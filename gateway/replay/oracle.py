@@ -55,5 +55,8 @@ class OracleRouter:
         depth = depth_of[chosen]
         return Decision(chosen, Route.PREFIX if depth > 0 else Route.HASH, depth, bound)
 
+    def prefilled(self, request: TraceRequest, decision: Decision) -> None:
+        return None
+
     async def answered(self, request: TraceRequest, backend: str) -> None:
         return None

@@ -2,9 +2,10 @@
 
 `PolicyRouter` does for a trace request what `gateway.router.Router` does for an HTTP one: it
 shows the policy the candidates, their loads (requests in flight), the index's matched depths,
-the affinity key, the private part and the recent request counts, records the prompt's blocks
-for the chosen replica in the index at routing time, and records the prompt with its answer
-once the answer is complete. There are no session keys in a trace, so nothing is sticky.
+the affinity key, the private part, the recent request counts and the pending prefill (blocks
+routed and not computed yet, until the first token), records the prompt's blocks for the
+chosen replica in the index at routing time, and records the prompt with its answer once the
+answer is complete. There are no session keys in a trace, so nothing is sticky.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ class ReplayRouter(Protocol):
         """Choose a replica for `request` arriving now, given the loads before it."""
         ...
 
+    def prefilled(self, request: TraceRequest, decision: Decision) -> None:
+        """The prefill of `request`, placed by `decision`, is over: its first token is out."""
+        ...
+
     async def answered(self, request: TraceRequest, backend: str) -> None:
         """`backend` completed `request`."""
         ...
@@ -39,6 +44,7 @@ class PolicyRouter:
         self._policy = policy
         self._index = index
         self._recent = RecentTraffic(clock)
+        self._pending = dict.fromkeys(self._names, 0)
 
     async def route(self, request: TraceRequest, loads: Mapping[str, int]) -> Decision:
         names = self._names
@@ -51,12 +57,22 @@ class PolicyRouter:
             affinity_key=request.affinity_key,
             private_from=request.private_from,
             recent=self._recent.snapshot(names),
+            pending_prefill=dict(self._pending),
         )
         decision = self._policy.choose(state)
+        self._pending[decision.backend] += _unmatched(request, decision)
         self._recent.add(decision.backend)
         await self._index.record(MODEL, decision.backend, request.hashes)
         return decision
 
+    def prefilled(self, request: TraceRequest, decision: Decision) -> None:
+        self._pending[decision.backend] -= _unmatched(request, decision)
+
     async def answered(self, request: TraceRequest, backend: str) -> None:
         if request.answered:
             await self._index.record(MODEL, backend, request.answered)
+
+
+def _unmatched(request: TraceRequest, decision: Decision) -> int:
+    """The prompt blocks the index did not see on the chosen replica: its estimated prefill."""
+    return max(0, len(request.hashes) - decision.matched_blocks)

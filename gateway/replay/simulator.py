@@ -193,6 +193,7 @@ async def _simulate(
         elif kind == _PREFILLED:
             assert flight is not None
             replicas[flight.backend].prefilled(flight)
+            router.prefilled(flight.request, flight.decision)
         else:
             assert flight is not None
             loads[flight.backend] -= 1
