@@ -20,9 +20,10 @@ Algorithm, for the candidates (healthy backends serving the model) and the load 
    mean plus `recent_slack` is passed over, so a hot shared prefix keeps spreading; the slack
    keeps the handful of requests at start-up from counting as a trend.
 4. Overflow: holders exist but none may take the request ⇒ the deepest other holder within B
-   takes it, else the one of the first two backends within B on the ring from the first block
-   past the match whose prefill would start soonest (see step 5); it becomes a holder, so a
-   popular prefix spreads to as many backends as its traffic needs and no more.
+   takes it, else the less loaded of the first two backends within B on the ring from the
+   first block past the match (at equal loads, the one with less pending prefill, see step 5);
+   it becomes a holder, so a popular prefix spreads to as many backends as its traffic needs
+   and no more.
 5. Hash: no worthwhile match ⇒ of the first `hash_choices` backends within B (and, under load,
    not hot) on the ring walked from the affinity key, the one with the least pending prefill
    (prompt blocks sent there and not computed yet), then the fewest recent requests (`hash`,
@@ -126,7 +127,9 @@ class PrefixPolicy:
             if shallower:
                 chosen = self._spread(state, shallower, depth_of)
                 return Decision(chosen, Route.OVERFLOW, depth_of[chosen], bound)
-            picked = _ring_pick(ring, _key_after(state, deepest), state, bound, hot, 2)
+            picked = _ring_pick(
+                ring, _key_after(state, deepest), state, bound, hot, 2, by_load=True
+            )
             if picked is not None:
                 return Decision(picked[0], Route.OVERFLOW, depth_of.get(picked[0], 0), bound)
         else:
@@ -262,10 +265,17 @@ class PromptShares:
 
 
 def _ring_pick(
-    ring: HashRing, key: int, state: RoutingState, bound: int, hot: _HotCheck, choices: int
+    ring: HashRing,
+    key: int,
+    state: RoutingState,
+    bound: int,
+    hot: _HotCheck,
+    choices: int,
+    by_load: bool = False,
 ) -> tuple[str, bool] | None:
     """Of the first `choices` backends within `bound` and not hot on the ring from `key`, the
-    one with the least pending prefill, then the fewest recent requests; the first within
+    one with the least pending prefill, then the fewest recent requests (`by_load`: the least
+    loaded, then the least pending prefill, then the fewest recent requests); the first within
     `bound` if all are hot. With whether the walk passed over a backend before it (over the
     bound or hot)."""
     loads = state.loads
@@ -284,9 +294,20 @@ def _ring_pick(
         return first_fit
     pending = state.pending_prefill
     recent = state.recent
-    name, position = min(
-        fits, key=lambda fit: (pending.get(fit[0], 0), recent.get(fit[0], 0.0), fit[1])
-    )
+    if by_load:
+        name, position = min(
+            fits,
+            key=lambda fit: (
+                loads.get(fit[0], 0),
+                pending.get(fit[0], 0),
+                round(recent.get(fit[0], 0.0)),
+                fit[1],
+            ),
+        )
+    else:
+        name, position = min(
+            fits, key=lambda fit: (pending.get(fit[0], 0), recent.get(fit[0], 0.0), fit[1])
+        )
     # Positions run 0, 1, ... until a backend is passed over.
     passed_over = position != fits.index((name, position))
     return name, passed_over
