@@ -235,6 +235,14 @@ class Metrics:
             multiprocess_mode="livesum",
             registry=r,
         )
+        self.pending_prefill = Gauge(
+            "gateway_backend_pending_prefill_blocks",
+            "Prompt blocks this gateway has sent each backend that have not had their first byte"
+            " back (the unmatched blocks of each request, by the index's estimate).",
+            ["backend"],
+            multiprocess_mode="livesum",
+            registry=r,
+        )
         self.queued = Gauge(
             "gateway_backend_queued",
             "Requests waiting in each backend engine's own queue, as last scraped.",

@@ -19,6 +19,9 @@ def publish_scrape_gauges(components: Components) -> None:
     serving = {backend.name: backend.healthy and not backend.draining for backend in backends}
     metrics.set_per_label(metrics.healthy, {name: int(up) for name, up in serving.items()})
     metrics.set_per_label(metrics.queued, {backend.name: backend.queued for backend in backends})
+    metrics.set_per_label(
+        metrics.pending_prefill, {backend.name: backend.pending_prefill for backend in backends}
+    )
     metrics.set_per_label(metrics.load_bound, components.router.load_bounds())
     metrics.conversations.set(len(components.router.conversations))
     size = getattr(components.index, "__len__", None)

@@ -110,11 +110,13 @@ def test_pending_prefill_counts_a_prompt_until_its_first_byte(replica: EmulatedF
         thread.start()
         time.sleep(0.15)
         during = pending_prefill(gateway)
+        gauge_during = metric_value(gateway.metrics(), "gateway_backend_pending_prefill_blocks")
         thread.join(10)
         after = pending_prefill(gateway)
+        gauge_after = metric_value(gateway.metrics(), "gateway_backend_pending_prefill_blocks")
     # The whole prompt, in the gateway's blocks (a block is several characters of text).
-    assert during > 0
-    assert after == 0
+    assert during > 0 and gauge_during == during
+    assert after == 0 and gauge_after == 0
 
 
 def test_a_client_gone_before_the_first_byte_leaves_no_pending_prefill() -> None:
