@@ -214,8 +214,13 @@ class Router:
             self.metrics.session_moves.labels(_move_cause(sticky, group, decision)).inc()
         routed = RoutedRequest(request, hashes, affinity_key, decision, backend, [backend.name])
         routed.prefill_starts(matched)
-        routed.turn = self._follow(routed, group, matched)
-        await self._record_choice(routed)
+        try:
+            routed.turn = self._follow(routed, group, matched)
+            await self._record_choice(routed)
+        except BaseException:
+            # The proxy's `finally` takes the count back only for a request it got.
+            routed.prefill_done()
+            raise
         return routed
 
     async def explain(self, request: RoutingInput) -> Explanation:
