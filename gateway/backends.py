@@ -108,23 +108,16 @@ class Candidates:
 
 
 class _PerBackend(Mapping[str, int]):
-    """One number per candidate, read from the backend when asked: a mapping nobody fills."""
+    """One number per candidate, read from the backend when asked: a mapping nobody fills.
+
+    Subclasses read their attribute in `__getitem__` and `get` themselves: the policy calls
+    `get` several times a decision, so no extra call per read.
+    """
 
     __slots__ = ("_by_name",)
 
     def __init__(self, by_name: dict[str, Backend]) -> None:
         self._by_name = by_name
-
-    @staticmethod
-    def _of(backend: Backend) -> int:
-        raise NotImplementedError
-
-    def __getitem__(self, name: str) -> int:
-        return self._of(self._by_name[name])
-
-    def get(self, name: str, default: int = 0) -> int:  # type: ignore[override]
-        backend = self._by_name.get(name)
-        return default if backend is None else self._of(backend)
 
     def __contains__(self, name: object) -> bool:
         return name in self._by_name
@@ -141,9 +134,12 @@ class LoadView(_PerBackend):
 
     __slots__ = ()
 
-    @staticmethod
-    def _of(backend: Backend) -> int:
-        return backend.load
+    def __getitem__(self, name: str) -> int:
+        return self._by_name[name].load
+
+    def get(self, name: str, default: int = 0) -> int:  # type: ignore[override]
+        backend = self._by_name.get(name)
+        return default if backend is None else backend.load
 
 
 class PendingPrefillView(_PerBackend):
@@ -151,9 +147,12 @@ class PendingPrefillView(_PerBackend):
 
     __slots__ = ()
 
-    @staticmethod
-    def _of(backend: Backend) -> int:
-        return backend.pending_prefill
+    def __getitem__(self, name: str) -> int:
+        return self._by_name[name].pending_prefill
+
+    def get(self, name: str, default: int = 0) -> int:  # type: ignore[override]
+        backend = self._by_name.get(name)
+        return default if backend is None else backend.pending_prefill
 
 
 @dataclass

@@ -61,11 +61,7 @@ class PinnedRag:
         decision = self._policy.choose(state)
         if state.hashes[0] not in self._rag:
             return decision
-        loads = state.loads
-        name = min(
-            (state.candidates[index] for index in self._replicas),
-            key=lambda candidate: loads.get(candidate, 0),
-        )
+        name = state.candidates[_less_loaded(state, self._replicas)]
         return Decision(name, Route.PREFIX, state.matched.get(name, 0), 0)
 
 
@@ -84,41 +80,45 @@ def pack_customers(
 
 
 def one_per_shape(trace: Trace) -> Placer:
-    fixed = {"conversation": 0, "rag": 1, "shared": 2}
-    counts = [0.0] * REPLICAS
-    for request in trace.requests:
-        if request.shape in fixed:
-            counts[fixed[request.shape]] += 1
-    return _placer(trace, fixed, pack_customers(trace, counts), rag_pair=None)
+    fixed, rag = {"conversation": 0, "shared": 2}, (1,)
+    return _placer(trace, fixed, rag, pack_customers(trace, _counts(trace, fixed, rag)))
 
 
 def rag_on_two(trace: Trace) -> Placer:
-    fixed = {"conversation": 0, "shared": 3}
+    fixed, rag = {"conversation": 0, "shared": 3}, (1, 2)
+    customers = pack_customers(trace, _counts(trace, fixed, rag), allowed=(0, 2, 3))
+    return _placer(trace, fixed, rag, customers)
+
+
+def _counts(trace: Trace, fixed: dict[str, int], rag: tuple[int, ...]) -> list[float]:
+    """Requests per replica of the shapes placed in advance; RAG's shared over its replicas."""
     counts = [0.0] * REPLICAS
     for request in trace.requests:
         if request.shape in fixed:
             counts[fixed[request.shape]] += 1
         elif request.shape == "rag":
-            counts[1] += 0.5
-            counts[2] += 0.5
-    customers = pack_customers(trace, counts, allowed=(0, 2, 3))
-    return _placer(trace, fixed, customers, rag_pair=(1, 2))
+            for index in rag:
+                counts[index] += 1 / len(rag)
+    return counts
 
 
 def _placer(
-    trace: Trace, fixed: dict[str, int], customers: dict[int, int], rag_pair: tuple[int, int] | None
+    trace: Trace, fixed: dict[str, int], rag: tuple[int, ...], customers: dict[int, int]
 ) -> Placer:
     shape_of = {request.hashes[0]: request.shape for request in trace.requests}
 
     def place(state: RoutingState) -> int:
         shape = shape_of[state.hashes[0]]
-        if shape == "rag" and rag_pair is not None:
-            return min(rag_pair, key=lambda index: state.loads.get(state.candidates[index], 0))
         if shape == "rag":
-            return 1
+            return _less_loaded(state, rag)
         return fixed[shape] if shape in fixed else customers[state.hashes[0]]
 
     return place
+
+
+def _less_loaded(state: RoutingState, positions: tuple[int, ...]) -> int:
+    """The position, among `positions` of the candidates, of the least loaded one."""
+    return min(positions, key=lambda index: state.loads.get(state.candidates[index], 0))
 
 
 PLACEMENTS: dict[str, Callable[[Trace], Policy]] = {

@@ -57,7 +57,7 @@ class PolicyRouter:
             affinity_key=request.affinity_key,
             private_from=request.private_from,
             recent=self._recent.snapshot(names),
-            pending_prefill=dict(self._pending),
+            pending_prefill=self._pending,  # read during `choose` only, changed after it
         )
         decision = self._policy.choose(state)
         self._pending[decision.backend] += _unmatched(request, decision)
