@@ -135,10 +135,17 @@ def test_synthetic_replay_is_broken_down_by_shape() -> None:
         for name, count in zip(result.replicas, item.per_replica, strict=True):
             served = [one for one in result.served if one.shape == shape and one.backend == name]
             assert len(served) == count
+        waits = sorted(one.ttft for one in result.served if one.shape == shape)
+        assert item.ttft_p99 == waits[min(len(waits) - 1, int(0.99 * len(waits)))]
     # Each turn re-sends the history its replica cached; RAG passages come in a new order.
     assert shapes["conversation"].hit_rate > 0.8 > shapes["rag"].hit_rate
     table = render_table("mixed", [summary])
-    assert "| prefix | conversation | " in table
+    conversation = shapes["conversation"]
+    assert (
+        f"| prefix | conversation | {conversation.requests:,} | {conversation.hit_rate:.1%} "
+        f"| {conversation.prompt_tokens - conversation.cached_tokens:,} "
+        f"| {conversation.ttft_p99 * 1000:,.1f} |"
+    ) in table
 
 
 def test_cli_prints_the_table(tmp_path: Path) -> None:

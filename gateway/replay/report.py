@@ -9,8 +9,9 @@
   instant (the `prefix` policy lets the one holder of a conversation's history go past it);
 - the count of each route reason;
 - for a synthetic workload of several shapes, the same per shape of request (shared prompt,
-  per-customer prompts, conversation, RAG): hit rate, prefilled tokens and the requests each
-  replica served, which shows how a policy places each kind of traffic.
+  per-customer prompts, conversation, RAG): hit rate, prefilled tokens, modelled TTFT p99 and
+  the requests each replica served, which shows how a policy places each kind of traffic and
+  whose requests wait for it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class ShapeSummary:
     cached_tokens: int
     per_replica: tuple[int, ...]
     """Requests each replica served, in the replicas' order."""
+    ttft_p99: float = 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -91,6 +93,7 @@ def _by_shape(served: Sequence[Served], replicas: Sequence[str]) -> tuple[ShapeS
                 prompt_tokens=sum(item.prompt_tokens for item in mine),
                 cached_tokens=sum(item.cached_tokens for item in mine),
                 per_replica=tuple(counts.get(name, 0) for name in replicas),
+                ttft_p99=_percentile(sorted(item.ttft for item in mine), 0.99),
             )
         )
     return tuple(summaries)
@@ -118,8 +121,9 @@ def render_table(title: str, summaries: Sequence[Summary]) -> str:
     if any(len(item.shapes) > 1 for item in summaries):
         lines += [
             "",
-            "| policy | shape | requests | hit rate | prefilled tokens | requests per replica |",
-            "|---|---|---:|---:|---:|---|",
+            "| policy | shape | requests | hit rate | prefilled tokens | TTFT p99 ms "
+            "| requests per replica |",
+            "|---|---|---:|---:|---:|---:|---|",
         ]
         for item in summaries:
             for shape in item.shapes:
@@ -127,7 +131,7 @@ def render_table(title: str, summaries: Sequence[Summary]) -> str:
                 lines.append(
                     f"| {item.policy} | {shape.shape} | {shape.requests:,} "
                     f"| {shape.hit_rate:.1%} | {shape.prompt_tokens - shape.cached_tokens:,} "
-                    f"| {per_replica} |"
+                    f"| {shape.ttft_p99 * 1000:,.1f} | {per_replica} |"
                 )
     return "\n".join(lines)
 
