@@ -12,6 +12,8 @@ caches, sessions at 74/s, no think time).
   RAG counts half on each of its two: one replica writes only RAG.
 - `rag-on-one+prefix`, `rag-on-two+prefix`: RAG pinned as above (to replica 1, or to the less
   loaded of 1 and 2), everything else routed by the `prefix` policy, which sees all requests.
+- `rag-on-two+prefix, one rag-only`: the same on two replicas, and the `prefix` policy routes
+  the rest among replicas 0, 2 and 3: replica 1 writes only RAG.
 - `cache_aware (model)`: SGLang router's `cache_aware` rule with its defaults (sglang-router
   0.3.2), on block hashes instead of characters, for the same replay. It knows no shapes. Each
   replica has a tree of the prompts sent to it, never trimmed at this size. A prompt whose
@@ -32,6 +34,7 @@ import argparse
 import statistics
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from gateway.emulator.config import EmulatorConfig
 from gateway.emulator.timing import TimeModel
@@ -61,19 +64,36 @@ class FixedPlacement:
 
 class PinnedRag:
     """RAG on fixed replicas, the rest as the `prefix` policy decides; the policy is asked
-    about every request, so its counts of recent traffic include RAG's."""
+    about every request, so its counts of recent traffic include RAG's. With `rag_only`, the
+    rest never goes to that replica: the policy chooses among the others."""
 
-    def __init__(self, trace: Trace, replicas: tuple[int, ...]) -> None:
+    def __init__(
+        self, trace: Trace, replicas: tuple[int, ...], rag_only: int | None = None
+    ) -> None:
         self._rag = {r.hashes[0] for r in trace.requests if r.shape == "rag"}
         self._replicas = replicas
+        self._rag_only = rag_only
         self._policy = PrefixPolicy()
 
     def choose(self, state: RoutingState) -> Decision:
-        decision = self._policy.choose(state)
-        if state.hashes[0] not in self._rag:
-            return decision
-        name = state.candidates[_less_loaded(state, self._replicas)]
-        return Decision(name, Route.PREFIX, state.matched.get(name, 0), 0)
+        if state.hashes[0] in self._rag:
+            self._policy.choose(state)
+            name = state.candidates[_less_loaded(state, self._replicas)]
+            return Decision(name, Route.PREFIX, state.matched.get(name, 0), 0)
+        if self._rag_only is None:
+            return self._policy.choose(state)
+        others = [
+            name for index, name in enumerate(state.candidates) if index != self._rag_only
+        ]
+        # Sums over the candidates are the caller's; over a subset the policy takes its own.
+        subset = replace(
+            state,
+            candidates=others,
+            members=frozenset(others),
+            total_load=None,
+            recent_total=None,
+        )
+        return self._policy.choose(subset)
 
 
 class ModelledCacheAware:
@@ -176,6 +196,7 @@ PLACEMENTS: dict[str, Callable[[Trace], Policy]] = {
     "rag-on-two": lambda trace: FixedPlacement(rag_on_two(trace)),
     "rag-on-one+prefix": lambda trace: PinnedRag(trace, (1,)),
     "rag-on-two+prefix": lambda trace: PinnedRag(trace, (1, 2)),
+    "rag-on-two+prefix, one rag-only": lambda trace: PinnedRag(trace, (1, 2), rag_only=1),
     MODELLED_PEER: lambda trace: ModelledCacheAware(),
 }
 

@@ -40,6 +40,15 @@ def test_pinned_rag_leaves_the_rest_to_the_policy() -> None:
     assert sum(1 for count in placed["customers"] if count) > 1
 
 
+def test_a_rag_only_replica_takes_nothing_else() -> None:
+    placed = per_replica("rag-on-two+prefix, one rag-only")
+    assert placed["rag"][0] == placed["rag"][3] == 0
+    assert sum(placed["rag"]) == 80
+    for shape in ("conversation", "customers", "shared"):
+        assert placed[shape][1] == 0
+    assert sum(1 for count in placed["customers"] if count) > 1
+
+
 def route(peer: ModelledCacheAware, hashes: list[int], loads: dict[str, int] | None = None) -> str:
     names = ["a", "b", "c"]
     state = RoutingState(candidates=names, loads=loads or dict.fromkeys(names, 0), hashes=hashes)
@@ -79,6 +88,7 @@ def test_the_script_prints_a_row_per_placement() -> None:
         "rag-on-two",
         "rag-on-one+prefix",
         "rag-on-two+prefix",
+        "rag-on-two+prefix, one rag-only",
         MODELLED_PEER,
         "1",
     }
