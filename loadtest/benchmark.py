@@ -244,8 +244,9 @@ def token_totals(done: list[Outcome]) -> tuple[int, int]:
 
 
 def by_shape(workload: str, policy: str, run: Run, replicas: list[str]) -> list[dict[str, object]]:
-    """Per shape of request: tokens, hit rate and where each request went (requests per
-    replica, in the fleet's order), which shows how a router places each kind of traffic."""
+    """Per shape of request: tokens, hit rate, TTFT p99 and where each request went (requests
+    per replica, in the fleet's order), which shows how a router places each kind of traffic
+    and whose requests wait for it."""
     rows = []
     shapes = sorted({outcome.shape for outcome in run.outcomes})
     for shape in shapes:
@@ -261,6 +262,7 @@ def by_shape(workload: str, policy: str, run: Run, replicas: list[str]) -> list[
                 "prompt": prompt,
                 "prefilled": prompt - cached,
                 "hit_rate": cached / prompt if prompt else 0.0,
+                "ttft_p99": percentile([outcome.ttft * 1000 for outcome in done], 0.99),
                 "per_replica": " / ".join(str(where.get(name, 0)) for name in replicas),
             }
         )
@@ -270,14 +272,14 @@ def by_shape(workload: str, policy: str, run: Run, replicas: list[str]) -> list[
 def print_shape_table(rows: list[dict[str, object]]) -> None:
     print(
         "| workload | policy | shape | requests | prompt tok | prefilled tok | hit rate "
-        "| requests per replica |"
+        "| TTFT p99 ms | requests per replica |"
     )
-    print("|" + "---|" * 8)
+    print("|" + "---|" * 9)
     for row in rows:
         print(
             f"| {row['workload']} | {row['policy']} | {row['shape']} | {row['requests']} "
             f"| {row['prompt']:,} | {row['prefilled']:,} | {row['hit_rate']:.1%} "
-            f"| {row['per_replica']} |",
+            f"| {row['ttft_p99']:.1f} | {row['per_replica']} |",
             flush=True,
         )
 

@@ -1,8 +1,9 @@
 """Small runs of loadtest/benchmark.py against real emulated replicas.
 
 The mixed workload at a tenth of its size through our gateway with two policies: both tables
-come out, the per-shape rows add up to the workload's rows, and the requests each replica
-served, as read from the response ids, add up to the requests of each shape. Two repeated runs
+come out, the per-shape rows add up to the workload's rows (requests, tokens, the slowest
+first token), and the requests each replica served, as read from the response ids, add up to
+the requests of each shape. Two repeated runs
 end with a summary that agrees with the runs' own rows.
 """
 
@@ -41,14 +42,17 @@ def test_mixed_workload_tables_add_up() -> None:
         assert sum(int(shape[3]) for shape in mine) == requests
         assert sum(int(shape[4].replace(",", "")) for shape in mine) == int(row[4].replace(",", ""))
         for shape in mine:
-            served = [int(count) for count in shape[7].split(" / ")]
+            served = [int(count) for count in shape[8].split(" / ")]
             assert len(served) == 4
             assert sum(served) == int(shape[3])
+        # Under a hundred requests a p99 is the slowest one, so the slowest shape's is the run's.
+        assert requests < 100
+        assert max(float(shape[7]) for shape in mine) == float(row[11])
     # Round robin takes the replicas in turn: the ids tell all four apart.
     per_replica = [0, 0, 0, 0]
     for shape in shapes:
         if shape[1] == "round_robin":
-            for position, count in enumerate(shape[7].split(" / ")):
+            for position, count in enumerate(shape[8].split(" / ")):
                 per_replica[position] += int(count)
     assert max(per_replica) - min(per_replica) <= 1, per_replica
 
