@@ -109,21 +109,19 @@ class ModelledCacheAware:
 
     def choose(self, state: RoutingState) -> Decision:
         names = list(state.candidates)
+        trees = [self._trees.setdefault(name, set()) for name in names]
         loads = [state.loads.get(name, 0) for name in names]
-        if max(loads) - min(loads) > self._balance_abs and max(loads) > min(loads) * (
-            self._balance_rel
-        ):
-            name = names[loads.index(min(loads))]
+        most, least = max(loads), min(loads)
+        if most - least > self._balance_abs and most > least * self._balance_rel:
+            chosen = loads.index(least)
         else:
-            trees = [self._trees.setdefault(name, set()) for name in names]
             # Block hashes are chained, so a held hash means its whole prefix is held.
             matched = [_leading(state.hashes, tree) for tree in trees]
-            best = max(range(len(names)), key=lambda index: matched[index])
-            if matched[best] > self._threshold * len(state.hashes):
-                name = names[best]
-            else:
-                name = names[min(range(len(names)), key=lambda index: len(trees[index]))]
-        self._trees.setdefault(name, set()).update(state.hashes)
+            chosen = max(range(len(names)), key=matched.__getitem__)
+            if matched[chosen] <= self._threshold * len(state.hashes):
+                chosen = min(range(len(names)), key=lambda index: len(trees[index]))
+        trees[chosen].update(state.hashes)
+        name = names[chosen]
         return Decision(name, Route.PREFIX, state.matched.get(name, 0), 0)
 
 

@@ -33,7 +33,7 @@ class ShapeSummary:
     cached_tokens: int
     per_replica: tuple[int, ...]
     """Requests each replica served, in the replicas' order."""
-    ttft_p99: float = 0.0
+    ttft_p99: float
 
     @property
     def hit_rate(self) -> float:
