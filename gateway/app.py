@@ -15,14 +15,14 @@ import orjson
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.asgi import ASGIApp, Receive, Scope, Send, send_error, send_json
 from gateway.auth import PROTECTED_PREFIX, ApiKeys
-from gateway.backends import BackendPool
+from gateway.backends.pool import BackendPool
 from gateway.components import Components
 from gateway.config import Settings
-from gateway.control import build_control_app
+from gateway.control.app import build_control_app
 from gateway.errors import GatewayError, MethodNotAllowed
-from gateway.parsing import ENDPOINTS
+from gateway.prompt.parsing import ENDPOINTS
+from gateway.proxy.asgi import ASGIApp, Receive, Scope, Send, send_error, send_json
 
 log = logging.getLogger("gateway.app")
 

@@ -2,7 +2,8 @@
 
 Keys are compared in constant time against every configured key, so neither the timing nor
 the position of a match tells a caller anything about the keys. The admin endpoints use their
-own token (`gateway.admin.admin_guard`); probes and metrics (`/health`, `/ready`, `/metrics`)
+own token (`gateway.control.explain.admin_guard`); probes and metrics (`/health`, `/ready`,
+`/metrics`)
 stay open for the orchestrator and Prometheus.
 """
 

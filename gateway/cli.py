@@ -25,7 +25,7 @@ def _serve(args: argparse.Namespace) -> int:
         # Before anything imports prometheus_client, which picks its mode at import.
         metrics_dir = prepare_metrics_directory()
     try:
-        from gateway.policy import build_policy
+        from gateway.routing.policies import build_policy
 
         build_policy(settings)
     except (gateway_config.ConfigError, OSError) as exc:
@@ -34,7 +34,7 @@ def _serve(args: argparse.Namespace) -> int:
             metrics_dir.remove()
         return 2
     configure_logging(settings.log_level)
-    from gateway.fleet import EmulatedFleet
+    from gateway.emulator.replicas import EmulatedFleet
 
     fleet = None
     if settings.emulate > 0:

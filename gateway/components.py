@@ -7,21 +7,21 @@ from dataclasses import dataclass
 
 import httpx
 
-from gateway import redis_store
-from gateway.access_log import configure_access_logger
-from gateway.backends import BackendMonitor, BackendPool
+from gateway.backends.discovery import Discovery
+from gateway.backends.engine_load import EngineLoadScraper
+from gateway.backends.health import Health
+from gateway.backends.pool import BackendMonitor, BackendPool
 from gateway.config import Settings
-from gateway.discovery import Discovery
-from gateway.engine_load import EngineLoadScraper
-from gateway.health import Health
-from gateway.index import InMemoryPrefixIndex, PrefixIndex
 from gateway.metrics import Metrics
-from gateway.overload import Admission
-from gateway.policy import build_policy
-from gateway.proxy import ProxyHandler
-from gateway.router import Router
-from gateway.sessions import InMemorySessionStore, SessionStore
-from gateway.upstream import Upstream
+from gateway.proxy.access_log import configure_access_logger
+from gateway.proxy.admission import Admission
+from gateway.proxy.handler import ProxyHandler
+from gateway.proxy.upstream import Upstream
+from gateway.routing.policies import build_policy
+from gateway.routing.router import Router
+from gateway.state import redis as redis_store
+from gateway.state.index import InMemoryPrefixIndex, PrefixIndex
+from gateway.state.sessions import InMemorySessionStore, SessionStore
 
 
 @dataclass

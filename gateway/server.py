@@ -35,11 +35,11 @@ from typing import Any, cast
 
 import uvicorn
 
-from gateway.access_log import flush_access_log
 from gateway.app import GatewayApp
 from gateway.config import Settings
+from gateway.control.gauges import publish_scrape_gauges
 from gateway.errors import BadRequest, GatewayError, HeadersTooLarge
-from gateway.scrape_gauges import publish_scrape_gauges
+from gateway.proxy.access_log import flush_access_log
 
 WORKER_HEADER = "x-gateway-worker"
 

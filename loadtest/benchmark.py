@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gateway.config import POLICY_NAMES
 from gateway.emulator import block_hashes
 from gateway.emulator.prompts import chat_prompt_ids
-from gateway.fleet import EmulatedFleet
+from gateway.emulator.replicas import EmulatedFleet
 from gateway.workloads import SHAPES, Session, build_workload
 from loadtest.peers import PEERS, start_peer
 from tests.support import GatewayProcess

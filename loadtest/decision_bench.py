@@ -29,15 +29,15 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.backends import Backend, BackendPool
+from gateway.backends.pool import Backend, BackendPool
 from gateway.config import Settings
-from gateway.hashing import chain_hashes
-from gateway.index import InMemoryPrefixIndex
 from gateway.metrics import Metrics
-from gateway.parsing import Endpoint, parse_request
-from gateway.policy import build_policy
-from gateway.router import Router
-from gateway.sessions import InMemorySessionStore
+from gateway.prompt.hashing import chain_hashes
+from gateway.prompt.parsing import Endpoint, parse_request
+from gateway.routing.policies import build_policy
+from gateway.routing.router import Router
+from gateway.state.index import InMemoryPrefixIndex
+from gateway.state.sessions import InMemorySessionStore
 
 MODEL = "bench"
 

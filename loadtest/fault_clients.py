@@ -15,7 +15,7 @@ import time
 
 import httpx
 
-from gateway.fleet import EmulatedFleet
+from gateway.emulator.replicas import EmulatedFleet
 from loadtest.fault_load import (
     MODEL,
     Result,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from gateway.fleet import EmulatedFleet
+from gateway.emulator.replicas import EmulatedFleet
 from loadtest.fault_load import MODEL, Result, Tally, run_load, wait_for
 from tests.fault_servers import FaultServer
 from tests.support import GatewayProcess, metric_value

@@ -23,9 +23,9 @@ import orjson
 
 from gateway.emulator.prefix_cache import PrefixCache, block_hashes
 from gateway.emulator.prompts import chat_prompt_ids
-from gateway.feedback import chars_per_token
-from gateway.hashing import chain_hashes
-from gateway.parsing import Endpoint, parse_request
+from gateway.prompt.hashing import chain_hashes
+from gateway.prompt.parsing import Endpoint, parse_request
+from gateway.routing.feedback import chars_per_token
 from gateway.workloads import SHAPES, build_workload, text
 
 BLOCK_TOKENS = 16

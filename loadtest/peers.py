@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from gateway.child import free_port
+from gateway.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -38,13 +38,13 @@ from dataclasses import replace
 
 from gateway.emulator.config import EmulatorConfig
 from gateway.emulator.timing import TimeModel
-from gateway.policy import Decision, Policy, Route, RoutingState
-from gateway.policy.prefix import PrefixPolicy
 from gateway.replay.command import SYNTHETIC_CACHE_TOKENS
 from gateway.replay.report import Summary, summarise
 from gateway.replay.simulator import ReplayConfig, run_replay
 from gateway.replay.synthetic import synthetic_trace
 from gateway.replay.traces import Trace
+from gateway.routing.policies import Decision, Policy, Route, RoutingState
+from gateway.routing.policy import PrefixPolicy
 
 REPLICAS = 4
 MODELLED_PEER = "cache_aware (model)"

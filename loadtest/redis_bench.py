@@ -42,18 +42,18 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway import redis_store
-from gateway.backends import Backend, BackendPool
+from gateway.backends.pool import Backend, BackendPool
 from gateway.clock import ManualClock
 from gateway.config import Settings
-from gateway.fleet import EmulatedFleet
-from gateway.hashing import chain_hashes, extend_hashes
-from gateway.index import InMemoryPrefixIndex, PrefixIndex
+from gateway.emulator.replicas import EmulatedFleet
 from gateway.metrics import Metrics
-from gateway.parsing import Endpoint, message_segment, parse_request
-from gateway.policy import build_policy
-from gateway.router import Router
-from gateway.sessions import InMemorySessionStore, SessionStore
+from gateway.prompt.hashing import chain_hashes, extend_hashes
+from gateway.prompt.parsing import Endpoint, message_segment, parse_request
+from gateway.routing.policies import build_policy
+from gateway.routing.router import Router
+from gateway.state import redis as redis_store
+from gateway.state.index import InMemoryPrefixIndex, PrefixIndex
+from gateway.state.sessions import InMemorySessionStore, SessionStore
 from gateway.workloads import Session, build_workload
 from tests.redis_server import RedisServer
 from tests.support import GatewayProcess

@@ -5,7 +5,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from gateway.fleet import EmulatedFleet
+from gateway.emulator.replicas import EmulatedFleet
 from tests.support import GatewayProcess
 
 MODEL = "emulated-model"

@@ -19,11 +19,11 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Self
 
-from gateway.child import free_port
 from gateway.clock import Clock
-from gateway.index import PrefixIndex
-from gateway.redis_store import KeySpace, RedisPrefixIndex, RedisSessionStore, open_client
-from gateway.sessions import SessionStore
+from gateway.processes import free_port
+from gateway.state.index import PrefixIndex
+from gateway.state.redis import KeySpace, RedisPrefixIndex, RedisSessionStore, open_client
+from gateway.state.sessions import SessionStore
 
 # Gateway flags for tests about sharing, not deadlines (test_redis_store.py checks those): a
 # deadline well above loopback latency keeps a busy test machine from turning lookups into

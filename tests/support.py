@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gateway.child import ChildProcess, free_port
+from gateway.processes import ChildProcess, free_port
 
 __all__ = ["GatewayProcess", "free_port", "metric_value", "run_script"]
 

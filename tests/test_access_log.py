@@ -9,7 +9,7 @@ import httpx
 import openai
 import orjson
 
-from gateway.fleet import EmulatedFleet
+from gateway.emulator.replicas import EmulatedFleet
 from tests.conftest import MODEL
 from tests.support import GatewayProcess
 from tests.words import words

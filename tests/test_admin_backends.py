@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from gateway.fleet import EmulatedFleet
+from gateway.emulator.replicas import EmulatedFleet
 from tests.support import GatewayProcess
 
 MODEL = "emulated-model"

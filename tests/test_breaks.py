@@ -7,7 +7,9 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.breaks import (
+from gateway.clock import ManualClock
+from gateway.prompt.parsing import Endpoint, message_segment, parse_request
+from gateway.routing.conversations import (
     TRIM_ALIASES,
     AffinityMiss,
     BreakCause,
@@ -19,8 +21,6 @@ from gateway.breaks import (
     fingerprint,
     miss_cause,
 )
-from gateway.clock import ManualClock
-from gateway.parsing import Endpoint, message_segment, parse_request
 
 Message = dict[str, Any]
 

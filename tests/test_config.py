@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.backends import parse_backend_spec
+from gateway.backends.pool import parse_backend_spec
 from gateway.config import ConfigError, add_arguments, load_settings
 
 

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
+from gateway.backends.discovery import Target
 from gateway.cli import build_parser
 from gateway.config import Settings, _env_name, load_settings
-from gateway.discovery import Target
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "deploy" / "compose.yaml"

@@ -20,8 +20,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from gateway.backends.discovery import Target
 from gateway.config import Settings, _env_name, load_settings
-from gateway.discovery import Target
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"

@@ -28,11 +28,11 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gateway.backends import Backend, BackendPool
-from gateway.child import free_port
+from gateway.backends.discovery import Discovery, DnsSource, KubernetesSource, Membership, Target
+from gateway.backends.pool import Backend, BackendPool
 from gateway.config import ConfigError, Settings
-from gateway.discovery import Discovery, DnsSource, KubernetesSource, Membership, Target
 from gateway.emulator.process import EmulatorProcess
+from gateway.processes import free_port
 from tests.support import GatewayProcess
 
 MODEL = "emulated-model"
@@ -418,7 +418,7 @@ def test_dns_source_follows_a_and_aaaa_records() -> None:
 
 def test_dns_lookup_failure_raises_for_the_caller() -> None:
     async def scenario(server: FakeDns) -> None:
-        from gateway.discovery import build_resolver
+        from gateway.backends.discovery import build_resolver
 
         pool = BackendPool()
         membership = Membership(pool, "dns:vllm", None, mark_healthy(pool), 1)

@@ -5,9 +5,14 @@ import asyncio
 import httpx
 import openai
 
-from gateway.backends import Backend, BackendPool
+from gateway.backends.engine_load import (
+    EngineLoad,
+    EngineLoadScraper,
+    others_load,
+    parse_engine_load,
+)
+from gateway.backends.pool import Backend, BackendPool
 from gateway.emulator import EmulatorProcess
-from gateway.engine_load import EngineLoad, EngineLoadScraper, others_load, parse_engine_load
 
 VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

@@ -10,15 +10,15 @@ import httpx
 import orjson
 import pytest
 
-from gateway.backends import BackendPool
+from gateway.backends.pool import BackendPool
 from gateway.config import Settings
-from gateway.fleet import EmulatedFleet
-from gateway.index import InMemoryPrefixIndex
+from gateway.emulator.replicas import EmulatedFleet
 from gateway.metrics import Metrics
-from gateway.parsing import Endpoint, parse_request
-from gateway.policy import build_policy
-from gateway.router import Router
-from gateway.sessions import InMemorySessionStore
+from gateway.prompt.parsing import Endpoint, parse_request
+from gateway.routing.policies import build_policy
+from gateway.routing.router import Router
+from gateway.state.index import InMemoryPrefixIndex
+from gateway.state.sessions import InMemorySessionStore
 from tests.conftest import MODEL
 from tests.support import GatewayProcess, metric_value
 from tests.words import words

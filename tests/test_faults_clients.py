@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from gateway.fleet import EmulatedFleet
+from gateway.emulator.replicas import EmulatedFleet
 from loadtest import fault_clients
 from tests.conftest import MODEL
 from tests.support import GatewayProcess

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
-from gateway.fleet import EmulatedFleet
+from gateway.emulator.replicas import EmulatedFleet
 from tests.conftest import MODEL
 from tests.support import GatewayProcess, metric_value
 

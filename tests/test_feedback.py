@@ -8,16 +8,16 @@ import time
 import orjson
 import pytest
 
-from gateway.backends import BackendPool
+from gateway.backends.pool import BackendPool
 from gateway.config import Settings
-from gateway.feedback import CacheFeedback, ChainLinks, Outcome, chars_per_token, judge
-from gateway.index import InMemoryPrefixIndex
 from gateway.metrics import Metrics
-from gateway.observe import Observation
-from gateway.parsing import Endpoint, parse_request
-from gateway.policy import build_policy
-from gateway.router import RoutedRequest, Router
-from gateway.sessions import InMemorySessionStore
+from gateway.prompt.parsing import Endpoint, parse_request
+from gateway.proxy.usage import Observation
+from gateway.routing.feedback import CacheFeedback, ChainLinks, Outcome, chars_per_token, judge
+from gateway.routing.policies import build_policy
+from gateway.routing.router import RoutedRequest, Router
+from gateway.state.index import InMemoryPrefixIndex
+from gateway.state.sessions import InMemorySessionStore
 from tests.words import words
 
 

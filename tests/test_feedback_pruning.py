@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.fleet import EmulatedFleet
+from gateway.emulator.replicas import EmulatedFleet
 from tests.conftest import MODEL
 from tests.support import GatewayProcess
 from tests.test_explain import AUTH, TOKEN

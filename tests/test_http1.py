@@ -8,9 +8,9 @@ from collections.abc import Awaitable, Callable
 import orjson
 import pytest
 
-from gateway.child import free_port
 from gateway.emulator import EmulatorProcess
-from gateway.http1 import ConnectionPool, HTTPClientError
+from gateway.processes import free_port
+from gateway.proxy.http1 import ConnectionPool, HTTPClientError
 
 JSON = [(b"content-type", b"application/json")]
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from gateway.clock import ManualClock
-from gateway.index import InMemoryPrefixIndex, PrefixIndex
-from gateway.sessions import InMemorySessionStore, SessionStore
+from gateway.state.index import InMemoryPrefixIndex, PrefixIndex
+from gateway.state.sessions import InMemorySessionStore, SessionStore
 from tests.redis_server import (
     RedisClusterServers,
     RedisServer,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.fleet import EmulatedFleet
+from gateway.emulator.replicas import EmulatedFleet
 from tests.support import GatewayProcess
 
 ROOT = Path(__file__).resolve().parent.parent

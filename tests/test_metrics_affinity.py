@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.fleet import EmulatedFleet
+from gateway.emulator.replicas import EmulatedFleet
 from tests.conftest import MODEL
 from tests.support import GatewayProcess
 from tests.words import words

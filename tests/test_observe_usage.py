@@ -17,9 +17,8 @@ import orjson
 import pytest
 from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 
-from gateway.fleet import EmulatedFleet
-from gateway.observe import StreamObserver
-from gateway.usage import request_usage
+from gateway.emulator.replicas import EmulatedFleet
+from gateway.proxy.usage import StreamObserver, request_usage
 from tests.conftest import MODEL
 from tests.fault_servers import FaultServer
 from tests.support import GatewayProcess

@@ -4,7 +4,7 @@ import orjson
 import pytest
 
 from gateway.errors import BadRequest
-from gateway.parsing import Endpoint, message_segment, parse_request
+from gateway.prompt.parsing import Endpoint, message_segment, parse_request
 
 
 def chat(**fields: object) -> bytes:

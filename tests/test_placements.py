@@ -3,8 +3,8 @@ the script prints one row per placement with hit rates that agree with the repla
 
 from __future__ import annotations
 
-from gateway.policy import RoutingState
 from gateway.replay.synthetic import synthetic_trace
+from gateway.routing.policies import RoutingState
 from loadtest.placements import MODELLED_PEER, ModelledCacheAware, replay
 from tests.support import run_script
 

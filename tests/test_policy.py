@@ -9,14 +9,14 @@ from collections import Counter
 
 import pytest
 
-from gateway.backends import Backend, BackendPool
+from gateway.backends.pool import Backend, BackendPool
 from gateway.clock import ManualClock
 from gateway.config import POLICY_NAMES, ConfigError, Settings
-from gateway.hashing import key_hash
-from gateway.policy import POLICIES, Route, RoutingState, build_policy
-from gateway.policy.prefix import PrefixPolicy, PromptShares
-from gateway.ring import HashRing
-from gateway.router import RecentTraffic
+from gateway.prompt.hashing import key_hash
+from gateway.routing.policies import POLICIES, Route, RoutingState, build_policy
+from gateway.routing.policy import PrefixPolicy, PromptShares
+from gateway.routing.ring import HashRing
+from gateway.routing.router import RecentTraffic
 
 A, B, C, D = "a:1", "b:1", "c:1", "d:1"
 FOUR = (A, B, C, D)

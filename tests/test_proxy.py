@@ -6,8 +6,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.child import free_port
-from gateway.fleet import EmulatedFleet
+from gateway.emulator.replicas import EmulatedFleet
+from gateway.processes import free_port
 from tests.conftest import MODEL
 from tests.support import GatewayProcess, metric_value
 from tests.words import words

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from gateway.fleet import EmulatedFleet
-from gateway.redis_store import KeySpace, RedisPrefixIndex, RedisSessionStore, open_client
+from gateway.emulator.replicas import EmulatedFleet
+from gateway.state.redis import KeySpace, RedisPrefixIndex, RedisSessionStore, open_client
 from tests.conftest import MODEL
 from tests.redis_server import PATIENT, RedisClusterServers
 from tests.support import GatewayProcess

@@ -17,15 +17,15 @@ import httpx
 import openai
 import pytest
 
-from gateway.backends import Backend, BackendPool
+from gateway.backends.pool import Backend, BackendPool
 from gateway.config import Settings
-from gateway.fleet import EmulatedFleet
-from gateway.index import InMemoryPrefixIndex
+from gateway.emulator.replicas import EmulatedFleet
 from gateway.metrics import Metrics
-from gateway.parsing import Endpoint, parse_request
-from gateway.policy import Route, build_policy
-from gateway.router import Router
-from gateway.sessions import InMemorySessionStore
+from gateway.prompt.parsing import Endpoint, parse_request
+from gateway.routing.policies import Route, build_policy
+from gateway.routing.router import Router
+from gateway.state.index import InMemoryPrefixIndex
+from gateway.state.sessions import InMemorySessionStore
 from tests.conftest import MODEL
 from tests.redis_server import PATIENT, RedisServer
 from tests.support import GatewayProcess, metric_value

@@ -14,12 +14,12 @@ import httpx
 import pytest
 from redis.crc import key_slot
 
-from gateway.backends import Backend, BackendPool
+from gateway.backends.engine_load import EngineLoadScraper
+from gateway.backends.pool import Backend, BackendPool
 from gateway.clock import ManualClock
-from gateway.engine_load import EngineLoadScraper
-from gateway.index import InMemoryPrefixIndex
 from gateway.metrics import Metrics
-from gateway.redis_store import (
+from gateway.state.index import InMemoryPrefixIndex
+from gateway.state.redis import (
     FallbackPrefixIndex,
     FallbackSessionStore,
     FleetLoad,
@@ -29,9 +29,9 @@ from gateway.redis_store import (
     RedisSessionStore,
     open_client,
 )
-from gateway.redis_store.index import pack_hashes
-from gateway.redis_store.keys import HASH_BYTES
-from gateway.sessions import InMemorySessionStore
+from gateway.state.redis.index import pack_hashes
+from gateway.state.redis.keys import HASH_BYTES
+from gateway.state.sessions import InMemorySessionStore
 from tests.redis_server import RedisServer
 from tests.support import free_port, metric_value
 

@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
 from gateway.config import ConfigError, load_settings
-from gateway.fleet import EmulatedFleet
+from gateway.emulator.replicas import EmulatedFleet
 from gateway.server import WORKER_HEADER
 from tests.conftest import MODEL
 from tests.support import GatewayProcess, metric_value

@@ -6,7 +6,7 @@ with EmulatorProcess("--cache-blocks", "64") as replica:
 
 from __future__ import annotations
 
-from gateway.child import ChildProcess
+from gateway.processes import ChildProcess
 
 
 class EmulatorProcess(ChildProcess):

@@ -22,9 +22,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from gateway.emulator.prefix_cache import PrefixCache
-from gateway.policy import Decision, Route
 from gateway.replay.traces import TraceRequest
-from gateway.ring import HashRing, load_bound, within_bound
+from gateway.routing.policies import Decision, Route
+from gateway.routing.ring import HashRing, load_bound, within_bound
 
 
 class OracleRouter:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from gateway.emulator.prefix_cache import CacheLease, PrefixCache
 from gateway.emulator.timing import PrefillLane, TimeModel
-from gateway.policy import Decision
 from gateway.replay.traces import TraceRequest
+from gateway.routing.policies import Decision
 
 
 @dataclass(slots=True)

@@ -1,6 +1,7 @@
 """Routing in a replay: the gateway's own policy, index and recent-traffic counter.
 
-`PolicyRouter` does for a trace request what `gateway.router.Router` does for an HTTP one: it
+`PolicyRouter` does for a trace request what `gateway.routing.router.Router` does for an HTTP
+one: it
 shows the policy the candidates, their loads (requests in flight), the index's matched depths,
 the affinity key, the private part, the recent request counts and the pending prefill (blocks
 routed and not computed yet, until the first token), records the prompt's blocks for the
@@ -14,10 +15,10 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from gateway.clock import Clock
-from gateway.index import PrefixIndex
-from gateway.policy import Decision, Policy, RoutingState
 from gateway.replay.traces import TraceRequest
-from gateway.router import RecentTraffic
+from gateway.routing.policies import Decision, Policy, RoutingState
+from gateway.routing.router import RecentTraffic
+from gateway.state.index import PrefixIndex
 
 MODEL = "replay"
 

@@ -20,13 +20,13 @@ from gateway.clock import ManualClock
 from gateway.config import Settings
 from gateway.emulator.prefix_cache import PrefixCache
 from gateway.emulator.timing import TimeModel
-from gateway.index import InMemoryPrefixIndex
-from gateway.policy import POLICIES, Policy, Route, build_policy
 from gateway.replay.oracle import OracleRouter
 from gateway.replay.replicas import Flight, SimulatedReplica
 from gateway.replay.routing import PolicyRouter, ReplayRouter
 from gateway.replay.traces import Trace
-from gateway.ring import load_bound
+from gateway.routing.policies import POLICIES, Policy, Route, build_policy
+from gateway.routing.ring import load_bound
+from gateway.state.index import InMemoryPrefixIndex
 
 ORACLE = "oracle"
 ROUTERS = (*POLICIES, ORACLE)

@@ -21,7 +21,7 @@ from gateway.emulator.prefix_cache import block_hashes
 from gateway.emulator.prompts import chat_prompt_ids
 from gateway.emulator.sampler import Sampler
 from gateway.emulator.tokenizer import encode, token_ids
-from gateway.hashing import key_hash
+from gateway.prompt.hashing import key_hash
 from gateway.replay.traces import Trace, TraceRequest
 from gateway.workloads import build_workload
 

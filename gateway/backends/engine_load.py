@@ -1,0 +1,144 @@
+"""Engine load signals: each replica's own queue, scraped from its Prometheus endpoint.
+
+A gateway knows only the requests it sent itself. When several gateways share a fleet, each
+replica's running and waiting counts (vLLM `vllm:num_requests_running` / `_waiting`, SGLang
+`sglang:num_running_reqs` / `num_queue_reqs`) tell every gateway the load the others put there.
+The part of the engine's count that this gateway did not send becomes the backend's `queued`
+load, which the load bound adds to the gateway's own in-flight count.
+
+A scrape is seconds old, and requests may last less than that. With Redis, the gateways also
+exchange their in-flight counts many times a second (`gateway/backends/shared_load.py`): then
+`queued` is the other gateways' requests as of that exchange, plus whatever the engine reported
+beyond them at the last scrape (clients that bypass the gateways).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import httpx
+
+from gateway.backends.pool import Backend, BackendPool
+
+log = logging.getLogger("gateway.backends.engine_load")
+
+_RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
+_WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_cache_usage: float | None = None
+
+    @property
+    def requests(self) -> int:
+        return round(self.running + self.waiting)
+
+
+def parse_engine_load(text: str) -> EngineLoad | None:
+    """Sum the engine's series over their label sets; None when it exports none of them."""
+    running = waiting = 0.0
+    usage: float | None = None
+    found = False
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name_end = min((line.find(mark) for mark in ("{", " ") if mark in line), default=-1)
+        if name_end <= 0:
+            continue
+        name = line[:name_end]
+        if name not in _RUNNING and name not in _WAITING and name not in _KV_USAGE:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        found = True
+        if name in _RUNNING:
+            running += value
+        elif name in _WAITING:
+            waiting += value
+        else:
+            usage = value if usage is None else max(usage, value)
+    return EngineLoad(running, waiting, usage) if found else None
+
+
+def others_load(engine: EngineLoad, own_in_flight: int) -> int:
+    """Requests at the engine that this gateway did not send (never negative)."""
+    return max(0, engine.requests - own_in_flight)
+
+
+class EngineLoadScraper:
+    def __init__(self, pool: BackendPool, client: httpx.AsyncClient, interval: float) -> None:
+        self._pool = pool
+        self._client = client
+        self._interval = interval
+        self._task: asyncio.Task[None] | None = None
+        self.kv_cache_usage: dict[str, float] = {}
+        # Per backend: the other gateways' requests in flight (from Redis), their count when
+        # the engine was last scraped, and the engine's requests beyond ours at that scrape.
+        self._fleet: dict[str, int] = {}
+        self._fleet_at_scrape: dict[str, int] = {}
+        self._engine_others: dict[str, int] = {}
+
+    def start(self) -> None:
+        if self._interval > 0:
+            self._task = asyncio.create_task(self._run(), name="engine-load-scraper")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def scrape_all(self) -> None:
+        await asyncio.gather(
+            *(self._scrape(backend) for backend in self._pool.backends if backend.healthy)
+        )
+
+    async def _scrape(self, backend: Backend) -> None:
+        # Our own count (and the other gateways') at the moment the engine's is read, so the
+        # difference is the others' (and what came from outside the fleet).
+        own, fleet = backend.in_flight, self._fleet.get(backend.name, 0)
+        try:
+            response = await self._client.get(backend.url + "/metrics")
+            engine = parse_engine_load(response.text) if response.status_code == 200 else None
+        except httpx.HTTPError:
+            engine = None
+        name = backend.name
+        self._fleet_at_scrape[name] = fleet
+        if engine is None:
+            self._engine_others.pop(name, None)
+        else:
+            self._engine_others[name] = others_load(engine, own)
+            if engine.kv_cache_usage is not None:
+                self.kv_cache_usage[name] = engine.kv_cache_usage
+        self._apply(backend)
+
+    def set_fleet(self, others: dict[str, int]) -> None:
+        """The other gateways' requests in flight per backend, just read from Redis."""
+        self._fleet = others
+        for backend in self._pool.backends:
+            self._apply(backend)
+
+    def _apply(self, backend: Backend) -> None:
+        name = backend.name
+        # What the engine held beyond our requests and the other gateways' at the scrape.
+        outside = max(0, self._engine_others.get(name, 0) - self._fleet_at_scrape.get(name, 0))
+        queued = self._fleet.get(name, 0) + outside
+        if backend.queued != queued:  # the pool's load tallies follow every assignment
+            backend.queued = queued
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                await self.scrape_all()
+            except Exception:  # a scrape must never stop the loop
+                log.exception("engine load scrape failed")

@@ -1,0 +1,69 @@
+"""The control plane: models, health, readiness and metrics, on FastAPI.
+
+FastAPI's cost per request is fine here; the inference endpoints take the lean path in
+`gateway.proxy.handler` instead.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from gateway.components import Components
+from gateway.control.backends import build_backends_router
+from gateway.control.explain import AdminRoute, admin_guard, build_admin_router
+from gateway.control.gauges import publish_scrape_gauges
+from gateway.errors import render_error
+
+
+def build_control_app(components: Components) -> FastAPI:
+    app = FastAPI(title="Prefix Gateway", docs_url="/docs", redoc_url=None)
+    app.include_router(build_admin_router(components))
+    app.include_router(
+        build_backends_router(components, admin_guard(components.settings.admin_token), AdminRoute)
+    )
+    pool = components.pool
+    metrics = components.metrics
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> Response:
+        error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        body = render_error(str(exc.detail), error_type, None, f"http_{exc.status_code}")
+        return Response(body, status_code=exc.status_code, media_type="application/json")
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
+        body = render_error(str(exc.errors()), "invalid_request_error", None, "invalid_request")
+        return Response(body, status_code=400, media_type="application/json")
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        created = int(time.time())
+        data = [
+            {"id": model, "object": "model", "created": created, "owned_by": "prefix-gateway"}
+            for model in pool.served_models()
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        healthy = sum(1 for backend in pool.backends if backend.healthy)
+        return JSONResponse({"status": "ok", "backends": len(pool.backends), "healthy": healthy})
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        healthy = sum(1 for backend in pool.backends if backend.healthy)
+        status = 200 if healthy else 503
+        return JSONResponse({"ready": bool(healthy), "healthy": healthy}, status_code=status)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        publish_scrape_gauges(components)
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,120 @@
+"""The fleet under `/admin/backends`: list, add, drain and remove replicas while serving.
+
+- `GET /admin/backends`: every backend with its health, load, models and whether it drains.
+- `POST /admin/backends` `{"url": ..., "model": optional}`: add one; it is probed at once.
+- `POST /admin/backends/{name}/drain`: no new requests; removed once those in flight finish
+  (at most `drain_timeout` seconds). `?wait=true` answers only once it is gone.
+- `DELETE /admin/backends/{name}`: remove at once; requests already sent to it still finish.
+
+The access check is a dependency handed in (the admin token guard), so this module holds only
+the routes. A backend that discovery found comes back at its source's next look if removed
+here: for those, the Service (or its DNS records) is the source of truth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel
+
+from gateway.backends.pool import Backend, parse_backend_spec
+from gateway.components import Components
+from gateway.config import ConfigError
+from gateway.errors import BadRequest, GatewayError, NotFound
+
+Guard = Callable[[Request], Awaitable[None]]
+
+
+class Conflict(GatewayError):
+    status = 409
+    error_type = "invalid_request_error"
+
+
+class NewBackend(BaseModel):
+    url: str
+    model: str | None = None
+
+
+def backend_view(backend: Backend) -> dict[str, Any]:
+    return {
+        "name": backend.name,
+        "url": backend.url,
+        "models": sorted(backend.models),
+        "pinned_model": backend.pinned_model,
+        "healthy": backend.healthy,
+        "draining": backend.draining,
+        "in_flight": backend.in_flight,
+        "queued": backend.queued,
+        "load": backend.load,
+        "pending_prefill_blocks": backend.pending_prefill,
+        "source": backend.source,
+    }
+
+
+def build_backends_router(
+    components: Components, guard: Guard, route_class: type[APIRoute] = APIRoute
+) -> APIRouter:
+    pool = components.pool
+    drain_timeout = components.settings.drain_timeout
+    drains: set[asyncio.Task[bool]] = set()
+    router = APIRouter(
+        prefix="/admin/backends",
+        tags=["admin"],
+        route_class=route_class,
+        dependencies=[Depends(guard)],
+    )
+
+    def find(name: str) -> Backend:
+        backend = pool.get(name)
+        if backend is None:
+            raise NotFound(f"no backend named {name!r}", param="name", code="backend_not_found")
+        return backend
+
+    @router.get("")
+    async def list_backends() -> JSONResponse:
+        """Every backend: health, load, models, draining, and who added it."""
+        return JSONResponse(
+            {"object": "list", "data": [backend_view(item) for item in pool.backends]}
+        )
+
+    @router.post("", status_code=201)
+    async def add_backend(new: NewBackend) -> JSONResponse:
+        """Add a replica; it serves `model` only when given, else what its /v1/models lists."""
+        spec = f"{new.model}={new.url}" if new.model else new.url
+        try:
+            backend = parse_backend_spec(spec)
+        except ConfigError as exc:
+            raise BadRequest(str(exc), param="url", code="invalid_backend") from exc
+        if pool.get(backend.name) is not None:
+            raise Conflict(f"backend {backend.name} is already in the pool", code="backend_exists")
+        backend.source = "admin"
+        pool.add(backend)
+        await components.monitor.refresh(backend)
+        return JSONResponse(backend_view(backend), status_code=201)
+
+    @router.post("/{name}/drain", status_code=202)
+    async def drain_backend(name: str, wait: bool = False) -> JSONResponse:
+        """Stop new requests to `name`, let those in flight finish, then remove it."""
+        backend = find(name)
+        pool.start_drain(name)
+        task = asyncio.create_task(pool.finish_drain(backend, drain_timeout))
+        drains.add(task)
+        task.add_done_callback(drains.discard)
+        if wait:
+            removed = await asyncio.shield(task)
+            return JSONResponse({**backend_view(backend), "removed": removed})
+        return JSONResponse({**backend_view(backend), "removed": False}, status_code=202)
+
+    @router.delete("/{name}")
+    async def remove_backend(name: str) -> JSONResponse:
+        """Remove `name` now; requests already sent to it are not cut off."""
+        backend = find(name)
+        pool.remove(name)
+        return JSONResponse({**backend_view(backend), "removed": True})
+
+    return router

@@ -1,0 +1,207 @@
+"""Admin endpoints under `/admin`, guarded by the admin token when one is set.
+
+`POST /admin/explain` takes a request body exactly as a client would send it and answers, without
+forwarding or recording anything, where the gateway would send it and why: the candidates with
+their loads and matched prefixes, the load bound, the route reason, the affinity key and how the
+prompt relates to its conversation's previous one.
+
+Other admin routes reuse `admin_guard` (a FastAPI dependency) and `AdminRoute` (errors from the
+gateway's error tree answered in the OpenAI shape).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+from fastapi.routing import APIRoute
+
+from gateway.components import Components
+from gateway.errors import BadRequest, GatewayError, Unauthorized
+from gateway.prompt.parsing import ENDPOINTS, Endpoint, parse_request
+from gateway.routing.policies import Route
+from gateway.routing.router import Explanation
+
+_REASONS = {
+    Route.SESSION: "the session key's backend {backend} is healthy and within the load bound",
+    Route.PREFIX: (
+        "{backend} holds the deepest worthwhile prefix match ({matched} tokens) among the "
+        "backends it may be given to"
+    ),
+    Route.HASH: (
+        "no prefix match worth routing on (below {min_match} tokens): {backend} owns the "
+        "affinity key on the ring and is within the load bound"
+    ),
+    Route.OVERFLOW: (
+        "the preferred backend is at the load bound: {backend} is the next one within it "
+        "({matched} tokens matched there)"
+    ),
+    Route.FALLBACK: "every candidate is at the load bound: {backend} is the least loaded",
+    Route.RETRY: "{backend} is the next candidate after a failed attempt",
+    Route.LEAST_LOADED: "policy least_loaded: {backend} has the fewest requests in flight",
+    Route.ROUND_ROBIN: "policy round_robin: {backend} is next in turn",
+    Route.RANDOM: "policy random: {backend} was drawn",
+}
+
+
+class Forbidden(GatewayError):
+    status = 403
+    error_type = "permission_error"
+
+
+class AdminRoute(APIRoute):
+    """Answers a `GatewayError` raised by a dependency or an endpoint in the OpenAI error shape."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def handle(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except GatewayError as error:
+                headers = {"www-authenticate": "Bearer"} if error.status == 401 else None
+                return Response(error.body(), error.status, headers, media_type="application/json")
+
+        return handle
+
+
+def admin_guard(token: str) -> Callable[[Request], Awaitable[None]]:
+    """A dependency admitting `Authorization: Bearer <token>`; anyone when `token` is empty."""
+    expected = token.encode()
+
+    async def require_admin(request: Request) -> None:
+        if not expected:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            raise Unauthorized(
+                "this endpoint needs `Authorization: Bearer <admin token>`", code="missing_token"
+            )
+        if not hmac.compare_digest(given.strip().encode(), expected):
+            raise Forbidden("the admin token is not valid", code="invalid_token")
+
+    return require_admin
+
+
+def build_admin_router(components: Components) -> APIRouter:
+    settings = components.settings
+    router = APIRouter(
+        prefix="/admin",
+        tags=["admin"],
+        route_class=AdminRoute,
+        dependencies=[Depends(admin_guard(settings.admin_token))],
+    )
+
+    @router.post("/explain")
+    async def explain(request: Request, endpoint: str | None = None) -> Response:
+        """Where this request would go and why, without sending or recording it."""
+        body = await request.body()
+        if len(body) > settings.max_body_bytes:
+            raise BadRequest(
+                f"request body exceeds the limit of {settings.max_body_bytes} bytes",
+                code="body_too_large",
+            )
+        parsed = parse_request(
+            _endpoint(endpoint, body),
+            body,
+            request.headers.get("x-session-id"),
+            settings.default_model,
+            settings.session_from_user,
+        )
+        explanation = await components.router.explain(parsed)
+        return Response(
+            orjson.dumps(_render(explanation, components)), media_type="application/json"
+        )
+
+    return router
+
+
+def _endpoint(given: str | None, body: bytes) -> Endpoint:
+    if given is not None:
+        found = ENDPOINTS.get(given)
+        if found is None:
+            raise BadRequest(
+                f"endpoint must be one of {', '.join(ENDPOINTS)}",
+                param="endpoint",
+                code="invalid_endpoint",
+            )
+        return found
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if isinstance(payload, dict):
+        for field, endpoint in (
+            ("messages", Endpoint.CHAT),
+            ("prompt", Endpoint.COMPLETIONS),
+            ("input", Endpoint.EMBEDDINGS),
+        ):
+            if field in payload:
+                return endpoint
+    raise BadRequest(
+        "cannot tell the endpoint from the body: give ?endpoint=/v1/chat/completions",
+        param="endpoint",
+        code="invalid_endpoint",
+    )
+
+
+def _render(explained: Explanation, components: Components) -> dict[str, Any]:
+    settings = components.settings
+    block_tokens = settings.block_tokens
+    request = explained.request
+    decision = explained.decision
+    bound = decision.load_bound
+    backends = []
+    for backend in components.pool.backends:
+        if request.model not in backend.models:
+            continue
+        candidate = backend.name in explained.loads
+        matched = explained.matched.get(backend.name, 0)
+        backends.append(
+            {
+                "backend": backend.name,
+                "candidate": candidate,
+                "healthy": backend.healthy,
+                "in_flight": backend.in_flight,
+                "queued": backend.queued,
+                "load": backend.load,
+                "pending_prefill_blocks": backend.pending_prefill,
+                "within_bound": candidate and (not bound or backend.load + 1 <= bound),
+                "matched_blocks": matched,
+                "matched_tokens": matched * block_tokens,
+                "recent_requests": round(explained.recent.get(backend.name, 0.0), 3),
+            }
+        )
+    turn = explained.turn
+    reason = _REASONS[decision.route].format(
+        backend=decision.backend,
+        matched=decision.matched_blocks * block_tokens,
+        min_match=settings.min_match_tokens,
+    )
+    return {
+        "model": request.model,
+        "endpoint": request.endpoint.value,
+        "policy": settings.policy,
+        "backend": decision.backend,
+        "route": decision.route.value,
+        "reason": reason,
+        "matched_tokens": decision.matched_blocks * block_tokens,
+        "prompt_tokens_estimated": round(len(request.canonical) / settings.chars_per_token),
+        "prompt_blocks": explained.blocks,
+        "block_tokens": block_tokens,
+        "load_bound": bound,
+        "load_factor": settings.load_factor,
+        "affinity_key": f"{explained.affinity_key:016x}",
+        "session_key": request.session_key,
+        "sticky_backend": explained.sticky,
+        "conversation": {
+            "continuity": turn.continuity.value,
+            "previous_backend": turn.previous_backend,
+            "cache_break": turn.cause.value if turn.cause is not None else None,
+        },
+        "candidates": backends,
+    }

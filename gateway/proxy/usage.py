@@ -1,0 +1,172 @@
+"""Usage: asking a replica for it, and reading what a response says about the cache.
+
+The response is relayed untouched; this only looks at it. For streams it follows the SSE
+events as they pass, so the answer is known once the stream ends. The one exception: a stream
+whose usage the gateway asked for on its own (`--observe-usage`) loses its usage-only event
+(empty `choices`, `usage` set) on the way to the client, which thus sees what it asked for.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+_HOLD_MAX = 1 << 20
+"""Bytes of one unfinished event held back at most while stripping usage."""
+# An event ends at a blank line; lines end in LF or CRLF (sse-starlette's default).
+_BLANK_LINE = re.compile(rb"\r?\n\r?\n")
+
+
+@dataclass(slots=True)
+class Observation:
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    answer_parts: list[str] = field(default_factory=list)
+    sent_at: float = math.inf
+    """`time.perf_counter()` when the request went to the replica that answered (inf: unknown)."""
+
+    @property
+    def answer(self) -> str:
+        return "".join(self.answer_parts)
+
+    def take_usage(self, usage: Any) -> None:
+        if not isinstance(usage, dict):
+            return
+        prompt = usage.get("prompt_tokens")
+        if isinstance(prompt, int):
+            self.prompt_tokens = prompt
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            self.cached_tokens = details["cached_tokens"]
+
+
+def observe_body(body: bytes) -> Observation:
+    """Usage and the first choice's text from a non-streamed response."""
+    seen = Observation()
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return seen
+    if not isinstance(payload, dict):
+        return seen
+    seen.take_usage(payload.get("usage"))
+    choices = payload.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        message = choices[0].get("message")
+        if isinstance(message, dict) and isinstance(message.get("content"), str):
+            seen.answer_parts.append(message["content"])
+    return seen
+
+
+class StreamObserver:
+    """Follows SSE events across arbitrary chunk boundaries.
+
+    With `strip_usage`, `feed` returns what the client is to get: the complete events of
+    what has arrived, each with its own blank line, less the usage-only one; an event cut by a
+    chunk boundary is held until its end arrives. Without, it returns each chunk as it came.
+    """
+
+    def __init__(self, strip_usage: bool = False) -> None:
+        self.seen = Observation()
+        self._strip_usage = strip_usage
+        self._pending = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._pending + chunk if self._pending else chunk
+        strip = self._strip_usage
+        kept: list[bytes] = []
+        if strip or b"\r" in data:
+            start = 0
+            for blank in _BLANK_LINE.finditer(data):
+                end = blank.end()
+                if not self._event(data[start : blank.start()]) and strip:
+                    kept.append(data[start:end])
+                start = end
+            self._pending = data[start:]
+        else:
+            # Plain LF events, relayed untouched (the usual stream): a split beats the pattern.
+            events = data.split(b"\n\n")
+            self._pending = events.pop()
+            for event in events:
+                self._event(event)
+        if not strip:
+            if len(self._pending) > _HOLD_MAX:
+                self._pending = b""  # not SSE as expected: stop following this event
+            return chunk
+        if len(self._pending) > _HOLD_MAX:
+            # Not an SSE stream as expected: stop holding bytes back.
+            self._strip_usage = False
+            kept.append(self._pending)
+            self._pending = b""
+        return b"".join(kept)
+
+    def finish(self) -> bytes:
+        """Once the stream has ended: its last event when no blank line closed it, taken in
+        and, while stripping, returned unless it was the usage-only one."""
+        rest, self._pending = self._pending, b""
+        if self._event(rest) or not self._strip_usage:
+            return b""
+        return rest
+
+    def rest(self) -> bytes:
+        """What `feed` still holds back once the stream broke off: an event cut short."""
+        if not self._strip_usage:
+            return b""
+        rest, self._pending = self._pending, b""
+        return rest
+
+    def _event(self, event: bytes) -> bool:
+        """Take in one event; True when it carries usage only."""
+        usage_only = False
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if not payload.startswith(b"{"):
+                continue
+            try:
+                message = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                continue
+            if not isinstance(message, dict):
+                continue
+            choices = message.get("choices")
+            if message.get("usage"):
+                self.seen.take_usage(message["usage"])
+                # OpenAI's usage chunk has `choices: []`; some servers leave the key out.
+                usage_only = choices is None or choices == []
+            if (
+                isinstance(choices, list)
+                and choices
+                and isinstance(choices[0], dict)
+                and choices[0].get("index", 0) == 0
+            ):
+                delta = choices[0].get("delta")
+                if isinstance(delta, dict):
+                    content = delta.get("content")
+                    if isinstance(content, str):
+                        self.seen.answer_parts.append(content)
+        return usage_only
+
+_OPTION = b'"stream_options"'
+_SPLICED = b',"stream_options":{"include_usage":true}}'
+
+
+def request_usage(body: bytes) -> bytes:
+    """`body`, a JSON object, asking for usage in its stream.
+
+    Without `stream_options` the option is spliced in before the closing brace (no parse);
+    with it (to keep its other keys) the object is parsed and written again.
+    """
+    if _OPTION not in body:
+        end = body.rstrip()
+        if end.endswith(b"}") and end.lstrip().startswith(b"{") and end[:-1].rstrip() != b"{":
+            return end[:-1] + _SPLICED
+    payload = orjson.loads(body)
+    options = payload.get("stream_options")
+    payload["stream_options"] = {**(options or {}), "include_usage": True}
+    return orjson.dumps(payload)

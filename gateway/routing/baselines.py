@@ -1,0 +1,53 @@
+"""Baseline policies, kept for comparison with `prefix` in benchmarks and replays."""
+
+from __future__ import annotations
+
+import random
+
+from gateway.routing.ring import load_bound, within_bound
+from gateway.routing.rings import RingCache
+from gateway.routing.types import Decision, Route, RoutingState
+
+
+class ConsistentHashPolicy:
+    """Bounded-load consistent hashing on the affinity key alone."""
+
+    def __init__(self, load_factor: float, load_floor: int) -> None:
+        self._factor = load_factor
+        self._floor = load_floor
+        self._rings = RingCache()
+
+    def choose(self, state: RoutingState) -> Decision:
+        bound = load_bound(state.summed_load(), len(state.candidates), self._factor, self._floor)
+        ring = self._rings.get(state.members or state.candidates)
+        for position, name in enumerate(ring.walk(state.affinity_key)):
+            if within_bound(state.loads.get(name, 0), bound):
+                route = Route.HASH if position == 0 else Route.OVERFLOW
+                return Decision(name, route, state.matched.get(name, 0), bound)
+        least = min(state.candidates, key=lambda name: state.loads.get(name, 0))
+        return Decision(least, Route.FALLBACK, state.matched.get(least, 0), bound)
+
+
+class LeastLoadedPolicy:
+    def choose(self, state: RoutingState) -> Decision:
+        best = min(state.candidates, key=lambda name: state.loads.get(name, 0))
+        return Decision(best, Route.LEAST_LOADED, state.matched.get(best, 0))
+
+
+class RoundRobinPolicy:
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def choose(self, state: RoutingState) -> Decision:
+        name = state.candidates[self._turn % len(state.candidates)]
+        self._turn += 1
+        return Decision(name, Route.ROUND_ROBIN, state.matched.get(name, 0))
+
+
+class RandomPolicy:
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+
+    def choose(self, state: RoutingState) -> Decision:
+        name = self._rng.choice(list(state.candidates))
+        return Decision(name, Route.RANDOM, state.matched.get(name, 0))

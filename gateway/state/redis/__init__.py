@@ -1,0 +1,74 @@
+"""Prefix index and sticky sessions shared through Redis by every gateway replica.
+
+`connect(settings, metrics, index, sessions)` wraps the local stores so that Redis is asked
+first and the local stores answer whenever Redis cannot; `SharedState.share_load` adds the
+exchange of requests in flight between gateways. See docs/redis.md for the data model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.backends.engine_load import EngineLoadScraper
+from gateway.backends.pool import BackendPool
+from gateway.backends.shared_load import LOAD_SCRIPT, FleetLoad
+from gateway.config import Settings
+from gateway.metrics import Metrics
+from gateway.state.index import InMemoryPrefixIndex
+from gateway.state.redis.connection import RedisLink, RedisUnavailable, open_client
+from gateway.state.redis.fallback import FallbackPrefixIndex, FallbackSessionStore
+from gateway.state.redis.index import RedisPrefixIndex
+from gateway.state.redis.keys import KeySpace
+from gateway.state.redis.scripts import FORGET_SCRIPT, MATCH_SCRIPT, RECORD_SCRIPT
+from gateway.state.redis.sessions import RedisSessionStore
+from gateway.state.sessions import InMemorySessionStore
+
+
+@dataclass
+class SharedState:
+    link: RedisLink
+    index: FallbackPrefixIndex
+    sessions: FallbackSessionStore
+    keys: KeySpace
+
+    def share_load(self, pool: BackendPool, engine_load: EngineLoadScraper) -> None:
+        """Exchange requests in flight with the other gateways while the link runs."""
+        fleet_load = FleetLoad(self.link.client, self.link, self.keys, pool, engine_load)
+        self.link.run_while_open(fleet_load.start, fleet_load.stop)
+
+
+def connect(
+    settings: Settings,
+    metrics: Metrics,
+    index: InMemoryPrefixIndex,
+    sessions: InMemorySessionStore,
+) -> SharedState:
+    """Build (without I/O) the link and the Redis-backed stores; `link.start()` connects."""
+    client = open_client(settings.redis_url, settings.redis_timeout, settings.redis_max_connections)
+    # Half the connections at most carry background writes: lookups always find one free.
+    link = RedisLink(client, settings.redis_timeout, metrics, settings.redis_max_connections // 2)
+    link.preload(MATCH_SCRIPT, RECORD_SCRIPT, FORGET_SCRIPT, LOAD_SCRIPT)
+    keys = KeySpace(settings.redis_prefix)
+    shared_index = RedisPrefixIndex(client, keys, settings.affinity_ttl)
+    shared_sessions = RedisSessionStore(client, keys, settings.affinity_ttl)
+    return SharedState(
+        link,
+        FallbackPrefixIndex(index, shared_index, link, settings.affinity_ttl),
+        FallbackSessionStore(sessions, shared_sessions, link),
+        keys,
+    )
+
+
+__all__ = [
+    "FallbackPrefixIndex",
+    "FallbackSessionStore",
+    "FleetLoad",
+    "KeySpace",
+    "RedisLink",
+    "RedisPrefixIndex",
+    "RedisSessionStore",
+    "RedisUnavailable",
+    "SharedState",
+    "connect",
+    "open_client",
+]

@@ -1,0 +1,121 @@
+"""Shared state that never fails a request: Redis when it answers in time, local state always.
+
+Every write goes to the local store at once and to Redis in the background, so the local store
+is warm whenever Redis goes away. A lookup asks Redis (bounded by the link's timeout); when
+Redis is down or slow the local answer alone is used and the fallback is counted.
+
+Redis knows what every gateway learned; it may lack what this gateway learned if a write of
+ours was lost — Redis was away (and may have restarted empty), or a write failed or was dropped.
+For one TTL after such a loss a lookup takes, per backend, the deeper of Redis's answer and the
+local one. Otherwise Redis's answer stands alone, and the local match is not paid for.
+
+Cache feedback forgets in bursts (every chain through one evicted block at once). Those go to
+Redis one after another in a single background write, so that a burst never takes the slots
+the prompts' own writes need.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from gateway.state.index import InMemoryPrefixIndex
+from gateway.state.redis.connection import RedisLink, RedisUnavailable
+from gateway.state.redis.index import RedisPrefixIndex
+from gateway.state.redis.sessions import RedisSessionStore
+from gateway.state.sessions import InMemorySessionStore
+
+# Forgets waiting for Redis at most; beyond, one is dropped (and counted as a fallback).
+_FORGETS_WAITING = 4096
+# Forgets per background write: each well under a millisecond, all within the write deadline.
+_FORGETS_PER_WRITE = 32
+
+
+class FallbackPrefixIndex:
+    def __init__(
+        self, local: InMemoryPrefixIndex, shared: RedisPrefixIndex, link: RedisLink, ttl: float
+    ) -> None:
+        self.local = local
+        self.shared = shared
+        self._link = link
+        self._ttl = ttl
+        self._forgets: deque[tuple[str, str, Sequence[int]]] = deque()
+        self._forgetting = False
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+    async def match(self, model: str, hashes: Sequence[int]) -> dict[str, int]:
+        if not hashes:
+            return {}
+        try:
+            matched = await self._link.call("match", lambda: self.shared.match(model, hashes))
+        except RedisUnavailable:
+            self._link.fell_back("match")
+            return await self.local.match(model, hashes)
+        if self._link.seconds_since_lost_write() < self._ttl:
+            for backend, depth in (await self.local.match(model, hashes)).items():
+                if depth > matched.get(backend, 0):
+                    matched[backend] = depth
+        return matched
+
+    async def record(self, model: str, backend: str, hashes: Sequence[int]) -> None:
+        await self.local.record(model, backend, hashes)
+        if hashes:
+            self._link.submit("record", lambda: self.shared.record(model, backend, hashes))
+
+    async def forget(self, model: str, backend: str, hashes: Sequence[int]) -> None:
+        await self.local.forget(model, backend, hashes)
+        if not hashes:
+            return
+        if len(self._forgets) >= _FORGETS_WAITING:
+            self._link.fell_back("forget")
+            return
+        self._forgets.append((model, backend, hashes))
+        if not self._forgetting:
+            self._submit_forgets()
+
+    def _submit_forgets(self) -> None:
+        self._forgetting = self._link.submit("forget", self._forget_waiting)
+        if not self._forgetting:
+            self._forgets.clear()
+
+    async def _forget_waiting(self) -> None:
+        done = False
+        try:
+            for _ in range(min(_FORGETS_PER_WRITE, len(self._forgets))):
+                await self.shared.forget(*self._forgets[0])
+                self._forgets.popleft()
+            done = True
+        finally:
+            if done and self._forgets:
+                self._submit_forgets()
+            else:
+                # Whatever a failed write left is lost: the link counted it.
+                self._forgets.clear()
+                self._forgetting = False
+
+
+class FallbackSessionStore:
+    def __init__(
+        self, local: InMemorySessionStore, shared: RedisSessionStore, link: RedisLink
+    ) -> None:
+        self.local = local
+        self.shared = shared
+        self._link = link
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+    async def get(self, key: str) -> str | None:
+        local = await self.local.get(key)
+        try:
+            shared = await self._link.call("session_get", lambda: self.shared.get(key))
+        except RedisUnavailable:
+            self._link.fell_back("session_get")
+            return local
+        return shared if shared is not None else local
+
+    async def put(self, key: str, backend: str) -> None:
+        await self.local.put(key, backend)
+        self._link.submit("session_put", lambda: self.shared.put(key, backend))

@@ -1,0 +1,37 @@
+"""Sticky sessions in Redis: `key → backend`, forgotten after a TTL of inactivity.
+
+One string key per session, `<ns>:s:<hash of the session key>` = `"<unix ms> <backend>"`, with
+a Redis TTL restarted on every `put`. The time in the value lets the injected clock decide
+expiry exactly as the in-memory store does; the Redis TTL reclaims the memory. The number of
+sessions is bounded by Redis `maxmemory`, not by a count.
+"""
+
+from __future__ import annotations
+
+from gateway.clock import Clock
+from gateway.state.redis.connection import RedisClient
+from gateway.state.redis.index import wall_clock
+from gateway.state.redis.keys import KeySpace
+
+
+class RedisSessionStore:
+    def __init__(
+        self, client: RedisClient, keys: KeySpace, ttl: float, clock: Clock = wall_clock
+    ) -> None:
+        self._client = client
+        self._keys = keys
+        self._ttl_ms = max(1, round(ttl * 1000))
+        self._clock = clock
+
+    async def get(self, key: str) -> str | None:
+        value: bytes | None = await self._client.get(self._keys.session(key))
+        if value is None:
+            return None
+        stamp, _, backend = value.decode().partition(" ")
+        if round(self._clock() * 1000) - int(stamp) > self._ttl_ms:
+            return None
+        return backend
+
+    async def put(self, key: str, backend: str) -> None:
+        value = f"{round(self._clock() * 1000)} {backend}"
+        await self._client.set(self._keys.session(key), value, px=self._ttl_ms)
