@@ -169,6 +169,10 @@ class Settings:
     def block_chars(self) -> int:
         return max(1, round(self.block_tokens * self.chars_per_token))
 
+    @property
+    def min_match_blocks(self) -> int:
+        return max(1, self.min_match_tokens // self.block_tokens)
+
     def validate(self) -> Settings:
         if self.policy not in POLICY_NAMES:
             raise ConfigError(

@@ -14,9 +14,9 @@ from gateway.clock import ManualClock
 from gateway.config import POLICY_NAMES, ConfigError, Settings
 from gateway.prompt.hashing import key_hash
 from gateway.routing.policies import POLICIES, Route, RoutingState, build_policy
-from gateway.routing.policy import PrefixPolicy, PromptShares
+from gateway.routing.policy import PrefixPolicy
 from gateway.routing.ring import HashRing
-from gateway.routing.router import RecentTraffic
+from gateway.routing.traffic import PromptShares, RecentTraffic, Traffic
 
 A, B, C, D = "a:1", "b:1", "c:1", "d:1"
 FOUR = (A, B, C, D)
@@ -152,7 +152,8 @@ def test_every_policy_answers_with_a_candidate(name: str) -> None:
 
 def test_round_robin_cycles() -> None:
     chosen = build_policy(Settings(backend=("x",), policy="round_robin"))
-    assert [chosen.choose(state()).backend for _ in range(8)] == [*FOUR, *FOUR]
+    turns = [dataclasses.replace(state(), sequence=number) for number in range(8)]
+    assert [chosen.choose(turn).backend for turn in turns] == [*FOUR, *FOUR]
 
 
 def test_registry_matches_the_documented_names() -> None:
@@ -165,9 +166,10 @@ def test_unknown_policy_is_a_start_up_error() -> None:
 
 
 def shared_prompt_state(
-    loads: dict[str, int], matched: dict[str, int], prompt: int, key: int = 1
+    traffic: Traffic, loads: dict[str, int], matched: dict[str, int], prompt: int, key: int = 1
 ) -> RoutingState:
-    """A 40-block request whose first 36 blocks are a system prompt numbered `prompt`."""
+    """A 40-block request whose first 36 blocks are a system prompt numbered `prompt`,
+    counted in `traffic`."""
     hashes = [prompt * 1000 + depth for depth in range(40)]
     return RoutingState(
         candidates=FOUR,
@@ -176,16 +178,17 @@ def shared_prompt_state(
         matched=matched,
         affinity_key=key,
         private_from=36,
+        shared_share=traffic.prompt_share(hashes, 36, count=True),
     )
 
 
 def test_a_cold_shared_prompt_stays_with_its_only_holder_past_the_plain_bound() -> None:
     # One customer's system prompt among many: a small share of the traffic, held by A alone.
-    fresh = PrefixPolicy(load_factor=1.25, load_floor=2, min_match_blocks=4)
+    traffic = Traffic(ManualClock(), min_shared_blocks=4)
     for other in range(40):
-        fresh.choose(shared_prompt_state(dict.fromkeys(FOUR, 1), {}, prompt=other + 100))
+        shared_prompt_state(traffic, dict.fromkeys(FOUR, 1), {}, prompt=other + 100)
     loads = {A: 4, B: 1, C: 1, D: 1}  # 7 in flight: plain bound ceil(1.25 * 8 / 4) = 3
-    decision = fresh.choose(shared_prompt_state(loads, {A: 36}, prompt=7))
+    decision = policy.choose(shared_prompt_state(traffic, loads, {A: 36}, prompt=7))
     assert decision.load_bound == 3
     assert (decision.backend, decision.route) == (A, Route.PREFIX)
 
@@ -193,11 +196,11 @@ def test_a_cold_shared_prompt_stays_with_its_only_holder_past_the_plain_bound() 
 def test_a_hot_shared_prompt_spreads_at_the_plain_bound() -> None:
     # The same shape, but every request carries this one system prompt: more than one
     # replica's share, so its holder keeps only what the plain bound allows.
-    fresh = PrefixPolicy(load_factor=1.25, load_floor=2, min_match_blocks=4)
+    traffic = Traffic(ManualClock(), min_shared_blocks=4)
     for _ in range(40):
-        fresh.choose(shared_prompt_state(dict.fromkeys(FOUR, 1), {A: 36}, prompt=7))
+        shared_prompt_state(traffic, dict.fromkeys(FOUR, 1), {A: 36}, prompt=7)
     loads = {A: 4, B: 1, C: 1, D: 1}
-    decision = fresh.choose(shared_prompt_state(loads, {A: 36}, prompt=7))
+    decision = policy.choose(shared_prompt_state(traffic, loads, {A: 36}, prompt=7))
     assert decision.backend != A
     assert decision.route is Route.OVERFLOW
 
@@ -209,6 +212,8 @@ def test_prompt_shares_decay_per_request() -> None:
         shares.add(2)
     assert shares.add(1) < 0.15  # one in the last 32 requests, decayed over a 10-request window
     assert shares.add(2) > 0.5
+    assert shares.peek(1) == pytest.approx(shares.add(1))
+    assert shares.peek(3) == pytest.approx(shares.add(3))
 
 
 def two_choices(key: int) -> tuple[str, str]:
@@ -310,13 +315,13 @@ def test_the_load_tally_follows_leases_scrapes_and_health() -> None:
 
 def test_a_busy_owner_of_a_cold_shared_prompt_shares_it() -> None:
     # As in the cold case, but A has drawn far more than its share of recent requests.
-    fresh = PrefixPolicy(load_factor=1.25, load_floor=2, min_match_blocks=4)
+    traffic = Traffic(ManualClock(), min_shared_blocks=4)
     for other in range(40):
-        fresh.choose(shared_prompt_state(dict.fromkeys(FOUR, 1), {}, prompt=other + 100))
+        shared_prompt_state(traffic, dict.fromkeys(FOUR, 1), {}, prompt=other + 100)
     loads = {A: 4, B: 1, C: 1, D: 1}
     calm = dataclasses.replace(
-        shared_prompt_state(loads, {A: 36}, prompt=7), recent=dict.fromkeys(FOUR, 10.0)
+        shared_prompt_state(traffic, loads, {A: 36}, prompt=7), recent=dict.fromkeys(FOUR, 10.0)
     )
-    assert fresh.choose(calm).backend == A
+    assert policy.choose(calm).backend == A
     busy = dataclasses.replace(calm, recent=dict.fromkeys(FOUR, 10.0) | {A: 16.0})
-    assert fresh.choose(busy).backend != A
+    assert policy.choose(busy).backend != A

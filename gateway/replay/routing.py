@@ -17,7 +17,7 @@ from typing import Protocol
 from gateway.clock import Clock
 from gateway.replay.traces import TraceRequest
 from gateway.routing.policies import Decision, Policy, RoutingState
-from gateway.routing.router import RecentTraffic
+from gateway.routing.traffic import Traffic
 from gateway.state.index import PrefixIndex
 
 MODEL = "replay"
@@ -39,12 +39,18 @@ class ReplayRouter(Protocol):
 
 class PolicyRouter:
     def __init__(
-        self, names: Sequence[str], policy: Policy, index: PrefixIndex, clock: Clock
+        self,
+        names: Sequence[str],
+        policy: Policy,
+        index: PrefixIndex,
+        clock: Clock,
+        min_shared_blocks: int,
     ) -> None:
         self._names = list(names)
         self._policy = policy
         self._index = index
-        self._recent = RecentTraffic(clock)
+        self._traffic = Traffic(clock, min_shared_blocks)
+        self._routed = 0
         self._pending = dict.fromkeys(self._names, 0)
 
     async def route(self, request: TraceRequest, loads: Mapping[str, int]) -> Decision:
@@ -57,12 +63,17 @@ class PolicyRouter:
             matched=matched,
             affinity_key=request.affinity_key,
             private_from=request.private_from,
-            recent=self._recent.snapshot(names),
+            recent=self._traffic.recent.snapshot(names),
+            shared_share=self._traffic.prompt_share(
+                request.hashes, request.private_from, count=True
+            ),
+            sequence=self._routed,
             pending_prefill=self._pending,  # read during `choose` only, changed after it
         )
         decision = self._policy.choose(state)
+        self._routed += 1
         self._pending[decision.backend] += _unmatched(request, decision)
-        self._recent.add(decision.backend)
+        self._traffic.recent.add(decision.backend)
         await self._index.record(MODEL, decision.backend, request.hashes)
         return decision
 

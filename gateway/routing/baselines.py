@@ -35,12 +35,8 @@ class LeastLoadedPolicy:
 
 
 class RoundRobinPolicy:
-    def __init__(self) -> None:
-        self._turn = 0
-
     def choose(self, state: RoutingState) -> Decision:
-        name = state.candidates[self._turn % len(state.candidates)]
-        self._turn += 1
+        name = state.candidates[state.sequence % len(state.candidates)]
         return Decision(name, Route.ROUND_ROBIN, state.matched.get(name, 0))
 
 

@@ -21,7 +21,7 @@ POLICIES: dict[str, PolicyFactory] = {
     "prefix": lambda settings, rng: PrefixPolicy(
         load_factor=settings.load_factor,
         load_floor=settings.load_floor,
-        min_match_blocks=max(1, settings.min_match_tokens // settings.block_tokens),
+        min_match_blocks=settings.min_match_blocks,
         recent_cap=settings.recent_cap,
     ),
     "consistent_hash": lambda settings, rng: ConsistentHashPolicy(

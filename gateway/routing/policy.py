@@ -43,7 +43,6 @@ does); the index match that produced `matched` is linear in the prompt's blocks.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Mapping, Sequence
 
@@ -52,10 +51,6 @@ import xxhash
 from gateway.routing.ring import HashRing, load_bound, within_bound
 from gateway.routing.rings import RingCache
 from gateway.routing.types import Decision, Route, RoutingState
-
-_SHARE_WINDOW = 256
-"""Requests over which a shared prompt's share of the traffic is averaged (decay 1 - 1/W)."""
-_SHARE_KEYS_MAX = 1 << 16
 
 
 class PrefixPolicy:
@@ -77,14 +72,6 @@ class PrefixPolicy:
         self._recent_slack = recent_slack
         self._hash_choices = max(1, hash_choices)
         self._rings = RingCache()
-        self._shares = PromptShares()
-
-    def __copy__(self) -> PrefixPolicy:
-        """A copy that counts what it is shown apart (`/admin/explain` decides on a copy)."""
-        twin = object.__new__(PrefixPolicy)
-        twin.__dict__.update(self.__dict__)
-        twin._shares = copy.deepcopy(self._shares)
-        return twin
 
     def choose(self, state: RoutingState) -> Decision:
         candidates = state.candidates
@@ -93,7 +80,7 @@ class PrefixPolicy:
         count = len(candidates)
         total_load = state.summed_load()
         bound = load_bound(total_load, count, self._factor, self._floor)
-        shared_hot = self._count_shared_prompt(state, count)
+        shared_hot = state.shared_share > self._factor / max(count, 1)
 
         sticky = state.sticky
         if sticky is not None and sticky in members and within_bound(loads.get(sticky, 0), bound):
@@ -143,15 +130,6 @@ class PrefixPolicy:
 
         least = min(candidates, key=lambda name: loads.get(name, 0))
         return Decision(least, Route.FALLBACK, depth_of.get(least, 0), bound)
-
-    def _count_shared_prompt(self, state: RoutingState, count: int) -> bool:
-        """Count the request's shared part (everything before the first user message); True
-        when that prompt drew more of the recent requests than one replica may take (the load
-        factor times a replica's share)."""
-        shared_end = min(state.private_from, len(state.hashes))
-        if shared_end < self._min_match:
-            return False
-        return self._shares.add(state.hashes[shared_end - 1]) > self._factor / max(count, 1)
 
     def _owner(
         self,
@@ -233,35 +211,6 @@ class _HotCheck:
 
 
 _never_hot = _HotCheck({}, math.inf, math.inf)
-
-
-class PromptShares:
-    """Each shared prompt's share of the recent requests, decayed per request, not per second.
-
-    Counting in requests makes live traffic and replay in virtual time behave alike, and the
-    share answers the question the owner rule asks: would this prompt alone fill more than one
-    replica? Bounded: when full, the prompts counted longest ago are dropped first.
-    """
-
-    def __init__(self, window: int = _SHARE_WINDOW, max_keys: int = _SHARE_KEYS_MAX) -> None:
-        self._keep = 1.0 - 1.0 / window
-        self._max_keys = max_keys
-        self._counts: dict[int, tuple[float, int]] = {}
-        self._requests = 0
-        self._total = 0.0
-
-    def add(self, key: int) -> float:
-        """Count one request for `key`; its share of the recent requests, in [0, 1]."""
-        self._requests += 1
-        now = self._requests
-        self._total = self._total * self._keep + 1.0
-        counts = self._counts
-        value, at = counts.pop(key, (0.0, now))
-        value = value * self._keep ** (now - at) + 1.0
-        counts[key] = (value, now)
-        if len(counts) > self._max_keys:
-            del counts[next(iter(counts))]
-        return value / self._total
 
 
 def _ring_pick(

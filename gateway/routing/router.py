@@ -8,10 +8,8 @@ no HTTP; the proxy calls it.
 from __future__ import annotations
 
 import asyncio
-import copy
-import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gateway.backends.pool import Backend, BackendPool, Candidates
@@ -31,10 +29,9 @@ from gateway.routing.conversations import (
 )
 from gateway.routing.policies import Decision, Policy, Route, RoutingState
 from gateway.routing.ring import load_bound, within_bound
+from gateway.routing.traffic import Traffic
 from gateway.state.index import PrefixIndex
 from gateway.state.sessions import SessionStore
-
-_RECENT_HALF_LIFE = 30.0
 
 
 @dataclass(slots=True)
@@ -103,74 +100,6 @@ class Explanation:
     turn: Turn
 
 
-class RecentTraffic:
-    """Exponentially decaying request counts per backend, and their decaying sum.
-
-    Every count decays at the same rate, so the sum of the decayed counts is itself one
-    decaying value: the mean over a model's candidates costs O(1) when every backend counted
-    here is one of them (the common case, checked once per candidate group).
-    """
-
-    def __init__(self, clock: Clock, half_life: float = _RECENT_HALF_LIFE) -> None:
-        self._clock = clock
-        self._rate = math.log(2) / half_life
-        self._counts: dict[str, tuple[float, float]] = {}
-        self._total = (0.0, 0.0)
-        self._within: tuple[frozenset[str], int] | None = None
-        """A set of names known to hold every counted backend, and how many were counted."""
-        self.view = RecentView(self)
-
-    def get(self, name: str, default: float = 0.0) -> float:
-        entry = self._counts.get(name)
-        if entry is None:
-            return default
-        value, stamp = entry
-        return value * math.exp(self._rate * (stamp - self._clock()))
-
-    def snapshot(self, names: Sequence[str]) -> dict[str, float]:
-        return {name: self.get(name) for name in names if name in self._counts}
-
-    def sum_over(self, names: frozenset[str]) -> float:
-        """The summed recent counts of `names`."""
-        counted = len(self._counts)
-        if self._within != (names, counted) and not self._counts.keys() <= names:
-            return sum(self.get(name) for name in names)
-        self._within = (names, counted)
-        value, stamp = self._total
-        return value * math.exp(self._rate * (stamp - self._clock()))
-
-    def add(self, name: str) -> None:
-        now = self._clock()
-        rate = self._rate
-        value, stamp = self._counts.get(name, (0.0, now))
-        self._counts[name] = (value * math.exp(rate * (stamp - now)) + 1.0, now)
-        total, since = self._total
-        self._total = (total * math.exp(rate * (since - now)) + 1.0, now)
-
-
-class RecentView(Mapping[str, float]):
-    """`RecentTraffic` as a read-only mapping whose values decay as they are read."""
-
-    __slots__ = ("_traffic",)
-
-    def __init__(self, traffic: RecentTraffic) -> None:
-        self._traffic = traffic
-
-    def __getitem__(self, name: str) -> float:
-        if name not in self._traffic._counts:
-            raise KeyError(name)
-        return self._traffic.get(name)
-
-    def get(self, name: str, default: float = 0.0) -> float:  # type: ignore[override]
-        return self._traffic.get(name, default)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._traffic._counts)
-
-    def __len__(self) -> int:
-        return len(self._traffic._counts)
-
-
 class Router:
     def __init__(
         self,
@@ -188,7 +117,9 @@ class Router:
         self.sessions = sessions
         self.policy = policy
         self.metrics = metrics
-        self.recent = RecentTraffic(clock)
+        self.traffic = Traffic(clock, settings.min_match_blocks)
+        self.recent = self.traffic.recent
+        self._routed = 0
         self.conversations = ConversationTracker(
             settings.affinity_ttl, settings.conversations_max, clock
         )
@@ -205,9 +136,13 @@ class Router:
     async def route(self, request: RoutingInput) -> RoutedRequest:
         began = time.perf_counter()
         group, hashes, affinity_key, matched, sticky = await self._gather(request)
-        decision = self.policy.choose(
-            self.state(request, group, hashes, matched, affinity_key, sticky)
+        share = self.traffic.prompt_share(
+            hashes, request.distinct_from // self._block_chars, count=True
         )
+        decision = self.policy.choose(
+            self.state(request, group, hashes, matched, affinity_key, sticky, share)
+        )
+        self._routed += 1
         backend = group.by_name[decision.backend]
         self._decision_seconds.observe(time.perf_counter() - began)
         if sticky is not None and sticky != backend.name:
@@ -226,9 +161,11 @@ class Router:
     async def explain(self, request: RoutingInput) -> Explanation:
         """The decision `route` would make for `request` now, recording nothing."""
         group, hashes, affinity_key, matched, sticky = await self._gather(request)
-        # A copy, so that a policy keeping a turn (round robin) does not move on.
-        state = self.state(request, group, hashes, matched, affinity_key, sticky)
-        decision = copy.copy(self.policy).choose(state)
+        share = self.traffic.prompt_share(
+            hashes, request.distinct_from // self._block_chars, count=False
+        )
+        state = self.state(request, group, hashes, matched, affinity_key, sticky, share)
+        decision = self.policy.choose(state)
         prompt = fingerprint(request.canonical) if request.endpoint is Endpoint.CHAT else None
         return Explanation(
             request,
@@ -376,6 +313,7 @@ class Router:
         matched: dict[str, int],
         affinity_key: int,
         sticky: str | None = None,
+        shared_share: float = 0.0,
     ) -> RoutingState:
         """What the policy is shown: views of live load and traffic, nothing copied per backend."""
         members = candidates.members
@@ -392,6 +330,8 @@ class Router:
             members=members,
             total_load=candidates.total_load,
             recent_total=self.recent.sum_over(members),
+            shared_share=shared_share,
+            sequence=self._routed,
             pending_prefill=candidates.pending_prefill,
         )
 

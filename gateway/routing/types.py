@@ -47,6 +47,11 @@ class RoutingState:
     """The candidates' summed load, where the caller keeps it (else a policy sums it)."""
     recent_total: float | None = None
     """The candidates' summed recent counts, where the caller keeps it."""
+    shared_share: float = 0.0
+    """The share of recent requests that carried this request's shared prompt, this one
+    counted (0 when it has none): see `gateway.routing.traffic.Traffic`."""
+    sequence: int = 0
+    """The request's number among those routed (a round robin's turn)."""
     pending_prefill: Mapping[str, int] = field(default_factory=dict)
     """Prompt blocks sent to each candidate and not computed yet, by the caller's estimate
     (unmatched blocks until the first byte): how long a new prefill would wait there."""
