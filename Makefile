@@ -21,6 +21,7 @@ run: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check gateway tests loadtest
 	$(BIN)/mypy gateway
+	$(BIN)/lint-imports
 
 test: lint
 	$(BIN)/pytest

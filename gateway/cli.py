@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import shlex
 import sys
 from collections.abc import Sequence
@@ -33,12 +32,14 @@ def _serve(args: argparse.Namespace) -> int:
         if metrics_dir is not None:
             metrics_dir.remove()
         return 2
+    from gateway.server import configure_logging
+
     configure_logging(settings.log_level)
-    from gateway.emulator.replicas import EmulatedFleet
+    from gateway.emulator.replicas import EmulatedReplicas
 
     fleet = None
     if settings.emulate > 0:
-        fleet = EmulatedFleet(
+        fleet = EmulatedReplicas(
             settings.emulate, settings.emulate_model, shlex.split(settings.emulate_args)
         ).start()
         settings = dataclasses.replace(
@@ -58,13 +59,6 @@ def _serve(args: argparse.Namespace) -> int:
         if fleet is not None:
             fleet.stop()
     return 0
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def _emulate(args: argparse.Namespace) -> int:

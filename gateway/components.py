@@ -1,4 +1,7 @@
-"""Everything one gateway process runs, built from Settings in the app's lifespan."""
+"""The one composition root: everything a gateway process runs, built from `Settings`.
+
+Built in the app's lifespan (no import-time state), started and stopped in dependency order.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +13,17 @@ import httpx
 from gateway.backends.discovery import Discovery
 from gateway.backends.engine_load import EngineLoadScraper
 from gateway.backends.health import Health
-from gateway.backends.pool import BackendMonitor, BackendPool
+from gateway.backends.monitor import BackendMonitor
+from gateway.backends.pool import BackendPool
+from gateway.backends.shared_load import LOAD_SCRIPT, SharedLoad
 from gateway.config import Settings
 from gateway.metrics import Metrics
 from gateway.proxy.access_log import configure_access_logger
 from gateway.proxy.admission import Admission
+from gateway.proxy.forwarder import Forwarder
 from gateway.proxy.handler import ProxyHandler
+from gateway.proxy.prefills import Prefills
+from gateway.proxy.relay import Limits
 from gateway.proxy.upstream import Upstream
 from gateway.routing.policies import build_policy
 from gateway.routing.router import Router
@@ -30,7 +38,6 @@ class Components:
     pool: BackendPool
     metrics: Metrics
     index: PrefixIndex
-    sessions: SessionStore
     router: Router
     upstream: Upstream
     probes: httpx.AsyncClient
@@ -50,14 +57,12 @@ class Components:
         local_sessions = InMemorySessionStore(settings.affinity_ttl, settings.session_max)
         index: PrefixIndex = local_index
         sessions: SessionStore = local_sessions
-        redis = shared = None
+        shared = None
         if settings.redis_url:
             shared = redis_store.connect(settings, metrics, local_index, local_sessions)
-            redis, index, sessions = shared.link, shared.index, shared.sessions
-        policy = build_policy(settings, random.Random())
-        router = Router(settings, pool, index, sessions, policy, metrics)
-        upstream = Upstream(
-            settings.connect_timeout, settings.upstream_api_key, settings.forward_client_auth
+            index, sessions = shared.index, shared.sessions
+        router = Router(
+            settings, pool, index, sessions, build_policy(settings, random.Random()), metrics
         )
         # Probes and model listings carry the replicas' key too (vLLM guards /v1/models).
         probes = httpx.AsyncClient(
@@ -73,18 +78,37 @@ class Components:
         monitor = BackendMonitor(
             pool, probes, settings.health_interval, settings.models_interval, health.probed
         )
+        upstream = Upstream(
+            settings.connect_timeout, settings.upstream_api_key, settings.forward_client_auth
+        )
+        limits = Limits(
+            settings.first_byte_timeout, settings.stream_idle_timeout, settings.request_timeout
+        )
+        forwarder = Forwarder(
+            upstream,
+            health,
+            metrics,
+            limits,
+            Prefills(settings.prefill_wait, metrics),
+            settings.max_attempts,
+            settings.retry_backoff,
+            settings.retry_after_cap,
+            settings.observe_usage,
+        )
         admission = Admission(settings.max_concurrency, settings.max_queue, settings.queue_timeout)
-        proxy = ProxyHandler(router, upstream, metrics, health, admission)
+        proxy = ProxyHandler(settings, router, forwarder, admission, metrics)
         discovery = Discovery.build(settings, pool, monitor.refresh)
         engine_load = EngineLoadScraper(pool, probes, settings.scrape_interval)
         if shared is not None:
-            shared.share_load(pool, engine_load)
+            link = shared.link
+            link.preload(LOAD_SCRIPT)
+            shared_load = SharedLoad(link.client, link, shared.keys, pool, engine_load)
+            link.run_while_open(shared_load.start, shared_load.stop)
         return cls(
             settings,
             pool,
             metrics,
             index,
-            sessions,
             router,
             upstream,
             probes,
@@ -92,7 +116,7 @@ class Components:
             proxy,
             discovery,
             engine_load,
-            redis,
+            shared.link if shared is not None else None,
         )
 
     async def start(self) -> None:

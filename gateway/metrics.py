@@ -110,7 +110,8 @@ class Metrics:
         )
         self.decision_seconds = Histogram(
             "gateway_routing_decision_seconds",
-            "Time to parse, hash, match and choose a backend for one request.",
+            "Time to route one parsed request: hash its prompt, look it up in the index (and its"
+            " session), and choose a backend.",
             ["policy"],
             buckets=_DECISION_BUCKETS,
             registry=r,
@@ -245,7 +246,8 @@ class Metrics:
         )
         self.queued = Gauge(
             "gateway_backend_queued",
-            "Requests waiting in each backend engine's own queue, as last scraped.",
+            "Load at each backend that this gateway did not send: the other gateways' requests in"
+            " flight (through Redis) plus what the engine reported beyond them at its last scrape.",
             ["backend"],
             multiprocess_mode="livemax",
             registry=r,

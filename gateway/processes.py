@@ -21,6 +21,18 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples named `name` in Prometheus text `text` that carry `labels`."""
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(
+                sample.labels.get(key) == value for key, value in labels.items()
+            ):
+                total += sample.value
+    return total
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
@@ -59,7 +71,6 @@ class ChildProcess:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    base_url = url
 
     @property
     def pid(self) -> int:
@@ -117,14 +128,7 @@ class ChildProcess:
 
     def metric(self, name: str, **labels: str) -> float:
         """The sum of the scraped samples named `name` that carry `labels`."""
-        total = 0.0
-        for family in text_string_to_metric_families(self.metrics_text()):
-            for sample in family.samples:
-                if sample.name == name and all(
-                    sample.labels.get(key) == value for key, value in labels.items()
-                ):
-                    total += sample.value
-        return total
+        return metric_value(self.metrics_text(), name, **labels)
 
     def _spawn(self) -> None:
         output: IO[bytes] | None = None

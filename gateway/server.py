@@ -24,6 +24,7 @@ its supervisor is gone.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import signal
@@ -51,6 +52,13 @@ class WorkerRole:
     number: int
     supervisor_pid: int
     listener: socket.socket
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def serve(app: GatewayApp, settings: Settings, worker: WorkerRole | None = None) -> None:
@@ -216,7 +224,7 @@ class CoalescingTransport:
 def _error_response(error: GatewayError) -> bytes:
     body = error.body()
     head: list[Any] = [
-        f"HTTP/1.1 {error.status} {_REASONS.get(error.status, '')}\r\n".encode(),
+        f"HTTP/1.1 {error.status} {_PHRASES.get(error.status, '')}\r\n".encode(),
         b"content-type: application/json\r\n",
         b"content-length: " + str(len(body)).encode() + b"\r\n",
         b"connection: close\r\n\r\n",
@@ -224,4 +232,4 @@ def _error_response(error: GatewayError) -> bytes:
     return b"".join(head) + body
 
 
-_REASONS = {400: "Bad Request", 431: "Request Header Fields Too Large"}
+_PHRASES = {400: "Bad Request", 431: "Request Header Fields Too Large"}

@@ -273,8 +273,7 @@ def _work(settings: Settings, number: int, supervisor_pid: int, listener: socket
     # Signals come from the supervisor alone, not also from a terminal's Ctrl-C to the group.
     os.setpgrp()
     from gateway.app import GatewayApp
-    from gateway.cli import configure_logging
-    from gateway.server import WorkerRole, serve
+    from gateway.server import WorkerRole, configure_logging, serve
 
     configure_logging(settings.log_level)
     serve(GatewayApp(settings), settings, WorkerRole(number, supervisor_pid, listener))

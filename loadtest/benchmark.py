@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gateway.config import POLICY_NAMES
 from gateway.emulator import block_hashes
 from gateway.emulator.prompts import chat_prompt_ids
-from gateway.emulator.replicas import EmulatedFleet
+from gateway.emulator.replicas import EmulatedReplicas
 from gateway.workloads import SHAPES, Session, build_workload
 from loadtest.peers import PEERS, start_peer
 from tests.support import GatewayProcess
@@ -284,7 +284,7 @@ def print_shape_table(rows: list[dict[str, object]]) -> None:
         )
 
 
-def replica_ids(fleet: EmulatedFleet) -> list[str]:
+def replica_ids(fleet: EmulatedReplicas) -> list[str]:
     """Each replica's response-id prefix, in the fleet's order, from one direct request."""
     ids = []
     for replica in fleet.replicas:
@@ -313,7 +313,7 @@ def print_table(rows: list[dict[str, object]]) -> None:
         )
 
 
-def finished_per_replica(fleet: EmulatedFleet) -> list[float]:
+def finished_per_replica(fleet: EmulatedReplicas) -> list[float]:
     return [replica.metric("vllm:request_success_total") for replica in fleet.replicas]
 
 
@@ -400,7 +400,7 @@ def run_suite(
         sessions = build_workload(workload, args.seed, args.scale)
         for policy in args.policies.split(","):
             with (
-                EmulatedFleet(args.replicas, MODEL, emulator_args) as fleet,
+                EmulatedReplicas(args.replicas, MODEL, emulator_args) as fleet,
                 contextlib.ExitStack() as stack,
             ):
                 url = start_router(stack, policy, fleet.urls, args.gateway_args)

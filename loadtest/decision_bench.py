@@ -109,11 +109,7 @@ def measure(tokens: int, backends: int, indexed: int, samples: int) -> dict[str,
 
     def decision() -> None:
         request = parse_request(Endpoint.CHAT, bodies[next(turn) % 16], None)
-        hashes = chain_hashes(request.canonical, settings.block_chars)
-        matched = loop.run_until_complete(router.index.match(MODEL, hashes))
-        candidates = router.candidates(MODEL)
-        affinity_key = router.affinity_key(request)
-        router.policy.choose(router.state(request, candidates, hashes, matched, affinity_key))
+        loop.run_until_complete(router.decide(request))
 
     def route() -> None:
         request = parse_request(Endpoint.CHAT, bodies[next(turn) % 16], None)
@@ -121,8 +117,7 @@ def measure(tokens: int, backends: int, indexed: int, samples: int) -> dict[str,
 
     request = parse_request(Endpoint.CHAT, bodies[1], None)
     hashes = chain_hashes(request.canonical, settings.block_chars)
-    matched = loop.run_until_complete(router.index.match(MODEL, hashes))
-    state = router.state(request, router.candidates(MODEL), hashes, matched, 1)
+    state = loop.run_until_complete(router.decide(request)).state
     results = {
         "decision": timed(samples, decision),
         "route": timed(samples, route),

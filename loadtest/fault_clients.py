@@ -15,7 +15,7 @@ import time
 
 import httpx
 
-from gateway.emulator.replicas import EmulatedFleet
+from gateway.emulator.replicas import EmulatedReplicas
 from loadtest.fault_load import (
     MODEL,
     Result,
@@ -33,7 +33,7 @@ from tests.support import GatewayProcess
 async def clients_disconnect(streams: int = 16, plain: int = 4) -> Result:
     """Clients hang up mid-generation: the replica must abort every one of them at once."""
     with (
-        EmulatedFleet(1, MODEL, ["--decode-ms-per-token", "10"]) as fleet,
+        EmulatedReplicas(1, MODEL, ["--decode-ms-per-token", "10"]) as fleet,
         GatewayProcess(fleet.urls) as gateway,
     ):
         replica = fleet.replicas[0]
@@ -95,7 +95,7 @@ async def overload(bursts: int = 5, size: int = 200) -> Result:
     """Bursts far above the concurrency bound: 429s with Retry-After, memory flat."""
     limits = ("--max-concurrency", "8", "--max-queue", "8", "--queue-timeout", "0.5")
     with (
-        EmulatedFleet(1, MODEL, ["--decode-ms-per-token", "5"]) as fleet,
+        EmulatedReplicas(1, MODEL, ["--decode-ms-per-token", "5"]) as fleet,
         GatewayProcess(fleet.urls, *limits) as gateway,
     ):
         await burst(gateway.url, size, Tally(), max_tokens=20, tag="warm")
@@ -128,7 +128,7 @@ async def redis_killed() -> Result:
 
     with (
         RedisServer() as redis,
-        EmulatedFleet(2, MODEL, ["--decode-ms-per-token", "1"]) as fleet,
+        EmulatedReplicas(2, MODEL, ["--decode-ms-per-token", "1"]) as fleet,
         GatewayProcess(fleet.urls, "--redis-url", redis.url) as first,
         GatewayProcess(fleet.urls, "--redis-url", redis.url) as second,
     ):
@@ -157,7 +157,7 @@ async def sigterm_during_streams(streams: int = 12) -> Result:
     """SIGTERM while streams run: /ready turns 503, every stream still completes."""
     args = ("--shutdown-delay", "0.5", "--shutdown-grace", "10")
     with (
-        EmulatedFleet(1, MODEL, ["--decode-ms-per-token", "10"]) as fleet,
+        EmulatedReplicas(1, MODEL, ["--decode-ms-per-token", "10"]) as fleet,
         GatewayProcess(fleet.urls, *args) as gateway,
     ):
         tally = Tally()
@@ -216,7 +216,7 @@ async def fuzzed_requests(examples: int = 500) -> Result:
     from tests.test_faults_fuzz import METHODS, PATHS, bodies, headers
 
     tally = Tally()
-    with EmulatedFleet(1, MODEL) as fleet, GatewayProcess(fleet.urls) as gateway:
+    with EmulatedReplicas(1, MODEL) as fleet, GatewayProcess(fleet.urls) as gateway:
         with httpx.Client(base_url=gateway.url, timeout=30) as client:
 
             @settings(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from gateway.emulator.replicas import EmulatedFleet
+from gateway.emulator.replicas import EmulatedReplicas
 from loadtest.fault_load import MODEL, Result, Tally, run_load, wait_for
 from tests.fault_servers import FaultServer
 from tests.support import GatewayProcess, metric_value
@@ -30,7 +30,7 @@ async def replica_killed() -> Result:
     """SIGKILL one of three replicas under load, start it again on the same port."""
     args = ["--decode-ms-per-token", "4"]
     with (
-        EmulatedFleet(3, MODEL, args) as fleet,
+        EmulatedReplicas(3, MODEL, args) as fleet,
         GatewayProcess(fleet.urls, *FAST_HEALTH, "--unhealthy-threshold", "1") as gateway,
     ):
         victim = fleet.replicas[0]
@@ -71,7 +71,7 @@ async def replica_killed() -> Result:
 async def replica_stalls() -> Result:
     """One of three replicas starts accepting requests and never answering."""
     with (
-        EmulatedFleet(2, MODEL, ["--decode-ms-per-token", "2"]) as fleet,
+        EmulatedReplicas(2, MODEL, ["--decode-ms-per-token", "2"]) as fleet,
         FaultServer() as staller,
     ):
         specs = [f"{MODEL}={url}" for url in [*fleet.urls, staller.url]]
@@ -113,7 +113,7 @@ async def replica_stalls() -> Result:
 async def replicas_misbehave() -> Result:
     """Three of five replicas answer 500, garbage, or drop the connection mid-response."""
     with (
-        EmulatedFleet(2, MODEL, ["--decode-ms-per-token", "1"]) as fleet,
+        EmulatedReplicas(2, MODEL, ["--decode-ms-per-token", "1"]) as fleet,
         FaultServer(mode="error") as failing,
         FaultServer(mode="garbage") as garbage,
         FaultServer(mode="cut") as cutter,

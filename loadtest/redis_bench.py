@@ -45,10 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gateway.backends.pool import Backend, BackendPool
 from gateway.clock import ManualClock
 from gateway.config import Settings
-from gateway.emulator.replicas import EmulatedFleet
+from gateway.emulator.replicas import EmulatedReplicas
 from gateway.metrics import Metrics
+from gateway.prompt.canonical import message_segment
 from gateway.prompt.hashing import chain_hashes, extend_hashes
-from gateway.prompt.parsing import Endpoint, message_segment, parse_request
+from gateway.prompt.parsing import Endpoint, parse_request
 from gateway.routing.policies import build_policy
 from gateway.routing.router import Router
 from gateway.state import redis as redis_store
@@ -382,7 +383,7 @@ def fleet(args: argparse.Namespace) -> None:
     for count, state in plans:
         with (
             RedisServer() as server,
-            EmulatedFleet(4, MODEL, emulator_args) as replicas,
+            EmulatedReplicas(4, MODEL, emulator_args) as replicas,
             contextlib.ExitStack() as stack,
         ):
             extra = [*shlex.split(args.gateway_args)]

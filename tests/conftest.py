@@ -5,20 +5,20 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from gateway.emulator.replicas import EmulatedFleet
+from gateway.emulator.replicas import EmulatedReplicas
 from tests.support import GatewayProcess
 
 MODEL = "emulated-model"
 
 
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[EmulatedFleet]:
-    with EmulatedFleet(4, MODEL, ["--chat-template", "plain"]) as started:
+def fleet() -> Iterator[EmulatedReplicas]:
+    with EmulatedReplicas(4, MODEL, ["--chat-template", "plain"]) as started:
         yield started
 
 
 @pytest.fixture(scope="module")
-def gateway(fleet: EmulatedFleet) -> Iterator[GatewayProcess]:
+def gateway(fleet: EmulatedReplicas) -> Iterator[GatewayProcess]:
     with GatewayProcess(fleet.urls) as started:
         yield started
 

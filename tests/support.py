@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gateway.processes import ChildProcess, free_port
+from gateway.processes import ChildProcess, free_port, metric_value
 
 __all__ = ["GatewayProcess", "free_port", "metric_value", "run_script"]
 
@@ -47,17 +47,3 @@ class GatewayProcess(ChildProcess):
 
     def metrics(self) -> str:
         return self.metrics_text()
-
-
-def metric_value(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of `name` whose labels include `labels`."""
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name) or line.startswith("#"):
-            continue
-        series, _, value = line.rpartition(" ")
-        if series.split("{")[0] != name:
-            continue
-        if all(f'{key}="{wanted}"' in series for key, wanted in labels.items()):
-            total += float(value)
-    return total

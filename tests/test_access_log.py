@@ -9,7 +9,7 @@ import httpx
 import openai
 import orjson
 
-from gateway.emulator.replicas import EmulatedFleet
+from gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
 from tests.support import GatewayProcess
 from tests.words import words
@@ -112,7 +112,7 @@ def test_a_rejected_request_is_logged_with_its_error(gateway: GatewayProcess) ->
     assert line["status"] == 400 and line["error"] == "invalid_json"
 
 
-def test_the_access_log_can_be_turned_off(fleet: EmulatedFleet) -> None:
+def test_the_access_log_can_be_turned_off(fleet: EmulatedReplicas) -> None:
     with GatewayProcess(fleet.urls, "--no-access-log") as quiet:
         response = httpx.post(
             quiet.url + "/v1/completions",

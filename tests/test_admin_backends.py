@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from gateway.emulator.replicas import EmulatedFleet
+from gateway.emulator.replicas import EmulatedReplicas
 from tests.support import GatewayProcess
 
 MODEL = "emulated-model"
@@ -18,14 +18,14 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
-def replicas() -> Iterator[EmulatedFleet]:
+def replicas() -> Iterator[EmulatedReplicas]:
     # Slow decoding, so that a streamed answer is still running while its replica drains.
-    with EmulatedFleet(3, MODEL, ["--decode-ms-per-token", "25"]) as started:
+    with EmulatedReplicas(3, MODEL, ["--decode-ms-per-token", "25"]) as started:
         yield started
 
 
 @pytest.fixture
-def gateway(replicas: EmulatedFleet) -> Iterator[GatewayProcess]:
+def gateway(replicas: EmulatedReplicas) -> Iterator[GatewayProcess]:
     with GatewayProcess(
         replicas.urls[:2], "--admin-token", TOKEN, "--drain-timeout", "10"
     ) as started:
@@ -73,7 +73,9 @@ def test_the_fleet_api_needs_the_admin_token(gateway: GatewayProcess) -> None:
     assert httpx.delete(gateway.url + "/admin/backends/x:1").status_code == 401
 
 
-def test_lists_adds_and_removes_backends(gateway: GatewayProcess, replicas: EmulatedFleet) -> None:
+def test_lists_adds_and_removes_backends(
+    gateway: GatewayProcess, replicas: EmulatedReplicas
+) -> None:
     first, second, third = (name_of(url) for url in replicas.urls)
     wait_for(lambda: all(item["healthy"] for item in listing(gateway).values()))
     backends = listing(gateway)
@@ -163,7 +165,7 @@ def test_drain_lets_the_stream_in_flight_finish(gateway: GatewayProcess) -> None
 
 
 def test_drain_and_wait_answers_once_the_backend_is_gone(
-    gateway: GatewayProcess, replicas: EmulatedFleet
+    gateway: GatewayProcess, replicas: EmulatedReplicas
 ) -> None:
     first = name_of(replicas.urls[0])
     wait_for(lambda: all(item["healthy"] for item in listing(gateway).values()))

@@ -8,7 +8,8 @@ import orjson
 import pytest
 
 from gateway.clock import ManualClock
-from gateway.prompt.parsing import Endpoint, message_segment, parse_request
+from gateway.prompt.canonical import message_segment
+from gateway.prompt.parsing import Endpoint, parse_request
 from gateway.routing.conversations import (
     TRIM_ALIASES,
     AffinityMiss,

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.backends.discovery import Target
+from gateway.backends.membership import ServiceSpec
 from gateway.cli import build_parser
 from gateway.config import Settings, _env_name, load_settings
 
@@ -133,7 +133,7 @@ def test_gateway_environment_is_real_settings(gateway: str) -> None:
     assert settings.redis_url.startswith("redis://redis:")
     assert settings.backend_dns
     for spec in settings.backend_dns:
-        target = Target.parse(spec, port_required=True)
+        target = ServiceSpec.parse(spec, port_required=True)
         assert target.host in SERVICES, f"{spec} names no compose service"
         assert f"--port {target.port}" in " ".join(command_of(SERVICES[target.host]))
 

@@ -20,7 +20,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gateway.backends.discovery import Target
+from gateway.backends.membership import ServiceSpec
 from gateway.config import Settings, _env_name, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -335,7 +335,7 @@ def test_gateway_settings_are_real_and_point_at_services_of_the_overlay(overlay:
     settings = load_settings(environ=environment)
     services = by_kind(documents, "Service")
     for spec in settings.k8s_service:
-        target = Target.parse(spec, port_required=False)
+        target = ServiceSpec.parse(spec, port_required=False)
         replicas = services[target.host]
         assert replicas["spec"]["clusterIP"] == "None", "the replicas' Service is headless"
         assert target.port in {port["name"] for port in replicas["spec"]["ports"]}

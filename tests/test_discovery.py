@@ -28,7 +28,10 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gateway.backends.discovery import Discovery, DnsSource, KubernetesSource, Membership, Target
+from gateway.backends.discovery import Discovery
+from gateway.backends.dns import DnsSource
+from gateway.backends.kubernetes import KubernetesSource
+from gateway.backends.membership import Membership, ServiceSpec
 from gateway.backends.pool import Backend, BackendPool
 from gateway.config import ConfigError, Settings
 from gateway.emulator.process import EmulatorProcess
@@ -275,7 +278,8 @@ def mark_healthy(pool: BackendPool) -> Callable[[Backend], Coroutine[Any, Any, N
 
 
 def names(pool: BackendPool, model: str = MODEL) -> set[str]:
-    return {backend.name for backend in pool.candidates(model)}
+    serving = pool.serving(model)
+    return {backend.name for backend in serving.backends} if serving else set()
 
 
 # --- parsing ---------------------------------------------------------------------------------
@@ -284,22 +288,22 @@ def names(pool: BackendPool, model: str = MODEL) -> set[str]:
 @pytest.mark.parametrize(
     ("spec", "required", "expected"),
     [
-        ("vllm.ns.svc:8000", True, Target("vllm.ns.svc", "8000")),
-        ("llama=vllm.ns.svc:8000", True, Target("vllm.ns.svc", "8000", "llama")),
-        ("http://vllm:8000", True, Target("vllm", "8000")),
-        ("vllm", False, Target("vllm", "")),
-        ("vllm:http", False, Target("vllm", "http")),
-        ("llama=vllm:8000", False, Target("vllm", "8000", "llama")),
+        ("vllm.ns.svc:8000", True, ServiceSpec("vllm.ns.svc", "8000")),
+        ("llama=vllm.ns.svc:8000", True, ServiceSpec("vllm.ns.svc", "8000", "llama")),
+        ("http://vllm:8000", True, ServiceSpec("vllm", "8000")),
+        ("vllm", False, ServiceSpec("vllm", "")),
+        ("vllm:http", False, ServiceSpec("vllm", "http")),
+        ("llama=vllm:8000", False, ServiceSpec("vllm", "8000", "llama")),
     ],
 )
-def test_targets_parse(spec: str, required: bool, expected: Target) -> None:
-    assert Target.parse(spec, port_required=required) == expected
+def test_targets_parse(spec: str, required: bool, expected: ServiceSpec) -> None:
+    assert ServiceSpec.parse(spec, port_required=required) == expected
 
 
 @pytest.mark.parametrize("spec", ["vllm.ns.svc", "vllm:http", "=:8000"])
 def test_dns_targets_need_a_port(spec: str) -> None:
     with pytest.raises(ConfigError):
-        Target.parse(spec, port_required=True)
+        ServiceSpec.parse(spec, port_required=True)
 
 
 def test_discovery_alone_is_a_valid_configuration() -> None:
@@ -418,11 +422,12 @@ def test_dns_source_follows_a_and_aaaa_records() -> None:
 
 def test_dns_lookup_failure_raises_for_the_caller() -> None:
     async def scenario(server: FakeDns) -> None:
-        from gateway.backends.discovery import build_resolver
+        from gateway.backends.dns import build_resolver
 
         pool = BackendPool()
         membership = Membership(pool, "dns:vllm", None, mark_healthy(pool), 1)
-        source = DnsSource(Target("vllm", "8000"), membership, build_resolver(server.address), 0.2)
+        resolver = build_resolver(server.address)
+        source = DnsSource(ServiceSpec("vllm", "8000"), membership, resolver, 0.2)
         server.silent = True
         with pytest.raises(dns.exception.Timeout):
             await source.sync()

@@ -76,7 +76,6 @@ def test_time_model_prices_uncached_tokens_and_paces_decode() -> None:
     assert model.prefill_seconds(250) == pytest.approx(0.25)
     assert model.token_time(10.0, 0) == 10.0
     assert model.token_time(10.0, 5) == pytest.approx(10.1)
-    assert not model.is_instant and TimeModel().is_instant
 
 
 def test_prefill_lane_runs_one_prefill_at_a_time() -> None:

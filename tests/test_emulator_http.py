@@ -27,7 +27,7 @@ def replica() -> Iterator[EmulatorProcess]:
 
 @pytest.fixture(scope="module")
 def client(replica: EmulatorProcess) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=replica.base_url + "/v1", api_key="unused") as api:
+    with openai.OpenAI(base_url=replica.url + "/v1", api_key="unused") as api:
         yield api
 
 
@@ -97,7 +97,7 @@ def test_streamed_chat_sends_each_token_then_usage_then_done(
     assert whole.choices[0].message.content == text
 
     raw = httpx.post(
-        replica.base_url + "/v1/chat/completions",
+        replica.url + "/v1/chat/completions",
         json={"model": MODEL, "messages": messages, "max_tokens": 3, "stream": True},
     )
     events = sse_events(raw)
@@ -123,7 +123,7 @@ def test_completions_take_text_batches_and_token_ids(
 
     events = sse_events(
         httpx.post(
-            replica.base_url + "/v1/completions",
+            replica.url + "/v1/completions",
             json={
                 "model": MODEL,
                 "prompt": "x y z",
@@ -152,7 +152,7 @@ def test_embeddings_are_deterministic_unit_vectors(
     assert vectors[0] != vectors[1]
     assert result.usage.prompt_tokens == 3
     as_floats = httpx.post(
-        replica.base_url + "/v1/embeddings",
+        replica.url + "/v1/embeddings",
         json={"model": MODEL, "input": "one two", "encoding_format": "float"},
     ).json()
     assert as_floats["data"][0]["embedding"] == pytest.approx(vectors[0], rel=1e-6)
@@ -166,8 +166,8 @@ def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
 
 
 def test_health_and_metrics(replica: EmulatorProcess) -> None:
-    assert httpx.get(replica.base_url + "/health").status_code == 200
-    text = httpx.get(replica.base_url + "/metrics").text
+    assert httpx.get(replica.url + "/health").status_code == 200
+    text = httpx.get(replica.url + "/metrics").text
     for name in (
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
@@ -210,7 +210,7 @@ def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
     ],
 )
 def test_bad_chat_requests_are_400(replica: EmulatorProcess, body: bytes, param: str) -> None:
-    response = httpx.post(replica.base_url + "/v1/chat/completions", content=body)
+    response = httpx.post(replica.url + "/v1/chat/completions", content=body)
     error = error_of(response, 400)
     assert error["type"] == "BadRequestError" and error["param"] == param
 
@@ -222,7 +222,7 @@ def test_bad_completion_and_embedding_requests_are_400(replica: EmulatorProcess)
         ("/v1/embeddings", {"input": None}),
         ("/v1/embeddings", {"input": "a", "encoding_format": "hex"}),
     ):
-        error_of(httpx.post(replica.base_url + path, json=body), 400)
+        error_of(httpx.post(replica.url + path, json=body), 400)
 
 
 def test_unknown_model_route_and_method(client: openai.OpenAI, replica: EmulatorProcess) -> None:
@@ -233,8 +233,8 @@ def test_unknown_model_route_and_method(client: openai.OpenAI, replica: Emulator
     assert raised.value.status_code == 404
     error = error_of(raised.value.response, 404)
     assert error["type"] == "NotFoundError" and "other-model" in error["message"]
-    error_of(httpx.get(replica.base_url + "/v1/nowhere"), 404)
-    error_of(httpx.get(replica.base_url + "/v1/chat/completions"), 405)
+    error_of(httpx.get(replica.url + "/v1/nowhere"), 404)
+    error_of(httpx.get(replica.url + "/v1/chat/completions"), 405)
 
 
 json_values = st.recursive(
@@ -280,7 +280,7 @@ request_bodies = st.fixed_dictionaries(
 def test_no_input_makes_a_server_error(
     replica: EmulatorProcess, path: str, body: dict[str, Any]
 ) -> None:
-    response = httpx.post(replica.base_url + path, content=json.dumps(body), timeout=10)
+    response = httpx.post(replica.url + path, content=json.dumps(body), timeout=10)
     assert response.status_code in (200, 400, 404), response.text
     if response.status_code != 200:
         error_of(response, response.status_code)
@@ -289,7 +289,7 @@ def test_no_input_makes_a_server_error(
 def test_chatml_template_adds_turn_tokens() -> None:
     with (
         EmulatorProcess("--chat-template", "chatml", name=MODEL) as process,
-        openai.OpenAI(base_url=process.base_url + "/v1", api_key="unused") as api,
+        openai.OpenAI(base_url=process.url + "/v1", api_key="unused") as api,
     ):
         reply = api.chat.completions.create(
             model=MODEL,

@@ -27,7 +27,7 @@ def replica() -> Iterator[EmulatorProcess]:
 
 
 def api(process: EmulatorProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=process.base_url + "/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=process.url + "/v1", api_key="unused", max_retries=0)
 
 
 def words(count: int, tag: str) -> str:
@@ -103,12 +103,12 @@ def test_a_small_cache_evicts_least_recently_used_blocks_tail_first() -> None:
 def test_requests_beyond_max_running_wait_in_the_queue() -> None:
     with EmulatorProcess("--max-running", "1", "--decode-ms-per-token", "5", name=MODEL) as process:
         body = {"model": MODEL, "prompt": "hold the slot", "max_tokens": 80, "stream": True}
-        with httpx.stream("POST", process.base_url + "/v1/completions", json=body) as first:
+        with httpx.stream("POST", process.url + "/v1/completions", json=body) as first:
             lines = first.iter_lines()
             next(lines)
             waiting = threading.Thread(
                 target=lambda: httpx.post(
-                    process.base_url + "/v1/completions",
+                    process.url + "/v1/completions",
                     json={"model": MODEL, "prompt": "queued", "max_tokens": 2},
                     timeout=10,
                 )
@@ -133,7 +133,7 @@ def test_uncached_prefills_run_one_at_a_time() -> None:
 
         def ask(tag: str) -> None:
             body = {"model": MODEL, "prompt": words(150, tag), "max_tokens": 1}
-            httpx.post(process.base_url + "/v1/completions", json=body, timeout=10)
+            httpx.post(process.url + "/v1/completions", json=body, timeout=10)
             finished.append(time.monotonic() - started)
 
         threads = [threading.Thread(target=ask, args=(tag,)) for tag in "xy"]
@@ -145,7 +145,7 @@ def test_uncached_prefills_run_one_at_a_time() -> None:
         assert finished[0] >= 0.3 and finished[1] >= 0.6
         warm_started = time.monotonic()
         body = {"model": MODEL, "prompt": words(150, "x"), "max_tokens": 1}
-        reply = httpx.post(process.base_url + "/v1/completions", json=body, timeout=10).json()
+        reply = httpx.post(process.url + "/v1/completions", json=body, timeout=10).json()
         assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 144
         assert time.monotonic() - warm_started < 0.2  # 6 uncached tokens: 12 ms
 
@@ -162,7 +162,7 @@ def test_a_client_leaving_mid_stream_aborts_its_sequence_at_once() -> None:
     with EmulatorProcess("--decode-ms-per-token", "20", name=MODEL) as process:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}], "stream": True}
         body["max_tokens"] = 1000
-        with httpx.stream("POST", process.base_url + "/v1/chat/completions", json=body) as stream:
+        with httpx.stream("POST", process.url + "/v1/chat/completions", json=body) as stream:
             lines = stream.iter_lines()
             assert next(lines).startswith("data: ")
             assert process.metric("vllm:num_requests_running") == 1
@@ -171,7 +171,7 @@ def test_a_client_leaving_mid_stream_aborts_its_sequence_at_once() -> None:
         assert process.metric("vllm:kv_cache_usage_perc") == 0.0
 
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(process.base_url + "/v1/chat/completions", json={**body, "stream": False},
+            httpx.post(process.url + "/v1/chat/completions", json={**body, "stream": False},
                        timeout=0.3)  # fmt: skip
         assert wait_until_idle(process, 0.1) < 0.1
         assert process.metric("vllm:request_success_total", finished_reason="abort") == 2
@@ -182,7 +182,7 @@ def test_sigterm_lets_a_request_in_flight_finish() -> None:
     process.start()
     try:
         body = {"model": MODEL, "prompt": "finish me", "max_tokens": 30, "stream": True}
-        with httpx.stream("POST", process.base_url + "/v1/completions", json=body) as stream:
+        with httpx.stream("POST", process.url + "/v1/completions", json=body) as stream:
             lines = stream.iter_lines()
             next(lines)
             statuses: list[int | None] = []

@@ -34,6 +34,12 @@ def test_parses_vllm_and_sglang_names() -> None:
     assert parse_engine_load("other_metric 5\n") is None
 
 
+def test_a_sample_timestamp_is_not_its_value() -> None:
+    stamped = 'vllm:num_requests_running{model_name="m"} 3 1700000000000\n'
+    assert parse_engine_load(stamped) == EngineLoad(3.0, 0.0, None)
+    assert parse_engine_load('vllm:num_requests_running{model_name="m" 3\n') is None
+
+
 def test_only_the_load_others_sent_is_added() -> None:
     assert others_load(EngineLoad(3, 2), own_in_flight=1) == 4
     assert others_load(EngineLoad(1, 0), own_in_flight=3) == 0

@@ -12,7 +12,7 @@ import pytest
 
 from gateway.backends.pool import BackendPool
 from gateway.config import Settings
-from gateway.emulator.replicas import EmulatedFleet
+from gateway.emulator.replicas import EmulatedReplicas
 from gateway.metrics import Metrics
 from gateway.prompt.parsing import Endpoint, parse_request
 from gateway.routing.policies import build_policy
@@ -28,7 +28,7 @@ AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
-def admin(fleet: EmulatedFleet) -> Iterator[GatewayProcess]:
+def admin(fleet: EmulatedReplicas) -> Iterator[GatewayProcess]:
     with GatewayProcess(fleet.urls, "--admin-token", TOKEN) as started:
         yield started
 
@@ -184,10 +184,11 @@ def test_explain_leaves_a_round_robin_turn_where_it_was() -> None:
     request = parse_request(Endpoint.CHAT, body, None)
 
     async def scenario() -> list[str]:
-        explained = [(await router.explain(request)).decision.backend for _ in range(3)]
+        explained = [(await router.explain(request)).routed.backend.name for _ in range(3)]
         assert len(index) == 0 and len(router.conversations) == 0
-        assert router.recent.snapshot(["a:1", "b:1"]) == {}
+        assert router.traffic.recent.snapshot(["a:1", "b:1"]) == {}
         routed = await router.route(request)
-        return [*explained, routed.backend.name, (await router.explain(request)).decision.backend]
+        after = await router.explain(request)
+        return [*explained, routed.backend.name, after.routed.backend.name]
 
     assert asyncio.run(scenario()) == ["a:1", "a:1", "a:1", "a:1", "b:1"]

@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from gateway.emulator.replicas import EmulatedFleet
+from gateway.emulator.replicas import EmulatedReplicas
 from loadtest import fault_clients
 from tests.conftest import MODEL
 from tests.support import GatewayProcess
@@ -56,7 +56,7 @@ def test_sigterm_lets_every_running_stream_finish() -> None:
 def test_a_stream_outliving_the_shutdown_grace_ends_with_an_sse_error() -> None:
     args = ("--shutdown-grace", "1")
     with (
-        EmulatedFleet(1, MODEL, ["--decode-ms-per-token", "10"]) as fleet,
+        EmulatedReplicas(1, MODEL, ["--decode-ms-per-token", "10"]) as fleet,
         GatewayProcess(fleet.urls, *args) as gateway,
     ):
         body = {
@@ -89,7 +89,7 @@ def test_a_stream_outliving_the_shutdown_grace_ends_with_an_sse_error() -> None:
 
 def test_new_connections_are_refused_once_the_listener_closed() -> None:
     with (
-        EmulatedFleet(1, MODEL) as fleet,
+        EmulatedReplicas(1, MODEL) as fleet,
         GatewayProcess(fleet.urls, "--shutdown-delay", "0.6") as gateway,
     ):
         os.kill(gateway.pid, signal.SIGTERM)

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
-from gateway.emulator.replicas import EmulatedFleet
+from gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
 from tests.support import GatewayProcess, metric_value
 
@@ -57,13 +57,13 @@ FIELDS = [
 
 
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[EmulatedFleet]:
-    with EmulatedFleet(1, MODEL) as started:
+def fleet() -> Iterator[EmulatedReplicas]:
+    with EmulatedReplicas(1, MODEL) as started:
         yield started
 
 
 @pytest.fixture(scope="module")
-def target(fleet: EmulatedFleet) -> Iterator[GatewayProcess]:
+def target(fleet: EmulatedReplicas) -> Iterator[GatewayProcess]:
     args = ("--admin-token", ADMIN, "--max-body-bytes", "65536", "--health-interval", "60")
     with GatewayProcess(fleet.urls, *args) as gateway:
         yield gateway

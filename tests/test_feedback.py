@@ -13,9 +13,10 @@ from gateway.config import Settings
 from gateway.metrics import Metrics
 from gateway.prompt.parsing import Endpoint, parse_request
 from gateway.proxy.usage import Observation
-from gateway.routing.feedback import CacheFeedback, ChainLinks, Outcome, chars_per_token, judge
+from gateway.routing.feedback import Agreement, ChainLinks, chars_per_token, judge
 from gateway.routing.policies import build_policy
-from gateway.routing.router import RoutedRequest, Router
+from gateway.routing.router import Routed, Router
+from gateway.routing.types import Outcome
 from gateway.state.index import InMemoryPrefixIndex
 from gateway.state.sessions import InMemorySessionStore
 from tests.words import words
@@ -30,38 +31,37 @@ def test_chars_per_token_is_the_requests_own_unless_unreported() -> None:
 @pytest.mark.parametrize(
     ("cached", "outcome", "first_missing"),
     [
-        (160, Outcome.CONFIRMED, 10),  # exactly the prediction
-        (137, Outcome.CONFIRMED, 10),  # short by less than the tolerance (24)
-        (135, Outcome.SHALLOWER, 9),  # 135 + 24 tokens reach into block 9
-        (0, Outcome.SHALLOWER, 1),  # 24 tokens = 96 characters: block 1
-        (185, Outcome.DEEPER, 10),
+        (160, Agreement.CONFIRMED, 10),  # exactly the prediction
+        (137, Agreement.CONFIRMED, 10),  # short by less than the tolerance (24)
+        (135, Agreement.SHALLOWER, 9),  # 135 + 24 tokens reach into block 9
+        (0, Agreement.SHALLOWER, 1),  # 24 tokens = 96 characters: block 1
+        (185, Agreement.DEEPER, 10),
     ],
 )
 def test_judge_compares_within_the_tolerance(
-    cached: int, outcome: Outcome, first_missing: int
+    cached: int, outcome: Agreement, first_missing: int
 ) -> None:
     # 10 blocks of 64 characters at 4 characters per token: 160 tokens predicted.
     verdict = judge(10, cached, 4.0, 64, 24)
     assert verdict.predicted_tokens == 160
     assert (verdict.outcome, verdict.first_missing) == (outcome, first_missing)
-    assert verdict.observed_tokens == cached
 
 
 def test_judge_allows_a_share_of_the_prediction() -> None:
     # 100 blocks = 1,600 tokens; 10 % of that widens the tolerance to 184 tokens.
-    assert judge(100, 1420, 4.0, 64, 24, 0.1).outcome is Outcome.CONFIRMED
-    assert judge(100, 1410, 4.0, 64, 24, 0.1).outcome is Outcome.SHALLOWER
-    assert judge(100, 1410, 4.0, 64, 24).outcome is Outcome.SHALLOWER
+    assert judge(100, 1420, 4.0, 64, 24, 0.1).outcome is Agreement.CONFIRMED
+    assert judge(100, 1410, 4.0, 64, 24, 0.1).outcome is Agreement.SHALLOWER
+    assert judge(100, 1410, 4.0, 64, 24).outcome is Agreement.SHALLOWER
 
 
 def test_judge_never_blames_an_unpredicted_or_unreached_block() -> None:
-    assert judge(0, 0, 4.0, 64, 24).outcome is Outcome.CONFIRMED
+    assert judge(0, 0, 4.0, 64, 24).outcome is Agreement.CONFIRMED
     # The tolerance alone reaches past the prediction (16 tokens): nothing surely missing.
-    assert judge(1, 0, 4.0, 64, 24).outcome is Outcome.CONFIRMED
-    assert judge(2, 0, 4.0, 64, 24).outcome is Outcome.SHALLOWER
+    assert judge(1, 0, 4.0, 64, 24).outcome is Agreement.CONFIRMED
+    assert judge(2, 0, 4.0, 64, 24).outcome is Agreement.SHALLOWER
     # A ratio that puts the reach beyond the last predicted block still names one inside.
     shallow = judge(3, 0, 30.0, 64, 1)
-    assert shallow.outcome is Outcome.SHALLOWER and shallow.first_missing == 0
+    assert shallow.outcome is Agreement.SHALLOWER and shallow.first_missing == 0
     assert judge(12, 0, 2.0, 64, 24).first_missing == 0
     assert judge(12, 64, 8.0, 64, 0).first_missing == 8
 
@@ -171,24 +171,28 @@ class Harness:
             build_policy(self.settings),
             self.metrics,
         )
-        self.feedback = CacheFeedback(self.index, self.metrics, self.settings)
+        assert self.router.feedback is not None
+        self.feedback = self.router.feedback
 
-    def route(self, messages: list[dict[str, str]]) -> RoutedRequest:
+    def route(self, messages: list[dict[str, str]]) -> Routed:
         body = orjson.dumps({"model": MODEL, "messages": messages})
         return asyncio.run(self.router.route(parse_request(Endpoint.CHAT, body, None)))
 
-    def answered(self, routed: RoutedRequest, seen: Observation) -> None:
-        """As the proxy does after a response: feedback, then the answer is recorded."""
+    def answered(self, routed: Routed, seen: Observation) -> None:
+        """As the proxy does after a response: the router learns from its outcome."""
+        outcome = Outcome(
+            200,
+            routed.decision,
+            (routed.backend.name,),
+            seen.prompt_tokens,
+            seen.cached_tokens,
+            seen.answer,
+            seen.sent_at,
+        )
+        asyncio.run(self.router.learn(routed, outcome))
 
-        async def learn() -> None:
-            answered = self.router.answered(routed, seen.answer)
-            await self.feedback.observe(routed, seen, answered.chain)
-            await self.router.learn_answer(routed, answered)
-
-        asyncio.run(learn())
-
-    def depth(self, routed: RoutedRequest) -> int:
-        matched = asyncio.run(self.index.match(MODEL, routed.hashes))
+    def depth(self, routed: Routed) -> int:
+        matched = asyncio.run(self.index.match(MODEL, routed.chain))
         return matched.get(routed.backend.name, 0)
 
     def counted(self, outcome: str) -> float:
@@ -208,9 +212,9 @@ RATIO = 6.0
 """Characters per token the replica's reports imply (the emulator's: one word, one token)."""
 
 
-def usage(routed: RoutedRequest, cached: int | None = None, answer: str = "") -> Observation:
+def usage(routed: Routed, cached: int | None = None, answer: str = "") -> Observation:
     """A report of `cached` tokens; by default exactly what the index predicted."""
-    prompt_tokens = round(len(routed.input.canonical) / RATIO)
+    prompt_tokens = round(len(routed.request.canonical) / RATIO)
     if cached is None:
         cached = round(routed.decision.matched_blocks * routed_block_chars() / RATIO)
     return Observation(prompt_tokens, cached, [answer] if answer else [])
@@ -230,7 +234,7 @@ def test_a_shallow_report_prunes_the_other_chains_through_the_missing_block() ->
     harness.answered(second, usage(second))
     assert harness.counted("confirmed") == 2  # the first predicted nothing and got nothing
     full_first = harness.depth(first)
-    assert full_first == len(first.hashes)
+    assert full_first == len(first.chain)
     # The first conversation's next turn is indexed too, through its recorded answer.
     follow = harness.route(
         [
@@ -249,16 +253,16 @@ def test_a_shallow_report_prunes_the_other_chains_through_the_missing_block() ->
     predicted = third.decision.matched_blocks
     harness.answered(third, usage(third, 0))
     assert harness.counted("shallower") == 1
-    shared = sum(1 for a, b in zip(first.hashes, third.hashes, strict=False) if a == b)
+    shared = sum(1 for a, b in zip(first.chain, third.chain, strict=False) if a == b)
     # The first chain (and the turn that extends it) keep only what the third recomputed.
     assert harness.depth(first) == shared < full_first
     assert harness.depth(follow) == shared
-    assert harness.depth(third) == len(third.hashes) >= predicted  # its own chain stays
+    assert harness.depth(third) == len(third.chain) >= predicted  # its own chain stays
     pruned = harness.metrics.registry.get_sample_value(
         "gateway_index_feedback_pruned_blocks_total",
         {"model": MODEL, "backend": first.backend.name},
     )
-    assert pruned == len(follow.hashes) - shared + len(second.hashes) - shared
+    assert pruned == len(follow.chain) - shared + len(second.chain) - shared
 
 
 def test_a_confirmed_report_prunes_nothing() -> None:
@@ -270,7 +274,7 @@ def test_a_confirmed_report_prunes_nothing() -> None:
     short_of = round(second.decision.matched_blocks * routed_block_chars() / RATIO) - 20
     harness.answered(second, usage(second, short_of))
     assert harness.counted("confirmed") == 2 and harness.counted("shallower") == 0
-    assert harness.depth(first) == len(first.hashes)
+    assert harness.depth(first) == len(first.chain)
 
 
 def test_batches_and_unreported_usage_are_left_alone() -> None:
@@ -280,7 +284,7 @@ def test_batches_and_unreported_usage_are_left_alone() -> None:
     harness.answered(batch, Observation(600, 0))
     single = harness.route([{"role": "user", "content": words(300, "fb3")}])
     harness.answered(single, Observation(300, None))
-    for outcome in Outcome:
+    for outcome in Agreement:
         assert harness.counted(outcome.value) == 0
 
 
@@ -298,11 +302,11 @@ def test_a_burst_on_a_new_prefix_prunes_nothing_still_being_computed() -> None:
     report.sent_at = sent
     harness.answered(second, report)
     assert harness.counted("shallower") == 1
-    assert harness.depth(first) == len(first.hashes)  # the first chain was not there yet
+    assert harness.depth(first) == len(first.chain)  # the first chain was not there yet
     # A third, sent once both had ended, and still finding nothing: now that is eviction.
     third = harness.route([system, {"role": "user", "content": words(200, "fn3")}])
     report = usage(third, 0)
     report.sent_at = time.perf_counter()
     harness.answered(third, report)
-    assert harness.depth(first) < len(first.hashes)
-    assert harness.depth(second) < len(second.hashes)
+    assert harness.depth(first) < len(first.chain)
+    assert harness.depth(second) < len(second.chain)

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.emulator.replicas import EmulatedFleet
+from gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
 from tests.support import GatewayProcess
 from tests.test_explain import AUTH, TOKEN
@@ -26,9 +26,9 @@ Message = dict[str, Any]
 
 
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[EmulatedFleet]:
+def fleet() -> Iterator[EmulatedReplicas]:
     args = ["--chat-template", "plain", "--cache-blocks", "100"]
-    with EmulatedFleet(2, MODEL, args) as started:
+    with EmulatedReplicas(2, MODEL, args) as started:
         yield started
 
 
@@ -42,13 +42,13 @@ def admitted(gateway: GatewayProcess, replicas: int = 2) -> GatewayProcess:
 
 
 @pytest.fixture(scope="module")
-def gateway(fleet: EmulatedFleet) -> Iterator[GatewayProcess]:
+def gateway(fleet: EmulatedReplicas) -> Iterator[GatewayProcess]:
     with GatewayProcess(fleet.urls, "--admin-token", TOKEN) as started:
         yield admitted(started)
 
 
 @pytest.fixture(scope="module")
-def blind(fleet: EmulatedFleet) -> Iterator[GatewayProcess]:
+def blind(fleet: EmulatedReplicas) -> Iterator[GatewayProcess]:
     """The same, without cache feedback."""
     with GatewayProcess(fleet.urls, "--admin-token", TOKEN, "--no-cache-feedback") as started:
         yield admitted(started)
@@ -159,7 +159,7 @@ def test_a_report_that_meets_the_prediction_confirms_it(
 
 
 def test_an_evicted_prefix_is_pruned_from_the_index(
-    fleet: EmulatedFleet, gateway: GatewayProcess, client: openai.OpenAI
+    fleet: EmulatedReplicas, gateway: GatewayProcess, client: openai.OpenAI
 ) -> None:
     system = {"role": "system", "content": words(400, "pe")}
     backend, _, _ = ask(client, question(system, "peq0"))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.emulator.replicas import EmulatedFleet
+from gateway.emulator.replicas import EmulatedReplicas
 from tests.support import GatewayProcess
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,7 +26,7 @@ _ROW = re.compile(r"^(?P<shape>\w+)\s+(?P<requests>\d+)\s+(?P<prompt>\d+)\s+(?P<
 @pytest.fixture(scope="module")
 def gateway() -> Iterator[GatewayProcess]:
     with (
-        EmulatedFleet(4, "emulated-model") as fleet,
+        EmulatedReplicas(4, "emulated-model") as fleet,
         GatewayProcess(fleet.urls) as started,
     ):
         yield started

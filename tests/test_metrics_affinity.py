@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.emulator.replicas import EmulatedFleet
+from gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
 from tests.support import GatewayProcess
 from tests.words import words
@@ -17,13 +17,13 @@ Message = dict[str, Any]
 
 
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[EmulatedFleet]:
-    with EmulatedFleet(2, MODEL) as started:
+def fleet() -> Iterator[EmulatedReplicas]:
+    with EmulatedReplicas(2, MODEL) as started:
         yield started
 
 
 @pytest.fixture(scope="module")
-def gateway(fleet: EmulatedFleet) -> Iterator[GatewayProcess]:
+def gateway(fleet: EmulatedReplicas) -> Iterator[GatewayProcess]:
     # Probes far apart: a replica that dies stays a candidate until a request fails on it.
     with GatewayProcess(fleet.urls, "--health-interval", "60") as started:
         yield started
@@ -137,7 +137,7 @@ def test_a_session_sees_its_system_prompt_change(gateway: GatewayProcess) -> Non
 
 
 def test_a_dead_replica_turns_hits_into_failover_and_unhealthy_misses(
-    fleet: EmulatedFleet, gateway: GatewayProcess
+    fleet: EmulatedReplicas, gateway: GatewayProcess
 ) -> None:
     """Runs last: it stops a replica of the module's fleet."""
     started: dict[str, list[list[Message]]] = {}

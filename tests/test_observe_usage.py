@@ -17,7 +17,7 @@ import orjson
 import pytest
 from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 
-from gateway.emulator.replicas import EmulatedFleet
+from gateway.emulator.replicas import EmulatedReplicas
 from gateway.proxy.usage import StreamObserver, request_usage
 from tests.conftest import MODEL
 from tests.fault_servers import FaultServer
@@ -168,19 +168,19 @@ def ready(gateway: GatewayProcess) -> GatewayProcess:
 
 
 @pytest.fixture(scope="module")
-def replicas() -> Iterator[EmulatedFleet]:
-    with EmulatedFleet(2, MODEL, ["--chat-template", "plain"]) as started:
+def replicas() -> Iterator[EmulatedReplicas]:
+    with EmulatedReplicas(2, MODEL, ["--chat-template", "plain"]) as started:
         yield started
 
 
 @pytest.fixture(scope="module")
-def observing(replicas: EmulatedFleet) -> Iterator[GatewayProcess]:
+def observing(replicas: EmulatedReplicas) -> Iterator[GatewayProcess]:
     with GatewayProcess(replicas.urls, "--observe-usage") as started:
         yield ready(started)
 
 
 @pytest.fixture(scope="module")
-def plain(replicas: EmulatedFleet) -> Iterator[GatewayProcess]:
+def plain(replicas: EmulatedReplicas) -> Iterator[GatewayProcess]:
     with GatewayProcess(replicas.urls) as started:
         yield ready(started)
 

@@ -4,7 +4,8 @@ import orjson
 import pytest
 
 from gateway.errors import BadRequest
-from gateway.prompt.parsing import Endpoint, message_segment, parse_request
+from gateway.prompt.canonical import message_segment
+from gateway.prompt.parsing import Endpoint, parse_request
 
 
 def chat(**fields: object) -> bytes:

@@ -265,7 +265,7 @@ def test_the_router_state_decides_as_plain_snapshots_do() -> None:
     pool = BackendPool()
     for name in FOUR:
         pool.add(Backend(name, f"http://{name}", frozenset({"m"}), healthy=True))
-    group = pool.group("m")
+    group = pool.serving("m")
     assert group is not None
     rng = random.Random(5)
     for _ in range(200):
@@ -301,16 +301,16 @@ def test_the_load_tally_follows_leases_scrapes_and_health() -> None:
     assert a is not None and b is not None
     with pool.lease(a), pool.lease(b), pool.lease(b):
         b.queued = 5
-        group = pool.group("m")
+        group = pool.serving("m")
         assert group is not None and group.total_load == 8
         pool.set_health(b, False)  # b leaves the candidates: its load leaves the tally
-        group = pool.group("m")
+        group = pool.serving("m")
         assert group is not None and group.total_load == 1
         b.queued = 0
         assert group.total_load == 1
     assert group.total_load == 0
     pool.set_health(b, True)
-    assert pool.group("m").total_load == 0  # type: ignore[union-attr]
+    assert pool.serving("m").total_load == 0  # type: ignore[union-attr]
 
 
 def test_a_busy_owner_of_a_cold_shared_prompt_shares_it() -> None:

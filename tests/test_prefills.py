@@ -20,7 +20,7 @@ import openai
 import orjson
 import pytest
 
-from gateway.emulator.replicas import EmulatedFleet
+from gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
 from tests.fault_servers import FaultServer
 from tests.support import GatewayProcess, metric_value
@@ -31,9 +31,9 @@ SYSTEM_TOKENS = 2000
 
 
 @pytest.fixture
-def replica() -> Iterator[EmulatedFleet]:
+def replica() -> Iterator[EmulatedReplicas]:
     args = ["--chat-template", "plain", "--prefill-us-per-token", "200"]
-    with EmulatedFleet(1, MODEL, args) as started:
+    with EmulatedReplicas(1, MODEL, args) as started:
         yield started
 
 
@@ -72,7 +72,7 @@ def two_requests_at_once(gateway: GatewayProcess) -> tuple[int, int]:
     return earlier, later
 
 
-def test_a_request_waits_for_its_prefix_in_prefill(replica: EmulatedFleet) -> None:
+def test_a_request_waits_for_its_prefix_in_prefill(replica: EmulatedReplicas) -> None:
     with GatewayProcess(replica.urls) as gateway:
         admitted_gateway = admitted(gateway, 1)
         first, second = two_requests_at_once(admitted_gateway)
@@ -83,7 +83,7 @@ def test_a_request_waits_for_its_prefix_in_prefill(replica: EmulatedFleet) -> No
     assert metric_value(text, "gateway_prefill_wait_seconds_count") == 1
 
 
-def test_without_waiting_the_prefix_is_computed_twice(replica: EmulatedFleet) -> None:
+def test_without_waiting_the_prefix_is_computed_twice(replica: EmulatedReplicas) -> None:
     with GatewayProcess(replica.urls, "--prefill-wait", "0") as gateway:
         first, second = two_requests_at_once(admitted(gateway, 1))
         text = gateway.metrics()
@@ -96,7 +96,7 @@ def pending_prefill(gateway: GatewayProcess) -> int:
     return sum(int(backend["pending_prefill_blocks"]) for backend in backends)
 
 
-def test_pending_prefill_counts_a_prompt_until_its_first_byte(replica: EmulatedFleet) -> None:
+def test_pending_prefill_counts_a_prompt_until_its_first_byte(replica: EmulatedReplicas) -> None:
     with GatewayProcess(replica.urls) as gateway:
         client = openai.OpenAI(
             base_url=admitted(gateway, 1).url + "/v1", api_key="unused", max_retries=0

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.emulator.replicas import EmulatedFleet
+from gateway.emulator.replicas import EmulatedReplicas
 from gateway.processes import free_port
 from tests.conftest import MODEL
 from tests.support import GatewayProcess, metric_value
@@ -60,7 +60,7 @@ def test_models_and_embeddings(client: openai.OpenAI) -> None:
     assert len(vectors.data) == 2 and vectors.data[0].embedding
 
 
-def test_stream_chunks_are_not_held_back(gateway: GatewayProcess, fleet: EmulatedFleet) -> None:
+def test_stream_chunks_are_not_held_back(gateway: GatewayProcess, fleet: EmulatedReplicas) -> None:
     """The first chunk is relayed as it arrives: no buffering, no Nagle-style stall."""
     body = {
         "model": MODEL,
@@ -142,7 +142,7 @@ def test_no_healthy_backend_is_a_503() -> None:
 
 def test_a_dead_replica_is_failed_over_before_the_first_byte() -> None:
     with (
-        EmulatedFleet(2, MODEL) as pair,
+        EmulatedReplicas(2, MODEL) as pair,
         GatewayProcess(pair.urls, "--health-interval", "60") as gateway,
     ):
         pair.replicas[1].stop()  # dies after its last probe: still a candidate

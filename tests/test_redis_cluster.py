@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from gateway.emulator.replicas import EmulatedFleet
+from gateway.emulator.replicas import EmulatedReplicas
 from gateway.state.redis import KeySpace, RedisPrefixIndex, RedisSessionStore, open_client
 from tests.conftest import MODEL
 from tests.redis_server import PATIENT, RedisClusterServers
@@ -54,7 +54,7 @@ def test_prompts_spread_over_every_node_and_each_lookup_stays_on_one(
 
 
 def test_gateways_share_a_conversation_through_the_cluster(cluster: RedisClusterServers) -> None:
-    with EmulatedFleet(2, MODEL, ["--chat-template", "plain"]) as fleet:
+    with EmulatedReplicas(2, MODEL, ["--chat-template", "plain"]) as fleet:
         gateways = [
             GatewayProcess(
                 fleet.urls, "--redis-url", cluster.url, *PATIENT, "--redis-prefix", "e2e"

@@ -19,7 +19,7 @@ import pytest
 
 from gateway.backends.pool import Backend, BackendPool
 from gateway.config import Settings
-from gateway.emulator.replicas import EmulatedFleet
+from gateway.emulator.replicas import EmulatedReplicas
 from gateway.metrics import Metrics
 from gateway.prompt.parsing import Endpoint, parse_request
 from gateway.routing.policies import Route, build_policy
@@ -38,7 +38,7 @@ COOKIE = "pgw-session"
 @dataclass
 class Fleet:
     redis: RedisServer
-    replicas: EmulatedFleet
+    replicas: EmulatedReplicas
     gateways: list[GatewayProcess]
     """Three gateways in rotation."""
     cookie_gateways: list[GatewayProcess]
@@ -46,7 +46,7 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def shared(fleet: EmulatedFleet) -> Iterator[Fleet]:
+def shared(fleet: EmulatedReplicas) -> Iterator[Fleet]:
     with RedisServer() as redis:
         started: list[GatewayProcess] = []
         try:
@@ -201,10 +201,10 @@ def test_a_session_over_the_load_bound_moves_and_is_bound_again() -> None:
         assert busy is not None
         busy.in_flight = 5
         routed = await router.route(request)
-        assert routed.backend.name == "b:2" and routed.route is not Route.SESSION
+        assert routed.backend.name == "b:2" and routed.decision.route is not Route.SESSION
         assert await sessions.get("s-1") == "b:2"
         busy.in_flight = 0
-        assert (await router.route(request)).route is Route.SESSION
+        assert (await router.route(request)).decision.route is Route.SESSION
 
     asyncio.run(scenario())
     text = metrics.render().decode()

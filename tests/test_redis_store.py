@@ -16,13 +16,13 @@ from redis.crc import key_slot
 
 from gateway.backends.engine_load import EngineLoadScraper
 from gateway.backends.pool import Backend, BackendPool
+from gateway.backends.shared_load import SharedLoad
 from gateway.clock import ManualClock
 from gateway.metrics import Metrics
 from gateway.state.index import InMemoryPrefixIndex
 from gateway.state.redis import (
     FallbackPrefixIndex,
     FallbackSessionStore,
-    FleetLoad,
     KeySpace,
     RedisLink,
     RedisPrefixIndex,
@@ -350,7 +350,7 @@ def test_gateways_see_each_others_requests_in_flight(server: RedisServer) -> Non
             for name in ("a:1", "b:2"):
                 pool.add(Backend(name, f"http://{name}", frozenset({MODEL}), healthy=True))
             engine_load = EngineLoadScraper(pool, probes, 0)
-            fleet = FleetLoad(gateway.link.client, gateway.link, KeySpace("ns"), pool, engine_load)
+            fleet = SharedLoad(gateway.link.client, gateway.link, KeySpace("ns"), pool, engine_load)
             gateways.append((gateway, pool, fleet))
         (_, first_pool, first_fleet), (_, second_pool, second_fleet) = gateways[:2]
         third_gateway, third_pool, third_fleet = gateways[2]

@@ -20,20 +20,20 @@ import pytest
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
 from gateway.config import ConfigError, load_settings
-from gateway.emulator.replicas import EmulatedFleet
+from gateway.emulator.replicas import EmulatedReplicas
 from gateway.server import WORKER_HEADER
 from tests.conftest import MODEL
 from tests.support import GatewayProcess, metric_value
 
 
 @pytest.fixture(scope="module")
-def replicas() -> Iterator[EmulatedFleet]:
-    with EmulatedFleet(2, MODEL, ["--chat-template", "plain"]) as started:
+def replicas() -> Iterator[EmulatedReplicas]:
+    with EmulatedReplicas(2, MODEL, ["--chat-template", "plain"]) as started:
         yield started
 
 
 @pytest.fixture(scope="module")
-def gateway(replicas: EmulatedFleet) -> Iterator[GatewayProcess]:
+def gateway(replicas: EmulatedReplicas) -> Iterator[GatewayProcess]:
     with GatewayProcess(replicas.urls, "--workers", "2") as started:
         yield started
 
@@ -99,7 +99,7 @@ def wait_for(check: Callable[[], bool], what: str, seconds: float = 20.0) -> Non
 
 
 def test_both_workers_serve_and_every_scrape_counts_all_requests(
-    gateway: GatewayProcess, replicas: EmulatedFleet
+    gateway: GatewayProcess, replicas: EmulatedReplicas
 ) -> None:
     before = gateway.metrics()
     with ThreadPoolExecutor(8) as pool:
@@ -159,7 +159,7 @@ def stale_counter_file(directory: Path) -> None:
 
 
 def test_sigterm_to_the_supervisor_stops_every_worker_gracefully(
-    replicas: EmulatedFleet, tmp_path: Path
+    replicas: EmulatedReplicas, tmp_path: Path
 ) -> None:
     stale_counter_file(tmp_path)
     env = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}

@@ -20,6 +20,7 @@ import logging
 from dataclasses import dataclass
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.backends.pool import Backend, BackendPool
 
@@ -28,6 +29,7 @@ log = logging.getLogger("gateway.backends.engine_load")
 _RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 _WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 _KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+_NAMES = (*_RUNNING, *_WAITING, *_KV_USAGE)
 
 
 @dataclass(frozen=True)
@@ -42,30 +44,30 @@ class EngineLoad:
 
 
 def parse_engine_load(text: str) -> EngineLoad | None:
-    """Sum the engine's series over their label sets; None when it exports none of them."""
+    """Sum the engine's series over their label sets; None when it exports none of them.
+
+    Only the lines of the wanted families are handed to the Prometheus parser: an engine's
+    page runs to thousands of lines of histograms, parsed here on every scrape.
+    """
+    wanted = "\n".join(line for line in text.splitlines() if line.startswith(_NAMES))
     running = waiting = 0.0
     usage: float | None = None
     found = False
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        name_end = min((line.find(mark) for mark in ("{", " ") if mark in line), default=-1)
-        if name_end <= 0:
-            continue
-        name = line[:name_end]
-        if name not in _RUNNING and name not in _WAITING and name not in _KV_USAGE:
-            continue
-        try:
-            value = float(line.rsplit(" ", 1)[1])
-        except (IndexError, ValueError):
-            continue
-        found = True
-        if name in _RUNNING:
-            running += value
-        elif name in _WAITING:
-            waiting += value
-        else:
-            usage = value if usage is None else max(usage, value)
+    try:
+        for family in text_string_to_metric_families(wanted):
+            for sample in family.samples:
+                name, value = sample.name, sample.value
+                if name in _RUNNING:
+                    running += value
+                elif name in _WAITING:
+                    waiting += value
+                elif name in _KV_USAGE:
+                    usage = value if usage is None else max(usage, value)
+                else:
+                    continue
+                found = True
+    except ValueError:  # not the exposition format
+        return None
     return EngineLoad(running, waiting, usage) if found else None
 
 

@@ -55,6 +55,11 @@ class Health:
         if backend.healthy and -backend.probe_streak >= self._unhealthy_threshold:
             self._eject(backend, f"{-backend.probe_streak} failed probes")
 
+    def request_succeeded(self, backend: Backend) -> None:
+        """A replica answered (with anything but a 5xx): its run of failures is over."""
+        if backend.failures:
+            backend.failures = 0
+
     def request_failed(self, backend: Backend, cause: str) -> None:
         """Record a request that failed at `backend` for `cause` (a metric cause label)."""
         backend.failures += 1

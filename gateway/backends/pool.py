@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
-
-import httpx
 
 from gateway.config import ConfigError
 
@@ -42,7 +40,7 @@ class Backend:
     """Consecutive probe results of one kind: > 0 passed, < 0 failed."""
     failures: int = 0
     """Failed requests in a row; a good answer resets it (see gateway.backends.health)."""
-    groups: list[Candidates] = field(default_factory=list, repr=False)
+    groups: list[ModelPool] = field(default_factory=list, repr=False)
     """The candidate groups it is in now, whose load tallies follow its own."""
     pending_prefill: int = field(default=0, repr=False)
     """Prompt blocks this gateway has sent it that it has not computed yet, by the index's
@@ -79,7 +77,7 @@ class Backend:
             group.total_load += delta
 
 
-class Candidates:
+class ModelPool:
     """The backends serving one model now, with their summed load kept up to date.
 
     Rebuilt by the pool on every health or membership change; between changes a lease or an
@@ -158,7 +156,7 @@ class PendingPrefillView(_PerBackend):
 @dataclass
 class BackendPool:
     backends: list[Backend] = field(default_factory=list)
-    _by_model: dict[str, Candidates] = field(default_factory=dict)
+    _by_model: dict[str, ModelPool] = field(default_factory=dict)
 
     @classmethod
     def from_specs(cls, specs: Sequence[str]) -> BackendPool:
@@ -187,7 +185,7 @@ class BackendPool:
         return backend
 
     def start_drain(self, name: str) -> Backend | None:
-        """Stop sending `name` new requests; `drain` then waits for the rest and removes it."""
+        """Stop sending `name` new requests; `finish_drain` waits for the rest and removes it."""
         backend = self.get(name)
         if backend is not None and not backend.draining:
             backend.draining = True
@@ -196,16 +194,11 @@ class BackendPool:
             log.warning("backend %s draining (%d in flight)", name, backend.in_flight)
         return backend
 
-    async def drain(self, name: str, timeout: float) -> bool:
-        """Send `name` no new requests, wait for those in flight (at most `timeout` s), remove it.
-
-        False when the backend is unknown, or was restored (`undrain`) while it drained.
-        """
-        backend = self.start_drain(name)
-        return backend is not None and await self.finish_drain(backend, timeout)
-
     async def finish_drain(self, backend: Backend, timeout: float) -> bool:
-        """The second half of `drain`, for a backend `start_drain` already marked."""
+        """Wait for a draining backend's requests in flight (at most `timeout` s), remove it.
+
+        False when it was restored (`undrain`) or replaced while it drained.
+        """
         idle = backend.idle
         if backend.in_flight > 0 and idle is not None:
             with suppress(TimeoutError):
@@ -232,17 +225,13 @@ class BackendPool:
             if backend.healthy and not backend.draining:
                 for model in backend.models:
                     serving.setdefault(model, []).append(backend)
-        by_model = {model: Candidates(backends) for model, backends in serving.items()}
+        by_model = {model: ModelPool(backends) for model, backends in serving.items()}
         for group in by_model.values():
             for backend in group.backends:
                 backend.groups.append(group)
         self._by_model = by_model
 
-    def candidates(self, model: str) -> list[Backend]:
-        group = self._by_model.get(model)
-        return [] if group is None else group.backends
-
-    def group(self, model: str) -> Candidates | None:
+    def serving(self, model: str) -> ModelPool | None:
         """The candidates of `model` with their load tally; None when no backend serves it."""
         return self._by_model.get(model)
 
@@ -311,65 +300,3 @@ def parse_backend_spec(spec: str) -> Backend:
     name = parts.netloc
     models = frozenset({model}) if model else frozenset()
     return Backend(name=name, url=base, models=models, pinned_model=model)
-
-
-class BackendMonitor:
-    """Probes health and refreshes model lists in the background."""
-
-    def __init__(
-        self,
-        pool: BackendPool,
-        client: httpx.AsyncClient,
-        health_interval: float,
-        models_interval: float,
-        on_probe: Callable[[Backend, bool], object] | None = None,
-    ) -> None:
-        self._pool = pool
-        self._client = client
-        # Where each probe's verdict goes (gateway.backends.health applies the thresholds).
-        self._on_probe = on_probe or pool.set_health
-        self._health_interval = health_interval
-        self._models_interval = models_interval
-        self._task: asyncio.Task[None] | None = None
-
-    async def refresh_all(self) -> None:
-        await asyncio.gather(*(self.refresh(backend) for backend in self._pool.backends))
-
-    async def refresh(self, backend: Backend, with_models: bool = True) -> None:
-        """Probe one backend now: health, and its model list unless pinned to a model."""
-        try:
-            response = await self._client.get(backend.url + "/health")
-            healthy = response.status_code == 200
-            if healthy and with_models and backend.pinned_model is None:
-                listing = await self._client.get(backend.url + "/v1/models")
-                listing.raise_for_status()
-                models = frozenset(
-                    str(item["id"]) for item in listing.json().get("data", []) if "id" in item
-                )
-                if models != backend.models:
-                    backend.models = models
-                    self._pool.rebuild()
-        except (httpx.HTTPError, httpx.InvalidURL, ValueError, KeyError, TypeError):
-            healthy = False
-        self._on_probe(backend, healthy)
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="backend-monitor")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        next_models = loop.time() + self._models_interval
-        while True:
-            await asyncio.sleep(self._health_interval)
-            with_models = loop.time() >= next_models
-            if with_models:
-                next_models = loop.time() + self._models_interval
-            await asyncio.gather(
-                *(self.refresh(backend, with_models) for backend in self._pool.backends)
-            )

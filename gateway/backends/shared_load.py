@@ -1,4 +1,4 @@
-"""Requests in flight, shared between the gateways of a fleet through Redis.
+"""Requests in flight, shared between the gateways of a deployment through Redis.
 
 Each gateway knows only the requests it sent. Behind one Service, every gateway sees a third
 of the load with three gateways, so its load bound admits three times too much: new
@@ -88,7 +88,7 @@ def parse_counts(values: list[bytes]) -> dict[str, int]:
     return totals
 
 
-class FleetLoad:
+class SharedLoad:
     """Writes this gateway's in-flight counts and hands the others' to the load picture."""
 
     def __init__(

@@ -111,6 +111,7 @@ def build_admin_router(components: Components) -> APIRouter:
             request.headers.get("x-session-id"),
             settings.default_model,
             settings.session_from_user,
+            settings.max_json_depth,
         )
         explanation = await components.router.explain(parsed)
         return Response(
@@ -152,15 +153,17 @@ def _endpoint(given: str | None, body: bytes) -> Endpoint:
 def _render(explained: Explanation, components: Components) -> dict[str, Any]:
     settings = components.settings
     block_tokens = settings.block_tokens
-    request = explained.request
-    decision = explained.decision
+    routed = explained.routed
+    request = routed.request
+    decision = routed.decision
+    state = routed.state
     bound = decision.load_bound
     backends = []
     for backend in components.pool.backends:
         if request.model not in backend.models:
             continue
-        candidate = backend.name in explained.loads
-        matched = explained.matched.get(backend.name, 0)
+        candidate = backend.name in state.loads
+        matched = state.matched.get(backend.name, 0)
         backends.append(
             {
                 "backend": backend.name,
@@ -173,7 +176,7 @@ def _render(explained: Explanation, components: Components) -> dict[str, Any]:
                 "within_bound": candidate and (not bound or backend.load + 1 <= bound),
                 "matched_blocks": matched,
                 "matched_tokens": matched * block_tokens,
-                "recent_requests": round(explained.recent.get(backend.name, 0.0), 3),
+                "recent_requests": round(state.recent.get(backend.name, 0.0), 3),
             }
         )
     turn = explained.turn
@@ -191,13 +194,13 @@ def _render(explained: Explanation, components: Components) -> dict[str, Any]:
         "reason": reason,
         "matched_tokens": decision.matched_blocks * block_tokens,
         "prompt_tokens_estimated": round(len(request.canonical) / settings.chars_per_token),
-        "prompt_blocks": explained.blocks,
+        "prompt_blocks": len(routed.chain),
         "block_tokens": block_tokens,
         "load_bound": bound,
         "load_factor": settings.load_factor,
-        "affinity_key": f"{explained.affinity_key:016x}",
+        "affinity_key": f"{routed.affinity_key:016x}",
         "session_key": request.session_key,
-        "sticky_backend": explained.sticky,
+        "sticky_backend": routed.sticky,
         "conversation": {
             "continuity": turn.continuity.value,
             "previous_backend": turn.previous_backend,

@@ -1,7 +1,7 @@
 """An emulated replica in a child process on a free loopback port, for tests and demos.
 
 with EmulatorProcess("--cache-blocks", "64") as replica:
-    httpx.get(replica.base_url + "/health")
+    httpx.get(replica.url + "/health")
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from types import TracebackType
 from gateway.emulator.process import EmulatorProcess
 
 
-class EmulatedFleet:
+class EmulatedReplicas:
     """`count` emulated replicas of one model on free loopback ports, seeded apart."""
 
     def __init__(
@@ -27,7 +27,7 @@ class EmulatedFleet:
     def urls(self) -> list[str]:
         return [replica.url for replica in self.replicas]
 
-    def start(self) -> EmulatedFleet:
+    def start(self) -> EmulatedReplicas:
         try:
             for replica in self.replicas:
                 replica.start()
@@ -40,7 +40,7 @@ class EmulatedFleet:
         for replica in self.replicas:
             replica.stop()
 
-    def __enter__(self) -> EmulatedFleet:
+    def __enter__(self) -> EmulatedReplicas:
         return self.start()
 
     def __exit__(

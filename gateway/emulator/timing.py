@@ -16,10 +16,6 @@ class TimeModel:
     prefill_seconds_per_token: float = 0.0
     decode_seconds_per_token: float = 0.0
 
-    @property
-    def is_instant(self) -> bool:
-        return self.prefill_seconds_per_token == 0 and self.decode_seconds_per_token == 0
-
     def prefill_seconds(self, uncached_tokens: int) -> float:
         return uncached_tokens * self.prefill_seconds_per_token
 

@@ -27,7 +27,7 @@ def token_id(token: str) -> int:
 
 
 def encode(text: str) -> list[int]:
-    return list(map(xxhash.xxh32_intdigest, _TOKEN.findall(text)))
+    return token_ids(split_tokens(text))
 
 
 def token_ids(tokens: Iterable[str]) -> list[int]:

@@ -14,9 +14,13 @@ from typing import Any
 import orjson
 
 from gateway.errors import BadRequest
-
-_MESSAGE = b"\x1e"
-_FIELD = b"\x1f"
+from gateway.prompt.canonical import (
+    message_segment,
+    text_prompts,
+    token_prompts,
+    tool_calls_field,
+    tools_block,
+)
 
 
 class Endpoint(Enum):
@@ -40,24 +44,23 @@ class RoutingInput:
     wants_usage: bool
 
 
-def message_segment(role: str, content: Any, extra: bytes = b"") -> bytes:
-    """The canonical bytes of one chat message (also used for the answer once it is known)."""
-    return _MESSAGE + role.encode() + _FIELD + _content_bytes(content) + extra
-
-
 def parse_request(
     endpoint: Endpoint,
     body: bytes,
     session_header: str | None,
     default_model: str = "",
     session_from_user: bool = False,
+    max_depth: int = 64,
 ) -> RoutingInput:
+    """What routing needs of `body`; a `BadRequest` for anything malformed or nested deeper
+    than `max_depth` arrays and objects (checked before anything walks it)."""
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(payload, dict):
         raise BadRequest("request body must be a JSON object", code="invalid_type")
+    _check_depth(payload, body, max_depth)
     model = payload.get("model", default_model or None)
     if model is None or model == "":
         raise BadRequest("you must provide a model parameter", param="model", code="missing_model")
@@ -89,6 +92,26 @@ def parse_request(
     )
 
 
+def _check_depth(payload: dict[str, Any], body: bytes, limit: int) -> None:
+    """Refuse a body nested deeper than `limit` arrays and objects, level by level (no
+    recursion). A body with no more brackets than the limit cannot be deeper: two byte counts
+    prove it for most requests."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return
+    level: list[Any] = [payload]
+    depth = 0
+    while level:
+        depth += 1
+        if depth > limit:
+            raise BadRequest(f"request body is nested deeper than {limit} levels", code="too_deep")
+        inner: list[Any] = []
+        for node in level:
+            for child in node.values() if isinstance(node, dict) else node:
+                if isinstance(child, dict | list):
+                    inner.append(child)
+        level = inner
+
+
 def _session_key(payload: dict[str, Any], header: str | None, from_user: bool) -> str | None:
     if header:
         return header
@@ -116,7 +139,7 @@ def _chat_canonical(payload: dict[str, Any]) -> tuple[bytes, int]:
     if tools is not None:
         if not isinstance(tools, list):
             raise BadRequest("tools must be a list", param="tools")
-        tools_bytes = b"\x1dtools" + _FIELD + orjson.dumps(tools, option=orjson.OPT_SORT_KEYS)
+        tools_bytes = tools_block(tools)
         parts.append(tools_bytes)
         size += len(tools_bytes)
     for position, message in enumerate(messages):
@@ -128,7 +151,7 @@ def _chat_canonical(payload: dict[str, Any]) -> tuple[bytes, int]:
         extra = b""
         tool_calls = message.get("tool_calls")
         if tool_calls is not None:
-            extra = _FIELD + orjson.dumps(tool_calls, option=orjson.OPT_SORT_KEYS)
+            extra = tool_calls_field(tool_calls)
         try:
             segment = message_segment(role, message.get("content"), extra)
         except TypeError as exc:
@@ -142,44 +165,16 @@ def _chat_canonical(payload: dict[str, Any]) -> tuple[bytes, int]:
     return b"".join(parts), max(distinct_from, 0)
 
 
-def _content_bytes(content: Any) -> bytes:
-    if content is None:
-        return b""
-    if isinstance(content, str):
-        return content.encode()
-    if isinstance(content, list):
-        chunks: list[bytes] = []
-        for part in content:
-            if not isinstance(part, dict):
-                raise TypeError("content parts must be objects")
-            kind = part.get("type")
-            if kind == "text":
-                text = part.get("text")
-                if not isinstance(text, str):
-                    raise TypeError("a text part needs a string `text`")
-                chunks.append(text.encode())
-            else:
-                # Images, audio and files cache by their bytes; their serialised form stands
-                # in for them.
-                chunks.append(b"\x1a" + orjson.dumps(part, option=orjson.OPT_SORT_KEYS))
-        return b"".join(chunks)
-    raise TypeError("content must be a string, a list of parts or null")
-
-
 def _completion_canonical(prompt: Any, name: str) -> bytes:
     if isinstance(prompt, str):
         return prompt.encode()
     if isinstance(prompt, list) and prompt:
         if all(isinstance(item, str) for item in prompt):
-            return (
-                prompt[0].encode()
-                if len(prompt) == 1
-                else b"\x1e".join(item.encode() for item in prompt)
-            )
+            return text_prompts(prompt)
         if all(isinstance(item, int) and not isinstance(item, bool) for item in prompt):
-            return b"\x1c" + orjson.dumps(prompt)
+            return token_prompts(prompt)
         if all(isinstance(item, list) for item in prompt):
-            return b"\x1c" + orjson.dumps(prompt)
+            return token_prompts(prompt)
     raise BadRequest(
         f"{name} must be a string, a list of strings or a list of token ids",
         param=name,

@@ -17,8 +17,8 @@ import orjson
 
 from gateway.config import Settings
 from gateway.errors import GatewayError
-from gateway.proxy.usage import Observation
-from gateway.routing.router import RoutedRequest
+from gateway.routing.router import Routed
+from gateway.routing.types import Outcome
 
 LOGGER = "gateway.access"
 
@@ -77,37 +77,31 @@ class AccessLog:
         self._block_tokens = settings.block_tokens
         self._chars_per_token = settings.chars_per_token
 
-    def answered(
-        self,
-        routed: RoutedRequest,
-        status: int,
-        seen: Observation | None,
-        request_id: str,
-        began: float,
-    ) -> None:
+    def answered(self, routed: Routed, outcome: Outcome, request_id: str, began: float) -> None:
         if not (self._enabled and self._logger.isEnabledFor(logging.INFO)):
             return
-        request = routed.input
+        request = routed.request
+        decision = outcome.decision
         turn = routed.turn
         affinity = None
         if turn is not None and turn.continues:
-            affinity = "hit" if turn.previous_backend == routed.backend.name else "miss"
-        first_byte = routed.first_byte_at
+            affinity = "hit" if turn.previous_backend == decision.backend else "miss"
+        first_byte = outcome.first_byte_at
         self._write(
             {
                 "ts": round(time.time(), 3),
                 "request_id": request_id,
                 "endpoint": request.endpoint.value,
                 "model": request.model,
-                "backend": routed.backend.name,
-                "route": routed.route.value,
-                "status": status,
+                "backend": decision.backend,
+                "route": decision.route.value,
+                "status": outcome.status,
                 "stream": request.stream,
-                "attempts": len(routed.tried),
+                "attempts": len(outcome.tried),
                 "prompt_tokens_estimated": round(len(request.canonical) / self._chars_per_token),
-                "matched_tokens_estimated": routed.decision.matched_blocks * self._block_tokens,
-                "prompt_tokens": seen.prompt_tokens if seen is not None else None,
-                "cached_tokens": seen.cached_tokens if seen is not None else None,
+                "matched_tokens_estimated": decision.matched_blocks * self._block_tokens,
+                "prompt_tokens": outcome.prompt_tokens,
+                "cached_tokens": outcome.cached_tokens,
                 "affinity": affinity,
                 "cache_break": turn.cause.value if turn is not None and turn.cause else None,
                 "ttft_s": round(first_byte - began, 6) if first_byte else None,

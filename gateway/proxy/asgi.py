@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-import orjson
-
 from gateway.errors import BadRequest, GatewayError, PayloadTooLarge
 
 Scope = MutableMapping[str, Any]
@@ -41,29 +39,6 @@ async def read_body(receive: Receive, limit: int) -> bytes:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-def check_json_depth(body: bytes, limit: int) -> None:
-    """Refuse a valid JSON body nested deeper than `limit` arrays and objects.
-
-    Replicas parse the body again, often recursively, so a deep one stops here. A body with no
-    more brackets than the limit cannot be deeper, which two byte counts prove; only the others
-    (long conversations) are parsed again and walked, level by level.
-    """
-    if body.count(b"[") + body.count(b"{") <= limit:
-        return
-    level: list[Any] = [orjson.loads(body)]
-    depth = 0
-    while level:
-        depth += 1
-        if depth > limit:
-            raise BadRequest(f"request body is nested deeper than {limit} levels", code="too_deep")
-        inner: list[Any] = []
-        for node in level:
-            for child in node.values() if isinstance(node, dict) else node:
-                if isinstance(child, dict | list):
-                    inner.append(child)
-        level = inner
 
 
 async def send_error(

@@ -1,14 +1,14 @@
-"""One proxied request in flight, and the watch that cuts short those that overrun.
+"""Deadlines of the requests in flight, and the one task that enforces them.
 
-An `Exchange` knows the task relaying its request and the moment by which that task must next
-make progress (`due`): the whole body received, the replica's first byte, the next chunk either
-way. Something that gives up on it — the client hanging up, a deadline passing — *interrupts*
-it: records why and cancels the task; the proxy reads the reason where the cancellation lands
-and answers accordingly (fail over, an error, an SSE error event, or nothing for a client that
-left).
+An `Exchange` is one proxied request: the moment by which it must next make progress (`due`,
+for what it waits on now: the body, the replica's first byte, the next chunk, the client
+taking a chunk) and the moment by which it must end (`deadline`). One `DeadlineWatch` checks
+every exchange a few times per shortest timeout, so moving a deadline costs one store, not a
+timer.
 
-One `DeadlineWatch` task checks every exchange a few times per shortest timeout, so that a
-chunk costs one clock read and one store instead of a timer of its own.
+A deadline that passes, or a client that hangs up, interrupts the request's task. Where the
+task is waiting, `Exchange.guard()` turns that into an `Interrupted` exception naming why, and
+the proxy handles it as any other exception.
 """
 
 from __future__ import annotations
@@ -17,63 +17,98 @@ import asyncio
 import logging
 import time
 from contextlib import suppress
+from enum import Enum
+from types import TracebackType
 from typing import Any
 
 from gateway.proxy.asgi import Receive
 
-log = logging.getLogger("gateway.proxy.deadlines")
+log = logging.getLogger("gateway.proxy")
 
-DISCONNECTED = "disconnected"
-"""The client closed the connection."""
-CLIENT_STALLED = "client_stalled"
-"""The client stopped reading: a chunk waited longer than the idle timeout to be sent."""
-BODY = "body"
-"""The request body did not arrive in time."""
-FIRST_BYTE = "first_byte"
-"""The replica sent no first byte in time: this attempt may fail over."""
-IDLE = "idle"
-"""The replica went quiet inside a response."""
-TOTAL = "total"
-"""The request as a whole ran past `--request-timeout`."""
+
+class Why(Enum):
+    """Why a request was interrupted, named after what it was waiting for."""
+
+    BODY = "body"
+    FIRST_BYTE = "first_byte"
+    IDLE = "idle"
+    """The replica went quiet inside a response."""
+    CLIENT_STALLED = "client_stalled"
+    """The client stopped reading: a chunk waited too long to be taken."""
+    TOTAL = "total"
+    DISCONNECTED = "disconnected"
+
+
+class Interrupted(Exception):
+    def __init__(self, why: Why) -> None:
+        super().__init__(why.value)
+        self.why = why
 
 
 class Exchange:
-    __slots__ = ("begun", "deadline", "done", "due", "phase", "reason", "streaming", "task")
+    __slots__ = ("deadline", "done", "due", "phase", "reason", "task")
 
     def __init__(self, task: asyncio.Task[Any], now: float, request_timeout: float) -> None:
         self.task = task
         self.deadline = now + request_timeout
         self.due = self.deadline
-        self.phase = BODY
-        self.reason: str | None = None
+        self.phase = Why.BODY
+        self.reason: Why | None = None
         self.done = False
-        """Set once nothing is left to abort: later interruptions are ignored."""
-        self.begun = False
-        """The response to the client has begun."""
-        self.streaming = False
-        """... as a stream of server-sent events."""
+        """Nothing is left to interrupt: later deadlines and hang-ups are ignored."""
 
-    def expect(self, phase: str, seconds: float) -> None:
-        """The task must make progress of this kind within `seconds`."""
+    def expect(self, phase: Why, seconds: float) -> None:
+        """The task waits for `phase` now, at most `seconds`."""
         self.phase = phase
         self.due = time.monotonic() + seconds
 
-    def interrupt(self, reason: str) -> None:
+    def interrupt(self, why: Why) -> None:
         if self.reason is None and not self.done:
-            self.reason = reason
+            self.reason = why
             self.task.cancel()
 
-    def resume(self) -> None:
-        """Carry on after handling an interruption (a failover)."""
-        self.reason = None
-        self.due = self.deadline
-        self.task.uncancel()
+    def finish(self) -> None:
+        self.done = True
+
+    def guard(self) -> _Guard:
+        """`with exchange.guard():` raises `Interrupted` where an interruption lands."""
+        return _Guard(self)
 
     async def watch_client(self, receive: Receive) -> None:
         """Interrupt as soon as the client disconnects (run once the body was read)."""
         message = await receive()
         if message["type"] == "http.disconnect":
-            self.interrupt(DISCONNECTED)
+            self.interrupt(Why.DISCONNECTED)
+
+
+class _Guard:
+    __slots__ = ("_exchange",)
+
+    def __init__(self, exchange: Exchange) -> None:
+        self._exchange = exchange
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        exchange = self._exchange
+        if kind is None or not issubclass(kind, asyncio.CancelledError):
+            return
+        why = exchange.reason
+        if why is None:  # not ours: the server cancels what still runs at the end of shutdown
+            return
+        exchange.reason = None
+        exchange.task.uncancel()
+        if why is Why.FIRST_BYTE:
+            exchange.due = exchange.deadline  # the next attempt sets its own
+        else:
+            exchange.done = True
+        raise Interrupted(why) from None
 
 
 class DeadlineWatch:
@@ -105,7 +140,7 @@ class DeadlineWatch:
         # interrupt() only schedules cancellations: the set does not change under the loop.
         for exchange in self._live:
             if now >= exchange.deadline:
-                exchange.interrupt(TOTAL)
+                exchange.interrupt(Why.TOTAL)
             elif now >= exchange.due:
                 exchange.interrupt(exchange.phase)
 

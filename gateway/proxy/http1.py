@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -20,7 +20,7 @@ import httptools
 
 _HIGH_WATER = 1 << 20
 
-Target = tuple[str, int, bool]
+Origin = tuple[str, int, bool]
 """Host, port, and whether the connection uses TLS."""
 
 
@@ -74,12 +74,7 @@ class Response:
             parts.append(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    async def iter_chunks(self, idle_timeout: float | None = None) -> AsyncIterator[bytes]:
-        """Body chunks as they arrive; `idle_timeout` bounds the wait for each one."""
-        while chunk := await self.readany(idle_timeout):
-            yield chunk
-
-    async def readany(self, idle_timeout: float | None = None) -> bytes:
+    async def readany(self) -> bytes:
         """The next chunk of the body as soon as there is one; b"" once it has ended."""
         while True:
             if self._chunks:
@@ -93,17 +88,10 @@ class Response:
             if self.complete:
                 return b""
             self._waiter = self._connection.loop.create_future()
-            timer = None
-            if idle_timeout is not None:
-                timer = self._connection.loop.call_later(
-                    idle_timeout, self._fail_waiter, "idle_timeout", "upstream went quiet"
-                )
             try:
                 await self._waiter
             finally:
                 self._waiter = None
-                if timer is not None:
-                    timer.cancel()
 
     def release(self) -> None:
         """Give the connection back for reuse, or close it if the response is not finished."""
@@ -129,10 +117,6 @@ class Response:
             self.started.set_exception(error)
         self._wake()
 
-    def _fail_waiter(self, cause: str, message: str) -> None:
-        self.fail(HTTPClientError(cause, message))
-        self._connection.close()
-
     def _wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -140,7 +124,7 @@ class Response:
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, pool: ConnectionPool, key: Target) -> None:
+    def __init__(self, pool: ConnectionPool, key: Origin) -> None:
         self.pool = pool
         self.key = key
         self.loop = asyncio.get_running_loop()
@@ -148,7 +132,6 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.response: Response | None = None
         self.closed = False
-        self.used = False
         self._paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -228,8 +211,8 @@ class ConnectionPool:
     def __init__(self, connect_timeout: float, max_idle_per_host: int = 256) -> None:
         self._connect_timeout = connect_timeout
         self._max_idle = max_idle_per_host
-        self._idle: dict[Target, list[_Connection]] = {}
-        self._heads: dict[str, tuple[Target, bytes]] = {}
+        self._idle: dict[Origin, list[_Connection]] = {}
+        self._heads: dict[str, tuple[Origin, bytes]] = {}
         self._tls: ssl.SSLContext | None = None
 
     async def post(
@@ -237,13 +220,10 @@ class ConnectionPool:
         url: str,
         headers: Iterable[tuple[bytes, bytes]],
         body: bytes,
-        first_byte_timeout: float | None = None,
     ) -> Response:
-        """POST `body` to `url`; returns once the response's status and headers are in.
-
-        Without `first_byte_timeout` the caller bounds the wait (by cancelling it).
-        """
-        key, head = self._target(url)
+        """POST `body` to `url`; returns once the response's status and headers are in (the
+        caller bounds the wait)."""
+        key, head = self._origin(url)
         request = b"".join(
             [
                 head,
@@ -258,13 +238,13 @@ class ConnectionPool:
         connection = self._take(key)
         if connection is not None:
             try:
-                return await self._exchange(connection, request, first_byte_timeout)
+                return await self._exchange(connection, request)
             except HTTPClientError as error:
                 # A kept-alive connection the replica closed meanwhile: once more on a new one.
                 if error.cause != "closed":
                     raise
         connection = await self._connect(key)
-        return await self._exchange(connection, request, first_byte_timeout)
+        return await self._exchange(connection, request)
 
     def put_back(self, connection: _Connection) -> None:
         idle = self._idle.setdefault(connection.key, [])
@@ -279,7 +259,7 @@ class ConnectionPool:
                 connection.close()
         self._idle.clear()
 
-    def _target(self, url: str) -> tuple[Target, bytes]:
+    def _origin(self, url: str) -> tuple[Origin, bytes]:
         cached = self._heads.get(url)
         if cached is None:
             parts = urlsplit(url)
@@ -292,7 +272,7 @@ class ConnectionPool:
             cached = self._heads[url] = ((parts.hostname, port, tls), head)
         return cached
 
-    def _take(self, key: Target) -> _Connection | None:
+    def _take(self, key: Origin) -> _Connection | None:
         idle = self._idle.get(key)
         while idle:
             connection = idle.pop()
@@ -300,7 +280,7 @@ class ConnectionPool:
                 return connection
         return None
 
-    async def _connect(self, key: Target) -> _Connection:
+    async def _connect(self, key: Origin) -> _Connection:
         loop = asyncio.get_running_loop()
         host, port, tls = key
         context = None
@@ -319,25 +299,13 @@ class ConnectionPool:
         protocol.connection_made(transport)
         return protocol
 
-    async def _exchange(
-        self, connection: _Connection, request: bytes, first_byte_timeout: float | None
-    ) -> Response:
+    async def _exchange(self, connection: _Connection, request: bytes) -> Response:
         response = connection.send(request)
-        timer = None
-        if first_byte_timeout is not None:
-            timer = connection.loop.call_later(
-                first_byte_timeout,
-                response.fail,
-                HTTPClientError("first_byte_timeout", "upstream sent no response in time"),
-            )
         try:
             await response.started
         except BaseException:
-            # Failed, timed out or cancelled (a client that left): the replica must see the
+            # Failed, or cancelled (a client that left, a deadline): the replica must see the
             # connection close, so that it stops working on the request.
             connection.close()
             raise
-        finally:
-            if timer is not None:
-                timer.cancel()
         return response

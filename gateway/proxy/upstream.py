@@ -1,12 +1,9 @@
-"""The upstream HTTP client: pooled keep-alive connections to the replicas.
+"""The upstream side of the request path: pooled keep-alive connections to the replicas, and
+the one place where a failure there becomes the client's error.
 
-The request path uses the gateway's own HTTP/1.1 client (`gateway.proxy.http1`): it costs about half
-of aiohttp's CPU per proxied request here, and aiohttp a third of httpx's (see
-docs/benchmarks.md); httpx stays for probes. Low-level errors are mapped in one place
-(`upstream_error`) to the gateway's own, each with a short cause used as a metric label. Only
-the connect timeout is the client's: the wait for the first byte, the idle gap inside a
-response and the whole request's time are watched by the proxy (`DeadlineWatch`),
-which costs no timer per chunk.
+The request path uses the gateway's own HTTP/1.1 client (`http1.py`); httpx stays for probes.
+Only the connect timeout is the client's: the wait for the first byte, the gaps inside a
+response and the whole request's time are the proxy's deadlines (`deadlines.py`).
 
 Client credentials stop here: the `Authorization` header a replica sees is the gateway's own
 (`--upstream-api-key`), unless the operator asks to pass the client's on.
@@ -43,7 +40,7 @@ HOP_BY_HOP = frozenset(
 
 
 class UpstreamError(Exception):
-    """A failure talking to a replica, with the cause used in metrics."""
+    """A failed attempt at a replica: the cause (a metric label) and the client's error."""
 
     def __init__(self, cause: str, error: GatewayError) -> None:
         super().__init__(error.message)
@@ -51,31 +48,26 @@ class UpstreamError(Exception):
         self.error = error
 
 
-_CAUSES = {
-    "connect": "connect",
-    "connect_timeout": "connect",
-    "closed": "protocol",
-    "protocol": "protocol",
-    "config": "protocol",
+_FAILURES: dict[str, tuple[type[GatewayError], str, str]] = {
+    "connect": (UpstreamFailed, "upstream_unreachable", "the replica could not be reached"),
+    "protocol": (UpstreamFailed, "upstream_failed", "the replica's response was not valid HTTP"),
+    "timeout": (UpstreamTimeout, "first_byte_timeout", "upstream sent nothing within {0:g} s"),
+    "stream_broken": (UpstreamFailed, "stream_broken", "the upstream response broke off"),
+    "stream_idle": (UpstreamTimeout, "stream_idle_timeout", "upstream sent nothing for {0:g} s"),
+    "request_timeout": (UpstreamTimeout, "request_timeout", "the request took longer than {0:g} s"),
 }
+_CAUSES = {"connect": "connect", "connect_timeout": "connect"}
 
 
-def upstream_error(exc: BaseException) -> UpstreamError:
-    """The gateway's view of an exception raised while sending to or reading from a replica."""
-    if isinstance(exc, HTTPClientError):
-        if exc.cause in ("first_byte_timeout", "idle_timeout"):
-            return UpstreamError("timeout", UpstreamTimeout("upstream timed out"))
-        cause = _CAUSES.get(exc.cause, "protocol")
-        if cause == "connect":
-            return UpstreamError("connect", UpstreamFailed(str(exc)))
-        return UpstreamError("protocol", UpstreamFailed(f"upstream failed: {exc}"))
-    if isinstance(exc, TimeoutError):
-        return UpstreamError("timeout", UpstreamTimeout("upstream timed out"))
-    return UpstreamError("protocol", UpstreamFailed(f"upstream failed: {type(exc).__name__}"))
+def failure(cause: str, seconds: float = 0.0) -> UpstreamError:
+    """The failure of an attempt for `cause`; `seconds`: the limit that ran out, if one did."""
+    kind, code, message = _FAILURES[cause]
+    return UpstreamError(cause, kind(message.format(seconds), code=code))
 
 
-UPSTREAM_EXCEPTIONS = (HTTPClientError, OSError, TimeoutError)
-"""What a send or a read may raise that `upstream_error` maps."""
+def failure_of(exc: HTTPClientError) -> UpstreamError:
+    """The failure of an attempt whose connection or response failed with `exc`."""
+    return failure(_CAUSES.get(exc.cause, "protocol"))
 
 
 class Upstream:
@@ -110,8 +102,8 @@ class Upstream:
             forwarded.extend(self._added)
         try:
             return await self._pool.post(url, forwarded, body)
-        except UPSTREAM_EXCEPTIONS as exc:
-            raise upstream_error(exc) from exc
+        except HTTPClientError as exc:
+            raise failure_of(exc) from exc
 
 
 def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

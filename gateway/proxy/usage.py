@@ -28,6 +28,8 @@ class Observation:
     answer_parts: list[str] = field(default_factory=list)
     sent_at: float = math.inf
     """`time.perf_counter()` when the request went to the replica that answered (inf: unknown)."""
+    complete: bool = False
+    """A stream's `data: [DONE]` went by: the client has the whole answer."""
 
     @property
     def answer(self) -> str:
@@ -127,6 +129,8 @@ class StreamObserver:
                 continue
             payload = line[5:].strip()
             if not payload.startswith(b"{"):
+                if payload == b"[DONE]":
+                    self.seen.complete = True
                 continue
             try:
                 message = orjson.loads(payload)

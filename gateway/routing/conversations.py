@@ -32,9 +32,9 @@ from enum import Enum
 import xxhash
 
 from gateway.clock import Clock, monotonic
+from gateway.prompt.canonical import MESSAGE, message_spans
 
 _hash = xxhash.xxh3_64_intdigest
-_MESSAGE = b"\x1e"
 _HASH_BYTES = 8
 _USER = ord("u")
 _ASSISTANT = ord("a")
@@ -105,30 +105,21 @@ class Fingerprint:
 
 
 def fingerprint(canonical: bytes) -> Fingerprint:
-    """The fingerprint of a chat request's canonical stream (see `gateway.prompt.parsing`)."""
-    # Message by message over a memoryview: `bytes.split` would copy the whole prompt, and for
-    # long prompts that copy cost more than all the hashing.
+    """The fingerprint of a chat request's canonical stream (`gateway.prompt.canonical`)."""
+    # Over a memoryview: slicing the bytes would copy the whole prompt, and for long prompts
+    # that copy cost more than all the hashing.
     view = memoryview(canonical)
-    find = canonical.find
     hashes = array("Q")
     roles = bytearray()
-    start = find(_MESSAGE)
-    head = start if start >= 0 else len(canonical)
-    if head:  # the tools block
-        hashes.append(_hash(view[:head]))
-        roles.append(canonical[0])
-    while start >= 0:
-        end = find(_MESSAGE, start + 1)
-        stop = end if end >= 0 else len(canonical)
-        hashes.append(_hash(view[start + 1 : stop]))
-        roles.append(canonical[start + 1] if stop > start + 1 else 0)
-        start = end
+    for start, stop in message_spans(canonical):
+        hashes.append(_hash(view[start:stop]))
+        roles.append(canonical[start] if stop > start else 0)
     return Fingerprint(hashes.tobytes(), bytes(roles))
 
 
 def answer_hash(segment: bytes) -> bytes:
     """The packed hash of the answer's canonical message segment, comparable to `hash_at`."""
-    return array("Q", (_hash(segment.removeprefix(_MESSAGE)),)).tobytes()
+    return array("Q", (_hash(segment.removeprefix(MESSAGE)),)).tobytes()
 
 
 @dataclass(slots=True)

@@ -35,9 +35,9 @@ from itertools import pairwise
 
 from gateway.config import Settings
 from gateway.metrics import Metrics
+from gateway.prompt.canonical import is_batch
 from gateway.prompt.parsing import Endpoint, RoutingInput
-from gateway.proxy.usage import Observation
-from gateway.routing.router import RoutedRequest
+from gateway.routing import types
 from gateway.state.index import PrefixIndex
 
 log = logging.getLogger("gateway.routing.feedback")
@@ -54,7 +54,7 @@ _PRUNE_MAX = 4096
 """Blocks one report may prune at most."""
 
 
-class Outcome(Enum):
+class Agreement(Enum):
     CONFIRMED = "confirmed"
     SHALLOWER = "shallower"
     DEEPER = "deeper"
@@ -62,9 +62,8 @@ class Outcome(Enum):
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    outcome: Outcome
+    outcome: Agreement
     predicted_tokens: float
-    observed_tokens: int
     first_missing: int
     """The first index block surely not cached on the replica when the request arrived."""
 
@@ -93,9 +92,10 @@ def judge(
         # first one surely missing.
         reached = (cached_tokens + tolerance_tokens) * ratio
         first_missing = min(predicted_blocks - 1, math.floor(reached / block_chars))
-        return Verdict(Outcome.SHALLOWER, predicted, cached_tokens, first_missing)
-    outcome = Outcome.DEEPER if cached_tokens > predicted + tolerance_tokens else Outcome.CONFIRMED
-    return Verdict(outcome, predicted, cached_tokens, predicted_blocks)
+        return Verdict(Agreement.SHALLOWER, predicted, first_missing)
+    deeper = cached_tokens > predicted + tolerance_tokens
+    outcome = Agreement.DEEPER if deeper else Agreement.CONFIRMED
+    return Verdict(outcome, predicted, predicted_blocks)
 
 
 class ChainLinks:
@@ -238,28 +238,32 @@ class CacheFeedback:
         self.tolerance_tokens = settings.block_tokens + _SLACK_TOKENS
         self.links = ChainLinks()
 
-    async def observe(self, routed: RoutedRequest, seen: Observation, chain: list[int]) -> None:
-        """Learn from a completed request's usage; `chain` is what the index holds for it once
-        its answer is recorded (`Router.answered`). Never raises."""
-        request = routed.input
-        if seen.cached_tokens is None or request.endpoint is Endpoint.EMBEDDINGS:
+    async def observe(
+        self, request: RoutingInput, prompt: list[int], outcome: types.Outcome, chain: list[int]
+    ) -> None:
+        """Learn from a completed request's usage; `prompt` is its prompt's chain, `chain` what
+        the index holds for it once its answer is recorded. Never raises."""
+        if outcome.cached_tokens is None or request.endpoint is Endpoint.EMBEDDINGS:
             return
         if _batched(request):
             return
         try:
-            await self._observe(routed, seen)
+            await self._observe(request, prompt, outcome)
             self.links.add(chain, time.perf_counter())
         except Exception:
             self._metrics.index_feedback_errors.inc()
             log.warning("cache feedback failed", exc_info=True)
 
-    async def _observe(self, routed: RoutedRequest, seen: Observation) -> None:
-        request = routed.input
-        model, backend = request.model, routed.backend.name
-        cached_tokens = seen.cached_tokens or 0
-        ratio = chars_per_token(len(request.canonical), seen.prompt_tokens, self._chars_per_token)
+    async def _observe(
+        self, request: RoutingInput, prompt: list[int], outcome: types.Outcome
+    ) -> None:
+        model, backend = request.model, outcome.decision.backend
+        cached_tokens = outcome.cached_tokens or 0
+        ratio = chars_per_token(
+            len(request.canonical), outcome.prompt_tokens, self._chars_per_token
+        )
         verdict = judge(
-            routed.decision.matched_blocks,
+            outcome.decision.matched_blocks,
             cached_tokens,
             ratio,
             self._block_chars,
@@ -271,11 +275,11 @@ class CacheFeedback:
         metrics.child(metrics.index_feedback_gap_tokens, model).observe(
             verdict.predicted_tokens - cached_tokens
         )
-        if verdict.outcome is Outcome.SHALLOWER:
+        if verdict.outcome is Agreement.SHALLOWER:
             pruned = 0
             # Only chains whose requests had ended before this one was sent: one still being
             # computed then (a burst sharing a new prefix) was not evicted, just not there yet.
-            stale = self.links.branches(routed.hashes, verdict.first_missing, seen.sent_at)
+            stale = self.links.branches(prompt, verdict.first_missing, outcome.sent_at)
             for run in stale:
                 await self._index.forget(model, backend, run)
                 pruned += len(run)
@@ -284,9 +288,6 @@ class CacheFeedback:
 
 
 def _batched(request: RoutingInput) -> bool:
-    """A completions batch (see `parsing._completion_canonical`): its usage adds up prompts
-    that the replica caches each on its own, which one chain cannot predict."""
-    canonical = request.canonical
-    return request.endpoint is Endpoint.COMPLETIONS and (
-        canonical.startswith(b"\x1c[[") or b"\x1e" in canonical
-    )
+    """A completions batch: its usage adds up prompts that the replica caches each on its own,
+    which one chain cannot predict."""
+    return request.endpoint is Endpoint.COMPLETIONS and is_batch(request.canonical)

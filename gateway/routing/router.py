@@ -1,24 +1,28 @@
-"""The router: from a parsed request to a decision, and from a response back to the index.
+"""The router: decides once where a request goes, and learns once from what came back.
 
-It gathers what the policy needs (candidates, loads, index matches, the session's backend,
-recent traffic), asks the policy, and records what was decided and what came back. It knows
-no HTTP; the proxy calls it.
+`route` gathers what the policy needs (the model's serving backends and their loads, the
+index's matches, the session's backend, recent traffic), asks the policy, and records the
+choice (index, session, conversation) before the request leaves, so that the next request
+sharing its prefix follows it. `learn` takes the request's `Outcome`: the answer's blocks join
+the index, the replica's cached tokens correct it, affinity and failovers are counted. The
+router knows no HTTP.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Collection
+from dataclasses import dataclass, field, replace
 
-from gateway.backends.pool import Backend, BackendPool, Candidates
+from gateway.backends.pool import Backend, BackendPool, ModelPool
 from gateway.clock import Clock, monotonic
 from gateway.config import Settings
 from gateway.errors import NoHealthyBackend, NotFound
 from gateway.metrics import Metrics
+from gateway.prompt.canonical import message_segment
 from gateway.prompt.hashing import chain_hashes, extend_hashes, key_hash
-from gateway.prompt.parsing import Endpoint, RoutingInput, message_segment
+from gateway.prompt.parsing import Endpoint, RoutingInput
 from gateway.routing.conversations import (
     AffinityMiss,
     ConversationTracker,
@@ -27,76 +31,65 @@ from gateway.routing.conversations import (
     fingerprint,
     miss_cause,
 )
-from gateway.routing.policies import Decision, Policy, Route, RoutingState
+from gateway.routing.feedback import CacheFeedback
 from gateway.routing.ring import load_bound, within_bound
 from gateway.routing.traffic import Traffic
+from gateway.routing.types import Decision, Outcome, Policy, Route, RoutingState
 from gateway.state.index import PrefixIndex
 from gateway.state.sessions import SessionStore
 
 
-@dataclass(slots=True)
-class RoutedRequest:
-    input: RoutingInput
-    hashes: list[int]
-    affinity_key: int
+@dataclass(slots=True, eq=False)
+class Routed:
+    """A request, where the policy sent it, and what the policy saw to decide."""
+
+    request: RoutingInput
+    chain: list[int]
+    """The prompt's block hashes."""
     decision: Decision
     backend: Backend
-    tried: list[str] = field(default_factory=list)
+    serving: ModelPool
+    state: RoutingState
+    sticky: str | None
+    policy: Policy = field(repr=False)
     turn: Turn | None = None
     """The request's place in its conversation (chat, or any request with a session key)."""
-    first_byte_at: float = 0.0
-    """`time.perf_counter()` when the response's first byte came back."""
-    prefilled: asyncio.Event | None = None
-    """Set at the first byte, for requests waiting for this one's prefill."""
-    issued_session: str | None = None
-    """A session key the gateway minted for this request, sent back as a sticky cookie."""
-    pending_prefill: int = 0
-    """Blocks this request adds to its backend's pending prefill until its first byte."""
 
     @property
-    def route(self) -> Route:
-        return self.decision.route
+    def affinity_key(self) -> int:
+        return self.state.affinity_key
 
-    def reached_first_byte(self) -> None:
-        self.first_byte_at = time.perf_counter()
-        self.prefill_done()
-        if self.prefilled is not None:
-            self.prefilled.set()
-
-    def prefill_starts(self, matched: Mapping[str, int]) -> None:
-        """Count the blocks its backend has to compute for it (the prompt past its match)."""
-        self.pending_prefill = max(0, len(self.hashes) - matched.get(self.backend.name, 0))
-        self.backend.pending_prefill += self.pending_prefill
-
-    def prefill_done(self) -> None:
-        """Its prefill is over: the first byte came, or it ended or moved without one."""
-        self.backend.pending_prefill -= self.pending_prefill
-        self.pending_prefill = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Answered:
-    """What a response's answer adds (`Router.answered`)."""
-
-    segment: bytes
-    """The answer as the next turn's history carries it (empty when there is none)."""
-    chain: list[int]
-    """What the index holds for the request once the answer is recorded."""
+    def fallback(self, tried: Collection[str]) -> tuple[Backend, Decision] | None:
+        """Where to try next after `tried` failed before a first byte: the policy's choice
+        among the backends still serving, with the same matches (labelled `retry`)."""
+        left = [
+            backend
+            for backend in self.serving.backends
+            if backend.name not in tried and backend.healthy and not backend.draining
+        ]
+        if not left:
+            return None
+        serving = ModelPool(left)
+        state = replace(
+            self.state,
+            candidates=serving.names,
+            members=serving.members,
+            loads=serving.loads,
+            total_load=serving.total_load,
+            recent_total=None,
+            pending_prefill=serving.pending_prefill,
+            sticky=None,
+        )
+        choice = self.policy.choose(state)
+        retry = Decision(choice.backend, Route.RETRY, choice.matched_blocks, choice.load_bound)
+        return serving.by_name[choice.backend], retry
 
 
 @dataclass(frozen=True, slots=True)
 class Explanation:
-    """What `Router.explain` found: the decision and everything the policy was shown."""
+    """What `Router.explain` found: the decision, what the policy was shown, the conversation."""
 
-    request: RoutingInput
-    blocks: int
-    affinity_key: int
-    sticky: str | None
-    loads: dict[str, int]
-    """Load per candidate."""
-    matched: dict[str, int]
-    recent: dict[str, float]
-    decision: Decision
+    routed: Routed
     turn: Turn
 
 
@@ -111,151 +104,155 @@ class Router:
         metrics: Metrics,
         clock: Clock = monotonic,
     ) -> None:
-        self.settings = settings
         self.pool = pool
         self.index = index
         self.sessions = sessions
         self.policy = policy
         self.metrics = metrics
         self.traffic = Traffic(clock, settings.min_match_blocks)
-        self.recent = self.traffic.recent
-        self._routed = 0
         self.conversations = ConversationTracker(
             settings.affinity_ttl, settings.conversations_max, clock
         )
+        self.feedback = CacheFeedback(index, metrics, settings) if settings.cache_feedback else None
+        self._settings = settings
         self._block_chars = settings.block_chars
         self._affinity_chars = round(settings.affinity_tokens * settings.chars_per_token)
         self._decision_seconds = metrics.decision_seconds.labels(settings.policy)
+        self._routed = 0
 
-    def affinity_key(self, request: RoutingInput) -> int:
+    async def route(self, request: RoutingInput) -> Routed:
+        """Decide where `request` goes and record it there."""
+        began = time.perf_counter()
+        routed = await self.decide(request, count=True)
+        self._decision_seconds.observe(time.perf_counter() - began)
+        self._routed += 1
+        sticky, backend = routed.sticky, routed.backend.name
+        if sticky is not None and sticky != backend:
+            cause = _move_cause(sticky, routed.serving, routed.decision)
+            self.metrics.session_moves.labels(cause).inc()
+        if routed.decision.route is Route.OVERFLOW:
+            self.metrics.child(self.metrics.overflows, request.model).inc()
+        routed.turn = self._follow(routed)
+        self.traffic.recent.add(backend)
+        await self._record(request, backend, routed.chain)
+        return routed
+
+    async def decide(self, request: RoutingInput, count: bool = False) -> Routed:
+        """The policy's decision for `request` now; `count`: the request counts in the shared
+        prompt's traffic (it is being routed, not explained). Records nothing else."""
+        serving = self.serving(request.model)
+        chain = chain_hashes(request.canonical, self._block_chars)
+        sticky = None
+        if request.session_key is None:
+            matched = await self.index.match(request.model, chain)
+        else:
+            # Both at once: with Redis they are two round trips that need not wait in turn.
+            matched, sticky = await asyncio.gather(
+                self.index.match(request.model, chain), self.sessions.get(request.session_key)
+            )
+        private_from = request.distinct_from // self._block_chars
+        recent = self.traffic.recent
+        state = RoutingState(
+            candidates=serving.names,
+            loads=serving.loads,
+            hashes=chain,
+            matched=matched,
+            affinity_key=self._affinity_key(request),
+            private_from=private_from,
+            sticky=sticky,
+            keyed=request.session_key is not None,
+            recent=recent.view,
+            members=serving.members,
+            total_load=serving.total_load,
+            recent_total=recent.sum_over(serving.members),
+            shared_share=self.traffic.prompt_share(chain, private_from, count),
+            sequence=self._routed,
+            pending_prefill=serving.pending_prefill,
+        )
+        decision = self.policy.choose(state)
+        backend = serving.by_name[decision.backend]
+        return Routed(request, chain, decision, backend, serving, state, sticky, self.policy)
+
+    async def explain(self, request: RoutingInput) -> Explanation:
+        """The decision `route` would make for `request` now, recording nothing."""
+        routed = await self.decide(request)
+        prompt = fingerprint(request.canonical) if request.endpoint is Endpoint.CHAT else None
+        return Explanation(routed, self.conversations.peek(request.session_key, prompt))
+
+    async def learn(self, routed: Routed, outcome: Outcome) -> None:
+        """Take in what came back: failover, the answer's blocks, cached tokens, affinity."""
+        request = routed.request
+        served = outcome.decision.backend
+        if served != routed.backend.name:
+            # Failed over: the prompt is where it was answered now.
+            if request.session_key is not None:
+                self.metrics.session_moves.labels("failover").inc()
+            self.traffic.recent.add(served)
+            await self._record(request, served, routed.chain)
+        if outcome.status != 200:
+            return
+        model = request.model
+        metrics = self.metrics
+        settings = self._settings
+        metrics.child(metrics.prompt_tokens_estimated, model).inc(
+            len(request.canonical) / settings.chars_per_token
+        )
+        metrics.child(metrics.matched_tokens_predicted, model).inc(
+            outcome.decision.matched_blocks * settings.block_tokens
+        )
+        if outcome.prompt_tokens is not None:
+            metrics.child(metrics.upstream_prompt_tokens, model, served).inc(outcome.prompt_tokens)
+        if outcome.cached_tokens is not None:
+            metrics.child(metrics.upstream_cached_tokens, model, served).inc(outcome.cached_tokens)
+        segment = message_segment("assistant", outcome.answer) if outcome.answer else b""
+        chain = self._with_answer(routed, segment)
+        if self.feedback is not None:
+            # Before the answer is recorded: pruning looks at what was known before it.
+            await self.feedback.observe(request, routed.chain, outcome, chain)
+        self._settle(routed, outcome, segment)
+        if chain is not routed.chain:
+            await self.index.record(model, served, chain)
+
+    def load_bounds(self) -> dict[str, int]:
+        """The bound a new request meets at each serving backend now (largest over its models)."""
+        settings = self._settings
+        bounds: dict[str, int] = {}
+        for model in self.pool.served_models():
+            serving = self.serving(model)
+            bound = load_bound(
+                serving.total_load, len(serving.names), settings.load_factor, settings.load_floor
+            )
+            for item in serving.backends:
+                bounds[item.name] = max(bound, bounds.get(item.name, 0))
+        return bounds
+
+    def serving(self, model: str) -> ModelPool:
+        serving = self.pool.serving(model)
+        if serving is None:
+            if not self.pool.knows_model(model):
+                raise NotFound(
+                    f"The model `{model}` does not exist.", param="model", code="model_not_found"
+                )
+            raise NoHealthyBackend(
+                f"no healthy backend serves model `{model}`", code="no_healthy_backend"
+            )
+        return serving
+
+    def _affinity_key(self, request: RoutingInput) -> int:
         if request.session_key is not None:
             return key_hash(request.session_key)
         start = request.distinct_from
         return key_hash(request.canonical[start : start + self._affinity_chars])
 
-    async def route(self, request: RoutingInput) -> RoutedRequest:
-        began = time.perf_counter()
-        group, hashes, affinity_key, matched, sticky = await self._gather(request)
-        share = self.traffic.prompt_share(
-            hashes, request.distinct_from // self._block_chars, count=True
-        )
-        decision = self.policy.choose(
-            self.state(request, group, hashes, matched, affinity_key, sticky, share)
-        )
-        self._routed += 1
-        backend = group.by_name[decision.backend]
-        self._decision_seconds.observe(time.perf_counter() - began)
-        if sticky is not None and sticky != backend.name:
-            self.metrics.session_moves.labels(_move_cause(sticky, group, decision)).inc()
-        routed = RoutedRequest(request, hashes, affinity_key, decision, backend, [backend.name])
-        routed.prefill_starts(matched)
-        try:
-            routed.turn = self._follow(routed, group, matched)
-            await self._record_choice(routed)
-        except BaseException:
-            # The proxy's `finally` takes the count back only for a request it got.
-            routed.prefill_done()
-            raise
-        return routed
+    async def _record(self, request: RoutingInput, backend: str, chain: list[int]) -> None:
+        if request.endpoint is not Endpoint.EMBEDDINGS:
+            await self.index.record(request.model, backend, chain)
+        if request.session_key is not None:
+            await self.sessions.put(request.session_key, backend)
 
-    async def explain(self, request: RoutingInput) -> Explanation:
-        """The decision `route` would make for `request` now, recording nothing."""
-        group, hashes, affinity_key, matched, sticky = await self._gather(request)
-        share = self.traffic.prompt_share(
-            hashes, request.distinct_from // self._block_chars, count=False
-        )
-        state = self.state(request, group, hashes, matched, affinity_key, sticky, share)
-        decision = self.policy.choose(state)
-        prompt = fingerprint(request.canonical) if request.endpoint is Endpoint.CHAT else None
-        return Explanation(
-            request,
-            len(hashes),
-            affinity_key,
-            sticky,
-            {item.name: item.load for item in group.backends},
-            matched,
-            self.recent.snapshot(group.names),
-            decision,
-            self.conversations.peek(request.session_key, prompt),
-        )
-
-    def load_bounds(self) -> dict[str, int]:
-        """The bound a new request meets at each serving backend now (largest over its models)."""
-        settings = self.settings
-        bounds: dict[str, int] = {}
-        for model in self.pool.served_models():
-            group = self.candidates(model)
-            bound = load_bound(
-                group.total_load, len(group.names), settings.load_factor, settings.load_floor
-            )
-            for item in group.backends:
-                bounds[item.name] = max(bound, bounds.get(item.name, 0))
-        return bounds
-
-    async def reroute(self, routed: RoutedRequest) -> bool:
-        """Move a request that failed before its first byte to the next candidate."""
-        untried = [
-            item
-            for item in self.candidates(routed.input.model).backends
-            if item.name not in routed.tried
-        ]
-        if not untried:
-            return False
-        group = Candidates(untried)
-        matched = await self.index.match(routed.input.model, routed.hashes)
-        choice = self.policy.choose(
-            self.state(routed.input, group, routed.hashes, matched, routed.affinity_key)
-        )
-        routed.decision = Decision(
-            choice.backend, Route.RETRY, choice.matched_blocks, choice.load_bound
-        )
-        routed.prefill_done()
-        routed.backend = group.by_name[choice.backend]
-        routed.prefill_starts(matched)
-        routed.tried.append(choice.backend)
-        if routed.input.session_key is not None:
-            self.metrics.session_moves.labels("failover").inc()
-        await self._record_choice(routed)
-        return True
-
-    def answered(self, routed: RoutedRequest, answer: str) -> Answered:
-        """The answer as the next turn's history carries it, and the chain of the prompt and
-        that answer, which a chat's next turn extends (the prompt's own chain otherwise)."""
-        segment = message_segment("assistant", answer) if answer else b""
-        if routed.input.endpoint is not Endpoint.CHAT or not answer:
-            return Answered(segment, routed.hashes)
-        history = routed.input.canonical + segment
-        chain = extend_hashes(routed.hashes, history, self._block_chars)
-        # An answer too short to complete a block adds nothing the routing did not record.
-        return Answered(segment, chain if len(chain) > len(routed.hashes) else routed.hashes)
-
-    async def learn_answer(self, routed: RoutedRequest, answered: Answered) -> None:
-        """The answer joins the conversation's history: index its chain on the backend that
-        wrote it."""
-        self._settle(routed, answered.segment)
-        if answered.chain is not routed.hashes:
-            await self.index.record(routed.input.model, routed.backend.name, answered.chain)
-
-    async def _gather(
-        self, request: RoutingInput
-    ) -> tuple[Candidates, list[int], int, dict[str, int], str | None]:
-        candidates = self.candidates(request.model)
-        hashes = chain_hashes(request.canonical, self._block_chars)
-        affinity_key = self.affinity_key(request)
-        if request.session_key is None:
-            matched = await self.index.match(request.model, hashes)
-            return candidates, hashes, affinity_key, matched, None
-        # Both at once: with Redis they are two round trips that need not wait for each other.
-        matched, sticky = await asyncio.gather(
-            self.index.match(request.model, hashes), self.sessions.get(request.session_key)
-        )
-        return candidates, hashes, affinity_key, matched, sticky
-
-    def _follow(
-        self, routed: RoutedRequest, candidates: Candidates, matched: dict[str, int]
-    ) -> Turn | None:
+    def _follow(self, routed: Routed) -> Turn | None:
         """Place the request in its conversation; count a cache break when it has one."""
-        request = routed.input
+        request = routed.request
         is_chat = request.endpoint is Endpoint.CHAT
         if not is_chat and request.session_key is None:
             return None
@@ -267,89 +264,50 @@ class Router:
         previous = turn.previous_backend
         if turn.continues and previous is not None and previous != chosen:
             turn.miss = miss_cause(
-                previous, candidates.loads, routed.decision.load_bound, matched, chosen
+                previous,
+                routed.serving.loads,
+                routed.decision.load_bound,
+                routed.state.matched,
+                chosen,
             )
         return turn
 
-    def _settle(self, routed: RoutedRequest, answer_segment: bytes) -> None:
+    def _with_answer(self, routed: Routed, segment: bytes) -> list[int]:
+        """The chain of the prompt and its answer, which a chat's next turn extends (the
+        prompt's own chain when there is nothing to add)."""
+        if routed.request.endpoint is not Endpoint.CHAT or not segment:
+            return routed.chain
+        history = routed.request.canonical + segment
+        chain = extend_hashes(routed.chain, history, self._block_chars)
+        # An answer too short to complete a block adds nothing routing did not record.
+        return chain if len(chain) > len(routed.chain) else routed.chain
+
+    def _settle(self, routed: Routed, outcome: Outcome, segment: bytes) -> None:
         """Once answered: count failover and affinity, remember who answered and what."""
-        model = routed.input.model
-        served = routed.backend.name
-        if len(routed.tried) > 1:
+        model = routed.request.model
+        served = outcome.decision.backend
+        if len(outcome.tried) > 1:
             self.metrics.child(self.metrics.failovers, model).inc()
         turn = routed.turn
         if turn is None:
             return
         turn.record.backend = served
-        if answer_segment:
-            turn.record.answer = answer_hash(answer_segment)
+        if segment:
+            turn.record.answer = answer_hash(segment)
         if not turn.continues:
             return
         if turn.previous_backend == served:
             self.metrics.child(self.metrics.affinity_hits, model).inc()
             return
         miss = turn.miss or AffinityMiss.SPREAD
-        if turn.previous_backend in routed.tried:
+        if turn.previous_backend in outcome.tried:
             miss = AffinityMiss.FAILOVER
         self.metrics.child(self.metrics.affinity_misses, model, miss.value).inc()
 
-    def candidates(self, model: str) -> Candidates:
-        candidates = self.pool.group(model)
-        if candidates is None:
-            if not self.pool.knows_model(model):
-                raise NotFound(
-                    f"The model `{model}` does not exist.", param="model", code="model_not_found"
-                )
-            raise NoHealthyBackend(
-                f"no healthy backend serves model `{model}`", code="no_healthy_backend"
-            )
-        return candidates
 
-    def state(
-        self,
-        request: RoutingInput,
-        candidates: Candidates,
-        hashes: list[int],
-        matched: dict[str, int],
-        affinity_key: int,
-        sticky: str | None = None,
-        shared_share: float = 0.0,
-    ) -> RoutingState:
-        """What the policy is shown: views of live load and traffic, nothing copied per backend."""
-        members = candidates.members
-        return RoutingState(
-            candidates=candidates.names,
-            loads=candidates.loads,
-            hashes=hashes,
-            matched=matched,
-            affinity_key=affinity_key,
-            private_from=request.distinct_from // self._block_chars,
-            sticky=sticky,
-            keyed=request.session_key is not None,
-            recent=self.recent.view,
-            members=members,
-            total_load=candidates.total_load,
-            recent_total=self.recent.sum_over(members),
-            shared_share=shared_share,
-            sequence=self._routed,
-            pending_prefill=candidates.pending_prefill,
-        )
-
-    async def _record_choice(self, routed: RoutedRequest) -> None:
-        request = routed.input
-        name = routed.backend.name
-        self.recent.add(name)
-        if request.endpoint is not Endpoint.EMBEDDINGS:
-            await self.index.record(request.model, name, routed.hashes)
-        if request.session_key is not None:
-            await self.sessions.put(request.session_key, name)
-        if routed.decision.route is Route.OVERFLOW:
-            self.metrics.child(self.metrics.overflows, request.model).inc()
-
-
-def _move_cause(sticky: str, candidates: Candidates, decision: Decision) -> str:
+def _move_cause(sticky: str, serving: ModelPool, decision: Decision) -> str:
     """Why a session left its backend: gone from the candidates, over the bound, or the policy."""
-    backend = candidates.by_name.get(sticky)
+    backend = serving.by_name.get(sticky)
     if backend is None:
         return "unhealthy"
     if decision.load_bound > 0 and not within_bound(backend.load, decision.load_bound):

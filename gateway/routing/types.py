@@ -1,7 +1,8 @@
-"""What every policy sees and returns: a snapshot of plain values in, a decision out."""
+"""What routing works with: the policy's view in, its decision out, and what it learns from."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from enum import Enum
@@ -76,3 +77,22 @@ class Policy(Protocol):
     def choose(self, state: RoutingState) -> Decision:
         """Pick one of `state.candidates`; there is always at least one."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What came back for a routed request, from the attempt that gave the client its answer."""
+
+    status: int
+    decision: Decision
+    """The decision of that attempt (the first, or a retry's)."""
+    tried: tuple[str, ...]
+    """Every backend tried, in order."""
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    answer: str = ""
+    """The first choice's text, as the next turn of a conversation carries it."""
+    sent_at: float = math.inf
+    """`time.perf_counter()` when the answering attempt was sent."""
+    first_byte_at: float = 0.0
+    """`time.perf_counter()` when its first byte came back (0: none came)."""

@@ -1,17 +1,13 @@
 """Prefix index and sticky sessions shared through Redis by every gateway replica.
 
 `connect(settings, metrics, index, sessions)` wraps the local stores so that Redis is asked
-first and the local stores answer whenever Redis cannot; `SharedState.share_load` adds the
-exchange of requests in flight between gateways. See docs/redis.md for the data model.
+first and the local stores answer whenever Redis cannot. See docs/redis.md for the data model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.backends.engine_load import EngineLoadScraper
-from gateway.backends.pool import BackendPool
-from gateway.backends.shared_load import LOAD_SCRIPT, FleetLoad
 from gateway.config import Settings
 from gateway.metrics import Metrics
 from gateway.state.index import InMemoryPrefixIndex
@@ -31,11 +27,6 @@ class SharedState:
     sessions: FallbackSessionStore
     keys: KeySpace
 
-    def share_load(self, pool: BackendPool, engine_load: EngineLoadScraper) -> None:
-        """Exchange requests in flight with the other gateways while the link runs."""
-        fleet_load = FleetLoad(self.link.client, self.link, self.keys, pool, engine_load)
-        self.link.run_while_open(fleet_load.start, fleet_load.stop)
-
 
 def connect(
     settings: Settings,
@@ -47,7 +38,7 @@ def connect(
     client = open_client(settings.redis_url, settings.redis_timeout, settings.redis_max_connections)
     # Half the connections at most carry background writes: lookups always find one free.
     link = RedisLink(client, settings.redis_timeout, metrics, settings.redis_max_connections // 2)
-    link.preload(MATCH_SCRIPT, RECORD_SCRIPT, FORGET_SCRIPT, LOAD_SCRIPT)
+    link.preload(MATCH_SCRIPT, RECORD_SCRIPT, FORGET_SCRIPT)
     keys = KeySpace(settings.redis_prefix)
     shared_index = RedisPrefixIndex(client, keys, settings.affinity_ttl)
     shared_sessions = RedisSessionStore(client, keys, settings.affinity_ttl)
@@ -62,7 +53,6 @@ def connect(
 __all__ = [
     "FallbackPrefixIndex",
     "FallbackSessionStore",
-    "FleetLoad",
     "KeySpace",
     "RedisLink",
     "RedisPrefixIndex",

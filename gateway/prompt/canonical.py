@@ -1,0 +1,90 @@
+"""The canonical prompt stream: the bytes routing hashes, one format for every endpoint.
+
+It mirrors what an engine caches: the same messages in the same order give the same bytes, and
+one more message only appends bytes. A chat is its tools block (if any), then one segment per
+message; a completion's prompt is its text, or its token ids; a batch of prompts is marked so
+that it is never taken for one long prompt.
+
+    chat        [TOOLS "tools" FIELD json] (MESSAGE role FIELD content [FIELD tool_calls])*
+    content     text, and PART json for a part that is not text (images, audio, files)
+    completion  text | TOKENS json
+    batch       text (MESSAGE text)+ | TOKENS json of lists
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+
+MESSAGE = b"\x1e"
+"""Begins each chat message; separates the prompts of a batch."""
+FIELD = b"\x1f"
+TOOLS = b"\x1d"
+TOKENS = b"\x1c"
+PART = b"\x1a"
+
+
+def message_segment(role: str, content: Any, extra: bytes = b"") -> bytes:
+    """The canonical bytes of one chat message (also used for the answer once it is known)."""
+    return MESSAGE + role.encode() + FIELD + _content_bytes(content) + extra
+
+
+def tools_block(tools: list[Any]) -> bytes:
+    return TOOLS + b"tools" + FIELD + orjson.dumps(tools, option=orjson.OPT_SORT_KEYS)
+
+
+def tool_calls_field(tool_calls: Any) -> bytes:
+    return FIELD + orjson.dumps(tool_calls, option=orjson.OPT_SORT_KEYS)
+
+
+def message_spans(canonical: bytes) -> Iterator[tuple[int, int]]:
+    """The byte span of each message of a chat's stream, the tools block first if it has one;
+    a message's span starts at its role's first byte."""
+    find = canonical.find
+    start = find(MESSAGE)
+    head = start if start >= 0 else len(canonical)
+    if head:
+        yield 0, head
+    while start >= 0:
+        end = find(MESSAGE, start + 1)
+        yield start + 1, end if end >= 0 else len(canonical)
+        start = end
+
+
+def is_batch(canonical: bytes) -> bool:
+    """Whether a completion's stream holds several prompts (each cached on its own)."""
+    return canonical.startswith(TOKENS + b"[[") or MESSAGE in canonical
+
+
+def text_prompts(prompts: list[str]) -> bytes:
+    return prompts[0].encode() if len(prompts) == 1 else MESSAGE.join(p.encode() for p in prompts)
+
+
+def token_prompts(ids: list[Any]) -> bytes:
+    return TOKENS + orjson.dumps(ids)
+
+
+def _content_bytes(content: Any) -> bytes:
+    if content is None:
+        return b""
+    if isinstance(content, str):
+        return content.encode()
+    if isinstance(content, list):
+        chunks: list[bytes] = []
+        for part in content:
+            if not isinstance(part, dict):
+                raise TypeError("content parts must be objects")
+            kind = part.get("type")
+            if kind == "text":
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise TypeError("a text part needs a string `text`")
+                chunks.append(text.encode())
+            else:
+                # Images, audio and files cache by their bytes; their serialised form stands
+                # in for them.
+                chunks.append(PART + orjson.dumps(part, option=orjson.OPT_SORT_KEYS))
+        return b"".join(chunks)
+    raise TypeError("content must be a string, a list of parts or null")

@@ -1,0 +1,100 @@
+"""One try at one replica, and what it holds while it runs.
+
+An attempt counts in its backend's load (requests in flight) until it ends, and in its
+pending prefill (the prompt blocks the replica has yet to compute for it) until its first
+byte. A streamed attempt is also a prefill in progress that later requests sharing its prefix
+may wait for. Entering takes all of these; the first byte gives back the prefill; leaving
+gives back whatever is left, also when the attempt failed or was interrupted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from types import TracebackType
+
+from gateway.backends.pool import Backend, Lease
+from gateway.proxy.prefills import Computing, Prefills
+from gateway.routing.types import Decision
+
+
+class Attempt:
+    __slots__ = (
+        "_computing",
+        "_lease",
+        "_pending",
+        "_prefills",
+        "_streamed",
+        "backend",
+        "chain",
+        "decision",
+        "first_byte_at",
+        "started",
+    )
+
+    def __init__(
+        self,
+        backend: Backend,
+        decision: Decision,
+        chain: Sequence[int],
+        prefills: Prefills | None,
+        streamed: bool,
+    ) -> None:
+        self.backend = backend
+        self.decision = decision
+        self.chain = chain
+        self.started = 0.0
+        """`time.perf_counter()` when the request was sent to the replica."""
+        self.first_byte_at = 0.0
+        self._lease = Lease(backend)
+        self._pending = max(0, len(chain) - decision.matched_blocks)
+        self._prefills = prefills
+        """Prefills in progress, where this attempt may wait (None: prefill waits are off)."""
+        self._streamed = streamed
+        self._computing: Computing | None = None
+
+    def __enter__(self) -> Attempt:
+        self._lease.__enter__()
+        self.backend.pending_prefill += self._pending
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self._prefilled()
+        self._lease.__exit__(kind, error, trace)
+
+    async def take_turn(self) -> None:
+        """Wait for a stream computing this prompt's matched prefix on the same backend now;
+        then, if streamed, announce this attempt's own prefill."""
+        prefills = self._prefills
+        if prefills is None:
+            return
+        name, depth = self.backend.name, self.decision.matched_blocks
+        earlier = prefills.earlier(name, self.chain, depth)
+        if earlier is not None:
+            await prefills.wait(earlier)
+        if self._streamed and depth < len(self.chain):
+            self._computing = prefills.begin(name, self.chain, depth)
+
+    def sent(self) -> None:
+        self.started = time.perf_counter()
+
+    def reached_first_byte(self) -> float:
+        """The prefill is over; the seconds since the request was sent."""
+        self.first_byte_at = time.perf_counter()
+        self._prefilled()
+        return self.first_byte_at - self.started
+
+    def _prefilled(self) -> None:
+        if self._pending:
+            self.backend.pending_prefill -= self._pending
+            self._pending = 0
+        computing = self._computing
+        if computing is not None:
+            self._computing = None
+            assert self._prefills is not None
+            self._prefills.end(computing)

@@ -1,0 +1,52 @@
+"""The response to the client: begun once, as a whole body or as a stream of events.
+
+`Reply` is the only writer of what the client has been sent, so an error is always shaped to
+fit it: an OpenAI error body before anything was sent, a last server-sent event inside a
+stream, nothing after a whole body.
+"""
+
+from __future__ import annotations
+
+from gateway.errors import GatewayError, sse_error
+from gateway.proxy.asgi import Send, send_error
+
+Headers = list[tuple[bytes, bytes]]
+
+
+class Reply:
+    __slots__ = ("_cut", "_send", "begun", "streaming")
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.begun = False
+        self.streaming = False
+        self._cut = False
+        """The last chunk sent ended inside an event (no blank line after it)."""
+
+    async def whole(self, status: int, headers: Headers, body: bytes) -> None:
+        headers.append((b"content-length", str(len(body)).encode()))
+        self.begun = True
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+        await self._send({"type": "http.response.body", "body": body})
+
+    async def start_stream(self, headers: Headers) -> None:
+        self.begun = self.streaming = True
+        await self._send({"type": "http.response.start", "status": 200, "headers": headers})
+
+    async def chunk(self, data: bytes) -> None:
+        """Send a non-empty chunk of the stream."""
+        self._cut = not data.endswith((b"\n\n", b"\r\n\r\n"))
+        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def end(self, data: bytes = b"") -> None:
+        await self._send({"type": "http.response.body", "body": data})
+
+    async def fail(self, error: GatewayError, headers: Headers) -> None:
+        """Tell the client why its request ended, in whatever shape still fits."""
+        if not self.begun:
+            self.begun = True
+            await send_error(self._send, error, headers)
+        elif self.streaming:
+            # An event cut in the middle is closed first, so that the error is one of its own.
+            tail = b"\n\n" + sse_error(error) if self._cut else sse_error(error)
+            await self.end(tail)
