@@ -55,6 +55,7 @@ class ChildProcess:
         startup_seconds: float = 20.0,
         stop_seconds: float = 5.0,
         capture_output: bool = True,
+        cwd: str | None = None,
     ) -> None:
         self.module = module
         self.args = tuple(args)
@@ -64,6 +65,8 @@ class ChildProcess:
         self._startup_seconds = startup_seconds
         self._stop_seconds = stop_seconds
         self._capture = capture_output
+        self._cwd = cwd
+        """Where the module is found first (`python -m` puts the working directory first)."""
         self._process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
@@ -140,7 +143,7 @@ class ChildProcess:
         command += ["--host", self.host, "--port", str(self.port)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self._process = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=output, stderr=output, env=env
+            command, stdin=subprocess.DEVNULL, stdout=output, stderr=output, env=env, cwd=self._cwd
         )
 
     def _wait_healthy(self) -> bool:

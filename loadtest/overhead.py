@@ -11,6 +11,7 @@ gateway (and through peers, with --peers). Prints two tables:
     python loadtest/overhead.py
     python loadtest/overhead.py --sequential 2000 --concurrency 16,64 --requests 4000
     python loadtest/overhead.py --workers 1,2   # one gateway per worker count, side by side
+    python loadtest/overhead.py --compare ../other-checkout   # another commit's gateway beside
 """
 
 from __future__ import annotations
@@ -200,6 +201,14 @@ def concurrency_table(
             )
 
 
+def _commit(checkout: str) -> str:
+    import subprocess
+
+    return subprocess.run(
+        ["git", "-C", checkout, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sequential", type=int, default=500)
@@ -210,6 +219,11 @@ def main() -> None:
         "--workers",
         default="1",
         help="comma-separated worker counts: one gateway (`serve --workers N`) for each",
+    )
+    parser.add_argument(
+        "--compare",
+        default="",
+        help="comma-separated checkouts of other commits: each one's gateway runs beside ours",
     )
     args = parser.parse_args()
     counts = [int(count) for count in args.workers.split(",")]
@@ -224,6 +238,13 @@ def main() -> None:
             )
             name = "prefix-gateway" if counts == [1] else f"prefix-gateway --workers {count}"
             routers.append(Router(name, gateway.url, gateway.pid))
+        for checkout in (path for path in args.compare.split(",") if path):
+            other = stack.enter_context(
+                GatewayProcess(
+                    [replica.url], "--health-interval", "30", checkout=str(Path(checkout).resolve())
+                )
+            )
+            routers.append(Router(f"prefix-gateway@{_commit(checkout)}", other.url, other.pid))
         names = [name for name in args.peers.split(",") if name]
         peers = [start_peer(name, [replica.url], MODEL) for name in names]
         try:

@@ -30,7 +30,13 @@ def run_script(script: str, *args: str, timeout: float = 180) -> str:
 
 
 class GatewayProcess(ChildProcess):
-    def __init__(self, backends: Sequence[str], *args: str, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        backends: Sequence[str],
+        *args: str,
+        env: dict[str, str] | None = None,
+        checkout: str | None = None,
+    ):
         super().__init__(
             "gateway",
             (
@@ -43,6 +49,7 @@ class GatewayProcess(ChildProcess):
                 *args,
             ),
             env=env,
+            cwd=checkout,
         )
 
     def metrics(self) -> str:
