@@ -15,14 +15,15 @@ import orjson
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.auth import PROTECTED_PREFIX, ApiKeys
+from gateway.auth import PROTECTED_PREFIX, TENANT, ApiKeys, tenant_of
 from gateway.backends.pool import BackendPool
 from gateway.components import Components
 from gateway.config import Settings
 from gateway.control.app import build_control_app
-from gateway.errors import GatewayError, MethodNotAllowed
+from gateway.errors import GatewayError, LoopDetected, MethodNotAllowed
 from gateway.prompt.parsing import ENDPOINTS
 from gateway.proxy.asgi import ASGIApp, Receive, Scope, Send, send_error, send_json
+from gateway.proxy.upstream import passed_through
 
 log = logging.getLogger("gateway.app")
 
@@ -34,6 +35,7 @@ class GatewayApp:
         self.components: Components | None = None
         self._control: ASGIApp | None = None
         self._api_keys = ApiKeys(settings.api_key)
+        self._isolate_tenants = settings.isolate_tenants
         self.shutting_down = False
 
     def begin_shutdown(self) -> None:
@@ -49,12 +51,21 @@ class GatewayApp:
             path = scope["path"]
             if self._api_keys and path.startswith(PROTECTED_PREFIX):
                 try:
-                    self._api_keys.check(scope["headers"])
+                    key = self._api_keys.check(scope["headers"])
                 except GatewayError as refused:
                     await self._refuse(refused, send, [(b"www-authenticate", b"Bearer")])
                     return
+                if self._isolate_tenants:
+                    scope[TENANT] = tenant_of(key)
             if path in ENDPOINTS:
-                if scope["method"] == "POST":
+                if passed_through(scope["headers"]):
+                    loop = LoopDetected(
+                        "this request already passed through the gateway: a backend points back"
+                        " at it",
+                        code="loop_detected",
+                    )
+                    await self._refuse(loop, send, [])
+                elif scope["method"] == "POST":
                     await self.components.proxy(scope, receive, send)
                 else:
                     wrong = MethodNotAllowed(f"use POST for {path}", code="http_405")

@@ -1,20 +1,37 @@
-"""Client API keys: `Authorization: Bearer <key>` on the OpenAI routes (`/v1/...`).
+"""Who may call what: client API keys on `/v1/...`, the admin token on `/admin/...`.
 
-Keys are compared in constant time against every configured key, so neither the timing nor
-the position of a match tells a caller anything about the keys. The admin endpoints use their
-own token (`gateway.control.explain.admin_guard`); probes and metrics (`/health`, `/ready`,
-`/metrics`)
-stay open for the orchestrator and Prometheus.
+Keys and tokens are compared in constant time, every key whether or not one matched, so
+neither timing nor position tells a caller anything. The admin API changes routing and shows
+traffic: with no token set it is open on a loopback listener only, and off anywhere else.
+Probes and metrics (`/health`, `/ready`, `/metrics`) stay open for orchestrators and Prometheus.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import ipaddress
 from collections.abc import Iterable
 
-from gateway.errors import Unauthorized
+from gateway.errors import Forbidden, Unauthorized
 
 PROTECTED_PREFIX = "/v1/"
+TENANT = "gateway.tenant"
+"""The ASGI scope key of the request's tenant, under `--isolate-tenants`."""
+
+
+def bearer(authorization: bytes | None) -> bytes | None:
+    """The token of an `Authorization: Bearer <token>` header, if it is one."""
+    if authorization is None:
+        return None
+    scheme, _, token = authorization.partition(b" ")
+    token = token.strip()
+    return token if scheme.lower() == b"bearer" and token else None
+
+
+def tenant_of(key: bytes) -> str:
+    """A tenant's name: a hash of its API key, so that the key itself is kept nowhere."""
+    return hashlib.blake2b(key, digest_size=8, person=b"pgw-tenant").hexdigest()
 
 
 class ApiKeys:
@@ -24,8 +41,8 @@ class ApiKeys:
     def __bool__(self) -> bool:
         return bool(self._keys)
 
-    def check(self, headers: list[tuple[bytes, bytes]]) -> None:
-        """Raise `Unauthorized` unless the headers carry one of the keys."""
+    def check(self, headers: list[tuple[bytes, bytes]]) -> bytes:
+        """The key the headers carry; `Unauthorized` unless it is one of the keys."""
         given = None
         for name, value in headers:
             if name == b"authorization":
@@ -36,11 +53,46 @@ class ApiKeys:
                 "You didn't provide an API key: send `Authorization: Bearer <key>`.",
                 code="missing_api_key",
             )
-        scheme, _, token = given.partition(b" ")
-        token = token.strip()
+        token = bearer(given) or b""
         matched = False
         for key in self._keys:
             # `|` rather than `or`: every key is compared, matched or not.
             matched |= hmac.compare_digest(token, key)
-        if scheme.lower() != b"bearer" or not matched:
+        if not matched:
             raise Unauthorized("Incorrect API key provided.", code="invalid_api_key")
+        return token
+
+
+class AdminAccess:
+    def __init__(self, token: str, listen_host: str) -> None:
+        self._token = token.encode()
+        self.open = not token and is_loopback(listen_host)
+        """No token, and only this machine can reach the listener: anyone may."""
+        self.disabled = not token and not self.open
+
+    def check(self, authorization: bytes | None) -> None:
+        if self.open:
+            return
+        if self.disabled:
+            raise Forbidden(
+                "the admin API is off: the gateway listens beyond loopback and no admin token"
+                " is set (--admin-token)",
+                code="admin_disabled",
+            )
+        given = bearer(authorization)
+        if given is None:
+            raise Unauthorized(
+                "this endpoint needs `Authorization: Bearer <admin token>`", code="missing_token"
+            )
+        if not hmac.compare_digest(given, self._token):
+            raise Forbidden("the admin token is not valid", code="invalid_token")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listener on `host` is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -104,6 +104,16 @@ class Settings:
     queue_timeout: float = _opt(5.0, "seconds a request may wait for a slot before a 429")
     max_header_bytes: int = _opt(32768, "largest request line plus headers accepted (431 beyond)")
     max_json_depth: int = _opt(64, "deepest nesting of arrays and objects in a request body")
+    max_json_elements: int = _opt(
+        200_000, "arrays and objects a request body may hold (counted before it is parsed)"
+    )
+    max_messages: int = _opt(10_000, "messages a chat request may hold")
+    max_session_key_bytes: int = _opt(512, "longest session key (x-session-id, prompt_cache_key)")
+    max_prompt_tokens: int = _opt(
+        262_144,
+        "prompt tokens hashed and indexed per request at most (about the longest context"
+        " served); a longer prompt is routed on its beginning",
+    )
     api_key: tuple[str, ...] = _opt(
         (),
         "client API key accepted as `Authorization: Bearer KEY` on /v1; repeat for several"
@@ -114,6 +124,11 @@ class Settings:
         "", "sent to replicas as `Authorization: Bearer KEY` in place of the client's header"
     )
     forward_client_auth: bool = _opt(False, "pass the client's Authorization header on to replicas")
+    isolate_tenants: bool = _opt(
+        False,
+        "give each client API key its own prefix-cache namespace: its own index entries, and"
+        " vLLM's `cache_salt` added to its requests (needs --api-key)",
+    )
     shutdown_delay: float = _opt(
         0.0, "seconds to keep serving after SIGTERM with /ready false, before closing the listener"
     )
@@ -168,6 +183,10 @@ class Settings:
     @property
     def block_chars(self) -> int:
         return max(1, round(self.block_tokens * self.chars_per_token))
+
+    @property
+    def max_prompt_blocks(self) -> int:
+        return max(1, self.max_prompt_tokens // self.block_tokens)
 
     @property
     def min_match_blocks(self) -> int:
@@ -227,6 +246,16 @@ class Settings:
             raise ConfigError("queue sizes, backoff and shutdown periods must not be negative")
         if self.max_header_bytes < 1024 or self.max_json_depth < 2:
             raise ConfigError("max_header_bytes must be at least 1024, max_json_depth at least 2")
+        limits = (
+            self.max_json_elements,
+            self.max_messages,
+            self.max_session_key_bytes,
+            self.max_prompt_tokens,
+        )
+        if min(limits) < 1:
+            raise ConfigError("every max_* limit must be at least 1")
+        if self.isolate_tenants and not self.api_key:
+            raise ConfigError("isolate_tenants needs client API keys (--api-key): keys are tenants")
 
 
 def _env_name(f: dataclasses.Field[Any]) -> str:

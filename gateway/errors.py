@@ -31,6 +31,11 @@ class Unauthorized(GatewayError):
     error_type = "authentication_error"
 
 
+class Forbidden(GatewayError):
+    status = 403
+    error_type = "permission_error"
+
+
 class NotFound(GatewayError):
     status = 404
     error_type = "invalid_request_error"
@@ -79,6 +84,11 @@ class ShuttingDown(GatewayError):
 class UpstreamTimeout(GatewayError):
     status = 504
     error_type = "upstream_timeout"
+
+
+class LoopDetected(GatewayError):
+    status = 508
+    error_type = "invalid_request_error"
 
 
 def render_error(

@@ -45,6 +45,14 @@ def test_hashes_can_be_extended_from_known_blocks() -> None:
     assert block_hashes(prompt[:20], BLOCK, block_hashes(prompt, BLOCK)) == known[:1]
 
 
+def test_a_cache_salt_keeps_equal_prompts_apart() -> None:
+    prompt = tokens(48)
+    plain, salted = block_hashes(prompt, BLOCK), block_hashes(prompt, BLOCK, salt="a")
+    assert not set(plain) & set(salted)
+    assert salted == block_hashes(prompt, BLOCK, salt="a") != block_hashes(prompt, BLOCK, salt="b")
+    assert block_hashes(prompt, BLOCK, salted[:1]) == salted  # extending keeps the salt
+
+
 def test_lookup_is_the_longest_run_of_leading_cached_blocks() -> None:
     cache = PrefixCache(100, BLOCK)
     serve(cache, tokens(64))

@@ -14,7 +14,7 @@ from gateway.backends.pool import BackendPool
 from gateway.config import Settings
 from gateway.emulator.replicas import EmulatedReplicas
 from gateway.metrics import Metrics
-from gateway.prompt.parsing import Endpoint, parse_request
+from gateway.prompt.parsing import Endpoint, parse_request, session_hash
 from gateway.routing.policies import build_policy
 from gateway.routing.router import Router
 from gateway.state.index import InMemoryPrefixIndex
@@ -135,7 +135,7 @@ def test_explain_shows_the_session_and_a_cache_break(admin: GatewayProcess) -> N
     decision = explain(admin, trimmed, **{"x-session-id": "explain-1"}).json()
     assert decision["route"] == "session"
     assert decision["sticky_backend"] == first.headers["x-gateway-backend"]
-    assert decision["session_key"] == "explain-1"
+    assert decision["session_key"] == session_hash("explain-1")  # only its hash is kept
     assert decision["conversation"]["continuity"] == "break"
     assert decision["conversation"]["cache_break"] == "front_trim"
 

@@ -18,7 +18,8 @@ import pytest
 from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 
 from gateway.emulator.replicas import EmulatedReplicas
-from gateway.proxy.usage import StreamObserver, request_usage
+from gateway.proxy.rewrite import request_usage, with_cache_salt
+from gateway.proxy.usage import StreamObserver
 from tests.conftest import MODEL
 from tests.fault_servers import FaultServer
 from tests.support import GatewayProcess
@@ -58,6 +59,23 @@ def test_the_body_asks_for_usage_and_keeps_everything_else(
 def test_a_body_without_the_option_is_spliced_not_reserialised() -> None:
     body = b'{"model":"m","temperature":1.0,"x":"\\u00e9"}'
     assert request_usage(body) == body[:-1] + b',"stream_options":{"include_usage":true}}'
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model":"m","prompt":"p"}',
+        b"{}",
+        b'{"model":"m","cache_salt":"mine","prompt":"p"}',  # a client's own salt is replaced
+        b'{"model":"m","prompt":"\\"cache_salt\\""}',
+    ],
+)
+def test_every_request_of_a_tenant_carries_its_salt(body: bytes) -> None:
+    original = orjson.loads(body)
+    salted = orjson.loads(with_cache_salt(body, "tenant-a"))
+    assert salted.pop("cache_salt") == "tenant-a"
+    original.pop("cache_salt", None)
+    assert salted == original
 
 
 # -- the stream ------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ import pytest
 
 from gateway.errors import BadRequest
 from gateway.prompt.canonical import message_segment
-from gateway.prompt.parsing import Endpoint, parse_request
+from gateway.prompt.parsing import Endpoint, Limits, parse_request, session_hash
 
 
 def chat(**fields: object) -> bytes:
@@ -44,14 +44,34 @@ def test_distinct_part_starts_at_the_first_user_message() -> None:
     assert parsed.canonical[parsed.distinct_from :].startswith(message_segment("user", "q"))
 
 
-def test_session_key_sources() -> None:
-    assert parse_request(Endpoint.CHAT, chat(), "h1").session_key == "h1"
-    assert parse_request(Endpoint.CHAT, chat(prompt_cache_key="k1"), None).session_key == "k1"
+def test_session_key_sources_are_kept_as_hashes() -> None:
+    assert parse_request(Endpoint.CHAT, chat(), "h1").session_key == session_hash("h1")
+    keyed = parse_request(Endpoint.CHAT, chat(prompt_cache_key="k1"), None)
+    assert keyed.session_key == session_hash("k1") != session_hash("h1")
     assert parse_request(Endpoint.CHAT, chat(user="u1"), None).session_key is None
-    assert (
-        parse_request(Endpoint.CHAT, chat(user="u1"), None, session_from_user=True).session_key
-        == "u1"
-    )
+    from_user = parse_request(Endpoint.CHAT, chat(user="u1"), None, session_from_user=True)
+    assert from_user.session_key == session_hash("u1")
+    assert len(session_hash("x" * 512)) == 16
+
+
+def test_limits_refuse_before_parsing() -> None:
+    limits = Limits(depth=8, containers=50, messages=3, session_key_bytes=10)
+    many = [{"role": "user", "content": "q"}] * 4
+    deep = {"model": "m", "prompt": "x", "extra": [[[[[[[[[1]]]]]]]]]}
+    cases = [
+        (Endpoint.CHAT, chat(messages=many), "too_many_messages"),
+        (Endpoint.CHAT, chat(prompt_cache_key="k" * 11), "session_key_too_long"),
+        (
+            Endpoint.COMPLETIONS,
+            orjson.dumps({"model": "m", "prompt": [[1]] * 60}),
+            "too_many_elements",
+        ),
+        (Endpoint.COMPLETIONS, orjson.dumps(deep), "too_deep"),
+    ]
+    for endpoint, body, code in cases:
+        with pytest.raises(BadRequest) as refused:
+            parse_request(endpoint, body, None, limits=limits)
+        assert refused.value.code == code
 
 
 def test_completion_prompts() -> None:

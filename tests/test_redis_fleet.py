@@ -21,7 +21,7 @@ from gateway.backends.pool import Backend, BackendPool
 from gateway.config import Settings
 from gateway.emulator.replicas import EmulatedReplicas
 from gateway.metrics import Metrics
-from gateway.prompt.parsing import Endpoint, parse_request
+from gateway.prompt.parsing import Endpoint, parse_request, session_hash
 from gateway.routing.policies import Route, build_policy
 from gateway.routing.router import Router
 from gateway.state.index import InMemoryPrefixIndex
@@ -196,13 +196,14 @@ def test_a_session_over_the_load_bound_moves_and_is_bound_again() -> None:
     request = parse_request(Endpoint.CHAT, body.encode(), "s-1")
 
     async def scenario() -> None:
-        await sessions.put("s-1", "a:1")
+        assert request.session_key == session_hash("s-1")  # what the store is keyed by
+        await sessions.put(session_hash("s-1"), "a:1")
         busy = pool.get("a:1")
         assert busy is not None
         busy.in_flight = 5
         routed = await router.route(request)
         assert routed.backend.name == "b:2" and routed.decision.route is not Route.SESSION
-        assert await sessions.get("s-1") == "b:2"
+        assert await sessions.get(session_hash("s-1")) == "b:2"
         busy.in_flight = 0
         assert (await router.route(request)).decision.route is Route.SESSION
 

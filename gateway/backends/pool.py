@@ -281,6 +281,9 @@ class Lease:
 
 
 def parse_backend_spec(spec: str) -> Backend:
+    """A backend from `URL` or `MODEL=URL`: http(s), a host, no credentials in the URL."""
+    if any(char.isspace() or not char.isprintable() for char in spec.strip()):
+        raise ConfigError(f"backend {spec!r} holds whitespace or control characters")
     model: str | None = None
     url = spec.strip()
     if "=" in url and not url.split("=", 1)[0].startswith(("http://", "https://")):
@@ -290,10 +293,15 @@ def parse_backend_spec(spec: str) -> Backend:
     try:
         parts = urlsplit(url)
         hostname = parts.hostname
-    except ValueError as exc:  # e.g. an unbalanced IPv6 bracket
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError as exc:  # e.g. an unbalanced IPv6 bracket, a port out of range
         raise ConfigError(f"backend {spec!r} is not an http(s) URL: {exc}") from None
     if parts.scheme not in ("http", "https") or not hostname:
         raise ConfigError(f"backend {spec!r} is not an http(s) URL")
+    if "@" in parts.netloc:
+        raise ConfigError(f"backend {spec!r} carries credentials: use --upstream-api-key")
+    if parts.query or parts.fragment:
+        raise ConfigError(f"backend {spec!r} has a query or fragment")
     base = url.rstrip("/")
     if base.endswith("/v1"):
         base = base[: -len("/v1")]

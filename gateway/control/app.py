@@ -14,19 +14,21 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from gateway.auth import AdminAccess
 from gateway.components import Components
+from gateway.control.access import admin_guard
 from gateway.control.backends import build_backends_router
-from gateway.control.explain import AdminRoute, admin_guard, build_admin_router
+from gateway.control.explain import build_explain_router
 from gateway.control.gauges import publish_scrape_gauges
 from gateway.errors import render_error
 
 
 def build_control_app(components: Components) -> FastAPI:
     app = FastAPI(title="Prefix Gateway", docs_url="/docs", redoc_url=None)
-    app.include_router(build_admin_router(components))
-    app.include_router(
-        build_backends_router(components, admin_guard(components.settings.admin_token), AdminRoute)
-    )
+    settings = components.settings
+    guard = admin_guard(AdminAccess(settings.admin_token, settings.host))
+    app.include_router(build_explain_router(components, guard))
+    app.include_router(build_backends_router(components, guard))
     pool = components.pool
     metrics = components.metrics
 

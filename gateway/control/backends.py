@@ -14,20 +14,20 @@ here: for those, the Service (or its DNS records) is the source of truth.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import ipaddress
+import socket
 from typing import Any
+from urllib.parse import urlsplit
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
 from gateway.backends.pool import Backend, parse_backend_spec
 from gateway.components import Components
 from gateway.config import ConfigError
+from gateway.control.access import AdminRoute, Guard
 from gateway.errors import BadRequest, GatewayError, NotFound
-
-Guard = Callable[[Request], Awaitable[None]]
 
 
 class Conflict(GatewayError):
@@ -56,16 +56,15 @@ def backend_view(backend: Backend) -> dict[str, Any]:
     }
 
 
-def build_backends_router(
-    components: Components, guard: Guard, route_class: type[APIRoute] = APIRoute
-) -> APIRouter:
+def build_backends_router(components: Components, guard: Guard) -> APIRouter:
     pool = components.pool
-    drain_timeout = components.settings.drain_timeout
+    settings = components.settings
+    drain_timeout = settings.drain_timeout
     drains: set[asyncio.Task[bool]] = set()
     router = APIRouter(
         prefix="/admin/backends",
         tags=["admin"],
-        route_class=route_class,
+        route_class=AdminRoute,
         dependencies=[Depends(guard)],
     )
 
@@ -90,6 +89,12 @@ def build_backends_router(
             backend = parse_backend_spec(spec)
         except ConfigError as exc:
             raise BadRequest(str(exc), param="url", code="invalid_backend") from exc
+        if _is_gateway(backend.url, settings.host, settings.port):
+            raise BadRequest(
+                "that URL is this gateway: a request sent there would come back",
+                param="url",
+                code="invalid_backend",
+            )
         if pool.get(backend.name) is not None:
             raise Conflict(f"backend {backend.name} is already in the pool", code="backend_exists")
         backend.source = "admin"
@@ -118,3 +123,21 @@ def build_backends_router(
         return JSONResponse({**backend_view(backend), "removed": True})
 
     return router
+
+
+_LOCAL = frozenset({"localhost", "0.0.0.0", "::", socket.gethostname().lower()})
+
+
+def _is_gateway(url: str, listen_host: str, listen_port: int) -> bool:
+    """Whether `url` names this gateway's own listener (the Via header catches the rest)."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    host = (parts.hostname or "").lower()
+    if port != listen_port:
+        return False
+    if host == listen_host.lower() or host in _LOCAL:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,28 +1,21 @@
-"""Admin endpoints under `/admin`, guarded by the admin token when one is set.
+"""`POST /admin/explain`: where a request body would go and why, without sending or recording it.
 
-`POST /admin/explain` takes a request body exactly as a client would send it and answers, without
-forwarding or recording anything, where the gateway would send it and why: the candidates with
-their loads and matched prefixes, the load bound, the route reason, the affinity key and how the
-prompt relates to its conversation's previous one.
-
-Other admin routes reuse `admin_guard` (a FastAPI dependency) and `AdminRoute` (errors from the
-gateway's error tree answered in the OpenAI shape).
+It answers with the candidates, their loads and matched prefixes, the load bound, the route and
+its reason, the affinity key and how the prompt relates to its conversation's previous one.
 """
 
 from __future__ import annotations
 
-import hmac
-from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
-from fastapi.routing import APIRoute
 
 from gateway.components import Components
-from gateway.errors import BadRequest, GatewayError, Unauthorized
-from gateway.prompt.parsing import ENDPOINTS, Endpoint, parse_request
+from gateway.control.access import AdminRoute, Guard
+from gateway.errors import BadRequest
+from gateway.prompt.parsing import ENDPOINTS, Endpoint, Limits, parse_request
 from gateway.routing.policies import Route
 from gateway.routing.router import Explanation
 
@@ -48,52 +41,10 @@ _REASONS = {
 }
 
 
-class Forbidden(GatewayError):
-    status = 403
-    error_type = "permission_error"
-
-
-class AdminRoute(APIRoute):
-    """Answers a `GatewayError` raised by a dependency or an endpoint in the OpenAI error shape."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def handle(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except GatewayError as error:
-                headers = {"www-authenticate": "Bearer"} if error.status == 401 else None
-                return Response(error.body(), error.status, headers, media_type="application/json")
-
-        return handle
-
-
-def admin_guard(token: str) -> Callable[[Request], Awaitable[None]]:
-    """A dependency admitting `Authorization: Bearer <token>`; anyone when `token` is empty."""
-    expected = token.encode()
-
-    async def require_admin(request: Request) -> None:
-        if not expected:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not given:
-            raise Unauthorized(
-                "this endpoint needs `Authorization: Bearer <admin token>`", code="missing_token"
-            )
-        if not hmac.compare_digest(given.strip().encode(), expected):
-            raise Forbidden("the admin token is not valid", code="invalid_token")
-
-    return require_admin
-
-
-def build_admin_router(components: Components) -> APIRouter:
+def build_explain_router(components: Components, guard: Guard) -> APIRouter:
     settings = components.settings
     router = APIRouter(
-        prefix="/admin",
-        tags=["admin"],
-        route_class=AdminRoute,
-        dependencies=[Depends(admin_guard(settings.admin_token))],
+        prefix="/admin", tags=["admin"], route_class=AdminRoute, dependencies=[Depends(guard)]
     )
 
     @router.post("/explain")
@@ -111,7 +62,7 @@ def build_admin_router(components: Components) -> APIRouter:
             request.headers.get("x-session-id"),
             settings.default_model,
             settings.session_from_user,
-            settings.max_json_depth,
+            Limits.of(settings),
         )
         explanation = await components.router.explain(parsed)
         return Response(

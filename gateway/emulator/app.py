@@ -130,8 +130,9 @@ class EmulatorApp:
             request.kind, self._new_id(prefix), int(time.time()), self.config.model
         )
         if not request.stream:
+            salt = request.cache_salt
             results = await _each(
-                [self._complete(prompt, limit) for prompt, limit in _choices(request)]
+                [self._complete(prompt, limit, salt) for prompt, limit in _choices(request)]
             )
             usage = sum((usage for _, usage in results), Usage())
             await _respond(send, 200, envelope.body([text for text, _ in results], usage))
@@ -139,7 +140,7 @@ class EmulatorApp:
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
         usages = await _each(
             [
-                self._stream(envelope, index, prompt, limit, send)
+                self._stream(envelope, index, prompt, limit, request.cache_salt, send)
                 for index, (prompt, limit) in enumerate(_choices(request))
             ]
         )
@@ -148,15 +149,23 @@ class EmulatorApp:
             tail = envelope.usage_chunk(sum(usages, Usage())) + DONE
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
-    async def _complete(self, prompt: list[int], max_tokens: int) -> tuple[str, Usage]:
-        async with self.engine.run(prompt, max_tokens) as run:
+    async def _complete(
+        self, prompt: list[int], max_tokens: int, salt: str | None
+    ) -> tuple[str, Usage]:
+        async with self.engine.run(prompt, max_tokens, salt) as run:
             text = await run.complete()
             return text, Usage(run.prompt_tokens, run.produced, run.cached_tokens)
 
     async def _stream(
-        self, envelope: Envelope, index: int, prompt: list[int], max_tokens: int, send: Send
+        self,
+        envelope: Envelope,
+        index: int,
+        prompt: list[int],
+        max_tokens: int,
+        salt: str | None,
+        send: Send,
     ) -> Usage:
-        async with self.engine.run(prompt, max_tokens) as run:
+        async with self.engine.run(prompt, max_tokens, salt) as run:
             last = run.max_tokens - 1
             position = 0
             async for token in run.stream():

@@ -137,7 +137,9 @@ class Engine:
         return prompt_tokens >= 1 and max_tokens >= 1 and needed <= self.cache.capacity_blocks
 
     @asynccontextmanager
-    async def run(self, prompt_ids: Sequence[int], max_tokens: int) -> AsyncIterator[Run]:
+    async def run(
+        self, prompt_ids: Sequence[int], max_tokens: int, salt: str | None = None
+    ) -> AsyncIterator[Run]:
         """Admit, prefill and hand over one sequence; leaving the block finishes it.
 
         It finishes as "length" when every token was produced and as "abort" otherwise, also
@@ -146,7 +148,7 @@ class Engine:
         if not self.fits(len(prompt_ids), max_tokens):
             raise ValueError("this sequence can never fit the cache")
         arrival = self._clock()
-        hashes = block_hashes(prompt_ids, self.cache.block_size)
+        hashes = block_hashes(prompt_ids, self.cache.block_size, salt=salt)
         lease = await self._admit(hashes, len(prompt_ids), max_tokens)
         run: Run | None = None
         try:

@@ -26,9 +26,11 @@ _ROOT_HASH = 0
 
 
 def block_hashes(
-    token_ids: Sequence[int], block_size: int, known: Sequence[int] = ()
+    token_ids: Sequence[int], block_size: int, known: Sequence[int] = (), salt: str | None = None
 ) -> list[int]:
-    """Chained hashes of the full blocks of `token_ids`; `known` are those already computed."""
+    """Chained hashes of the full blocks of `token_ids`; `known` are those already computed.
+    A `salt` (vLLM's `cache_salt`) goes into the first block's hash, so that only requests
+    with the same salt share cached blocks."""
     hashes = list(known)
     full_blocks = len(token_ids) // block_size
     if len(hashes) >= full_blocks:
@@ -36,11 +38,15 @@ def block_hashes(
     start = len(hashes) * block_size
     data = memoryview(array("I", token_ids[start : full_blocks * block_size]).tobytes())
     step = block_size * 4
-    parent = hashes[-1] if hashes else _ROOT_HASH
+    parent = hashes[-1] if hashes else _root(salt)
     for offset in range(0, len(data), step):
         parent = xxhash.xxh3_64_intdigest(data[offset : offset + step], seed=parent)
         hashes.append(parent)
     return hashes
+
+
+def _root(salt: str | None) -> int:
+    return _ROOT_HASH if salt is None else xxhash.xxh3_64_intdigest(salt.encode())
 
 
 @dataclass

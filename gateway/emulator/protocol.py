@@ -26,6 +26,7 @@ class GenerationRequest:
     max_tokens: list[int]
     stream: bool
     include_usage: bool
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -102,9 +103,12 @@ def _generation(
     n = body.get("n", 1)
     if n != 1 and n is not None:
         raise InvalidRequest("only n=1 is supported", param="n")
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise InvalidRequest("cache_salt must be a non-empty string", param="cache_salt")
     prompt_param = "messages" if kind == "chat" else "prompt"
     limits = [_max_tokens(len(prompt), requested, config, prompt_param) for prompt in prompts]
-    return GenerationRequest(kind, prompts, limits, stream, include_usage)
+    return GenerationRequest(kind, prompts, limits, stream, include_usage, salt)
 
 
 def _max_tokens(

@@ -12,25 +12,33 @@ import xxhash
 _hash = xxhash.xxh3_64_intdigest
 
 
-def chain_hashes(data: bytes, block_chars: int, seed: int = 0, start: int = 0) -> list[int]:
-    """Chained hashes of the full blocks of `data` from byte `start`, continuing from `seed`."""
+def chain_hashes(
+    data: bytes, block_chars: int, seed: int = 0, start: int = 0, limit: int | None = None
+) -> list[int]:
+    """Chained hashes of the full blocks of `data` from byte `start`, continuing from `seed`;
+    at most `limit` of them."""
     view = memoryview(data)
     hashes: list[int] = []
     append = hashes.append
     prev = seed
-    for offset in range(start, len(data) - block_chars + 1, block_chars):
+    end = len(data) - block_chars + 1
+    if limit is not None:
+        end = min(end, start + limit * block_chars)
+    for offset in range(start, end, block_chars):
         prev = _hash(view[offset : offset + block_chars], prev)
         append(prev)
     return hashes
 
 
 def extend_hashes(
-    prefix_hashes: list[int], data: bytes, block_chars: int, seed: int = 0
+    prefix_hashes: list[int], data: bytes, block_chars: int, seed: int = 0, limit: int | None = None
 ) -> list[int]:
-    """The chain of `data`, reusing `prefix_hashes` already computed for its beginning."""
+    """The chain of `data`, reusing `prefix_hashes` already computed for its beginning; at
+    most `limit` blocks in all."""
     done = len(prefix_hashes)
     last = prefix_hashes[-1] if done else seed
-    return prefix_hashes + chain_hashes(data, block_chars, last, done * block_chars)
+    more = None if limit is None else max(0, limit - done)
+    return prefix_hashes + chain_hashes(data, block_chars, last, done * block_chars, more)
 
 
 def key_hash(data: bytes | str) -> int:

@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from gateway.config import Settings
 from gateway.errors import BadRequest
 from gateway.prompt.canonical import (
     message_segment,
@@ -21,6 +22,7 @@ from gateway.prompt.canonical import (
     tool_calls_field,
     tools_block,
 )
+from gateway.prompt.hashing import key_hash
 
 
 class Endpoint(Enum):
@@ -33,6 +35,27 @@ ENDPOINTS = {endpoint.value: endpoint for endpoint in Endpoint}
 
 
 @dataclass(frozen=True, slots=True)
+class Limits:
+    """What one request body may hold; past any of these it is refused with a 400."""
+
+    depth: int = 64
+    """Nesting of arrays and objects."""
+    containers: int = 200_000
+    """Arrays and objects (counted as bytes `[` and `{`, before the body is parsed)."""
+    messages: int = 10_000
+    session_key_bytes: int = 512
+
+    @classmethod
+    def of(cls, settings: Settings) -> Limits:
+        return cls(
+            settings.max_json_depth,
+            settings.max_json_elements,
+            settings.max_messages,
+            settings.max_session_key_bytes,
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class RoutingInput:
     endpoint: Endpoint
     model: str
@@ -40,8 +63,11 @@ class RoutingInput:
     # Byte offset where the part that tells requests apart begins (the first user message).
     distinct_from: int
     session_key: str | None
+    """A hash of the client's session key (the key itself is kept nowhere)."""
     stream: bool
     wants_usage: bool
+    tenant: str | None = None
+    """Whose cache namespace the request is in, under tenant isolation."""
 
 
 def parse_request(
@@ -50,17 +76,25 @@ def parse_request(
     session_header: str | None,
     default_model: str = "",
     session_from_user: bool = False,
-    max_depth: int = 64,
+    limits: Limits = Limits(),
+    tenant: str | None = None,
 ) -> RoutingInput:
-    """What routing needs of `body`; a `BadRequest` for anything malformed or nested deeper
-    than `max_depth` arrays and objects (checked before anything walks it)."""
+    """What routing needs of `body`; a `BadRequest` for anything malformed or past `limits`
+    (the containers are counted before the body is parsed, its depth before it is walked)."""
+    containers = body.count(b"[") + body.count(b"{")
+    if containers > limits.containers:
+        raise BadRequest(
+            f"request body holds more than {limits.containers} arrays and objects",
+            code="too_many_elements",
+        )
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(payload, dict):
         raise BadRequest("request body must be a JSON object", code="invalid_type")
-    _check_depth(payload, body, max_depth)
+    if containers > limits.depth:  # fewer brackets than the limit cannot nest deeper
+        _check_depth(payload, limits.depth)
     model = payload.get("model", default_model or None)
     if model is None or model == "":
         raise BadRequest("you must provide a model parameter", param="model", code="missing_model")
@@ -75,7 +109,7 @@ def parse_request(
     wants_usage = bool(options and options.get("include_usage"))
 
     if endpoint is Endpoint.CHAT:
-        canonical, distinct_from = _chat_canonical(payload)
+        canonical, distinct_from = _chat_canonical(payload, limits.messages)
     elif endpoint is Endpoint.COMPLETIONS:
         canonical, distinct_from = _completion_canonical(payload.get("prompt"), "prompt"), 0
     else:
@@ -86,18 +120,16 @@ def parse_request(
         model=model,
         canonical=canonical,
         distinct_from=distinct_from,
-        session_key=_session_key(payload, session_header, session_from_user),
+        session_key=_session_key(payload, session_header, session_from_user, limits, tenant),
         stream=bool(stream),
         wants_usage=wants_usage,
+        tenant=tenant,
     )
 
 
-def _check_depth(payload: dict[str, Any], body: bytes, limit: int) -> None:
+def _check_depth(payload: dict[str, Any], limit: int) -> None:
     """Refuse a body nested deeper than `limit` arrays and objects, level by level (no
-    recursion). A body with no more brackets than the limit cannot be deeper: two byte counts
-    prove it for most requests."""
-    if body.count(b"[") + body.count(b"{") <= limit:
-        return
+    recursion)."""
     level: list[Any] = [payload]
     depth = 0
     while level:
@@ -112,25 +144,49 @@ def _check_depth(payload: dict[str, Any], body: bytes, limit: int) -> None:
         level = inner
 
 
-def _session_key(payload: dict[str, Any], header: str | None, from_user: bool) -> str | None:
-    if header:
-        return header
-    key = payload.get("prompt_cache_key")
-    if key is not None:
-        if not isinstance(key, str):
-            raise BadRequest("prompt_cache_key must be a string", param="prompt_cache_key")
-        return key or None
-    user = payload.get("user")
-    if from_user and isinstance(user, str) and user:
-        return user
-    return None
+def _session_key(
+    payload: dict[str, Any],
+    header: str | None,
+    from_user: bool,
+    limits: Limits,
+    tenant: str | None,
+) -> str | None:
+    key = header or None
+    if key is None:
+        given = payload.get("prompt_cache_key")
+        if given is not None:
+            if not isinstance(given, str):
+                raise BadRequest("prompt_cache_key must be a string", param="prompt_cache_key")
+            key = given or None
+        else:
+            user = payload.get("user")
+            if from_user and isinstance(user, str) and user:
+                key = user
+    if key is None:
+        return None
+    if len(key) > limits.session_key_bytes:
+        raise BadRequest(
+            f"the session key is longer than {limits.session_key_bytes} characters",
+            param="prompt_cache_key",
+            code="session_key_too_long",
+        )
+    return session_hash(key, tenant)
 
 
-def _chat_canonical(payload: dict[str, Any]) -> tuple[bytes, int]:
+def session_hash(key: str, tenant: str | None = None) -> str:
+    """What is kept of a session key: a hash, 16 hex digits (a tenant's own)."""
+    return f"{key_hash(key if tenant is None else f'{tenant}:{key}'):016x}"
+
+
+def _chat_canonical(payload: dict[str, Any], max_messages: int) -> tuple[bytes, int]:
     messages = payload.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest(
             "messages must be a non-empty list", param="messages", code="invalid_messages"
+        )
+    if len(messages) > max_messages:
+        raise BadRequest(
+            f"more than {max_messages} messages", param="messages", code="too_many_messages"
         )
     parts: list[bytes] = []
     size = 0

@@ -29,8 +29,8 @@ from gateway.proxy.http1 import Response
 from gateway.proxy.prefills import Prefills
 from gateway.proxy.relay import Limits, Relay, Relayed
 from gateway.proxy.reply import Headers, Reply
+from gateway.proxy.rewrite import request_usage, with_cache_salt
 from gateway.proxy.upstream import Upstream, UpstreamError, failure, response_headers
-from gateway.proxy.usage import request_usage
 from gateway.routing.router import Routed
 from gateway.routing.types import Decision, Outcome
 
@@ -55,7 +55,7 @@ class Forwarder:
         observe_usage: bool,
         rng: random.Random | None = None,
     ) -> None:
-        self._upstream = upstream
+        self.upstream = upstream
         self._health = health
         self._metrics = metrics
         self._limits = limits
@@ -85,6 +85,8 @@ class Forwarder:
         )
         if strip_usage:
             body = request_usage(body)
+        if request.tenant is not None and request.endpoint is not Endpoint.EMBEDDINGS:
+            body = with_cache_salt(body, request.tenant)
         tries = _Tries(routed)
         try:
             with exchange.guard():
@@ -136,7 +138,9 @@ class Forwarder:
                 attempt.sent()
                 try:
                     with exchange.guard():
-                        response = await self._upstream.send(backend.url + path, body, headers)
+                        response = await self.upstream.send(
+                            backend.url + path, body, headers, backend.source != "admin"
+                        )
                 except UpstreamError as unsent:
                     relayed, retry = Relayed(0, failure=unsent), None
                 except Interrupted as stop:

@@ -16,6 +16,7 @@ import os
 import time
 import uuid
 
+from gateway.auth import TENANT
 from gateway.config import Settings
 from gateway.errors import (
     GatewayError,
@@ -25,7 +26,13 @@ from gateway.errors import (
     UpstreamTimeout,
 )
 from gateway.metrics import Metrics
-from gateway.prompt.parsing import ENDPOINTS, RoutingInput, parse_request
+from gateway.prompt.parsing import (
+    ENDPOINTS,
+    Limits,
+    RoutingInput,
+    parse_request,
+    session_hash,
+)
 from gateway.proxy.access_log import AccessLog
 from gateway.proxy.admission import Admission
 from gateway.proxy.asgi import Receive, Scope, Send, header, read_body
@@ -65,6 +72,7 @@ class ProxyHandler:
         self._metrics = metrics
         self._access_log = AccessLog(settings)
         self._request_ids = RequestIds()
+        self._limits = Limits.of(settings)
         self.deadlines = DeadlineWatch(
             min(settings.first_byte_timeout, settings.stream_idle_timeout, settings.request_timeout)
         )
@@ -135,13 +143,14 @@ class ProxyHandler:
                     "the request body did not arrive in time", code="body_timeout"
                 ) from None
             exchange.due = exchange.deadline
-            request, issued = self._parse(scope["path"], headers, body)
+            request, issued = self._parse(scope["path"], headers, body, scope.get(TENANT))
             routed = await self._router.route(request)
         except GatewayError as error:
             await self._reject(scope, request_id, error, reply)
             return
-        outgoing = [item for item in headers if item[0] != b"x-request-id"]
-        outgoing.append((b"x-request-id", request_id.encode()))
+        outgoing = self._forwarder.upstream.headers_for(
+            headers, request_id.encode(), scope.get("client"), scope.get("scheme", "http")
+        )
         began = time.perf_counter()
         watcher = asyncio.create_task(exchange.watch_client(receive))
         try:
@@ -167,7 +176,7 @@ class ProxyHandler:
         await self._router.learn(routed, outcome)
 
     def _parse(
-        self, path: str, headers: list[tuple[bytes, bytes]], body: bytes
+        self, path: str, headers: list[tuple[bytes, bytes]], body: bytes, tenant: str | None
     ) -> tuple[RoutingInput, str | None]:
         """The request as routing sees it, and the session key minted for it, if one was."""
         settings = self._settings
@@ -181,12 +190,13 @@ class ProxyHandler:
             session_header,
             settings.default_model,
             settings.session_from_user,
-            settings.max_json_depth,
+            self._limits,
+            tenant,
         )
         issued = None
         if cookie and request.session_key is None:
             issued = uuid.uuid4().hex
-            request = dataclasses.replace(request, session_key=issued)
+            request = dataclasses.replace(request, session_key=session_hash(issued, tenant))
         return request, issued
 
     async def _reject(

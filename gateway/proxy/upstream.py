@@ -29,6 +29,7 @@ HOP_BY_HOP = frozenset(
         b"trailers",
         b"transfer-encoding",
         b"upgrade",
+        b"proxy-connection",
         b"host",
         b"content-length",
         # The gateway has read the whole body before it forwards a request: passed on, a
@@ -37,6 +38,8 @@ HOP_BY_HOP = frozenset(
         b"expect",
     }
 )
+_VIA = b"1.1 prefix-gateway"
+_OWN = (b"x-request-id", b"x-forwarded-for", b"x-forwarded-proto", b"via")
 
 
 class UpstreamError(Exception):
@@ -91,19 +94,61 @@ class Upstream:
         if self._pool is not None:
             self._pool.close()
 
-    async def send(
-        self, url: str, body: bytes, headers: Iterable[tuple[bytes, bytes]]
-    ) -> UpstreamResponse:
-        """POST `body` unchanged and return once the response headers have arrived."""
-        assert self._pool is not None, "Upstream.start() was not awaited"
+    def headers_for(
+        self,
+        headers: Iterable[tuple[bytes, bytes]],
+        request_id: bytes,
+        client: tuple[str, int] | None,
+        scheme: str,
+    ) -> list[tuple[bytes, bytes]]:
+        """The client's headers as a replica gets them: hop-by-hop ones dropped (RFC 9110
+        7.6.1, with any the Connection header names), the client's credentials unless told
+        to pass them, and the gateway's own added: the request id, `Via` (which stops a
+        request from looping back through the gateway) and `X-Forwarded-For`/`-Proto`."""
         dropped = self._dropped
-        forwarded = [(name, value) for name, value in headers if name not in dropped]
-        if self._added:
-            forwarded.extend(self._added)
+        forwarded: list[tuple[bytes, bytes]] = []
+        forwarded_for = via = proto = b""
+        named: set[bytes] = set()
+        for name, value in headers:
+            if name in dropped:
+                if name == b"connection" or name == b"proxy-connection":
+                    named.update(token.strip().lower() for token in value.split(b","))
+            elif name in _OWN:
+                if name == b"x-forwarded-for":
+                    forwarded_for = value + b", "
+                elif name == b"via":
+                    via = value + b", "
+                elif name == b"x-forwarded-proto":
+                    proto = value
+            else:
+                forwarded.append((name, value))
+        if named:
+            forwarded = [item for item in forwarded if item[0] not in named]
+        forwarded.append((b"x-request-id", request_id))
+        forwarded.append((b"via", via + _VIA))
+        if client is not None:
+            forwarded.append((b"x-forwarded-for", forwarded_for + client[0].encode()))
+        forwarded.append((b"x-forwarded-proto", proto or scheme.encode()))
+        return forwarded
+
+    async def send(
+        self, url: str, body: bytes, headers: list[tuple[bytes, bytes]], credentials: bool
+    ) -> UpstreamResponse:
+        """POST `body` unchanged and return once the response headers have arrived;
+        `credentials`: the replica is one the operator configured or discovery found, and
+        gets the gateway's upstream key."""
+        assert self._pool is not None, "Upstream.start() was not awaited"
+        if credentials and self._added:
+            headers = headers + self._added
         try:
-            return await self._pool.post(url, forwarded, body)
+            return await self._pool.post(url, headers, body)
         except HTTPClientError as exc:
             raise failure_of(exc) from exc
+
+
+def passed_through(headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    """Whether a request already went through a prefix gateway (its `Via` says so)."""
+    return any(name == b"via" and b"prefix-gateway" in value for name, value in headers)
 
 
 def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

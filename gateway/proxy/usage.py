@@ -1,4 +1,4 @@
-"""Usage: asking a replica for it, and reading what a response says about the cache.
+"""Reading what a response says about the cache: usage, cached tokens and the answer text.
 
 The response is relayed untouched; this only looks at it. For streams it follows the SSE
 events as they pass, so the answer is known once the stream ends. The one exception: a stream
@@ -155,22 +155,3 @@ class StreamObserver:
                     if isinstance(content, str):
                         self.seen.answer_parts.append(content)
         return usage_only
-
-_OPTION = b'"stream_options"'
-_SPLICED = b',"stream_options":{"include_usage":true}}'
-
-
-def request_usage(body: bytes) -> bytes:
-    """`body`, a JSON object, asking for usage in its stream.
-
-    Without `stream_options` the option is spliced in before the closing brace (no parse);
-    with it (to keep its other keys) the object is parsed and written again.
-    """
-    if _OPTION not in body:
-        end = body.rstrip()
-        if end.endswith(b"}") and end.lstrip().startswith(b"{") and end[:-1].rstrip() != b"{":
-            return end[:-1] + _SPLICED
-    payload = orjson.loads(body)
-    options = payload.get("stream_options")
-    payload["stream_options"] = {**(options or {}), "include_usage": True}
-    return orjson.dumps(payload)

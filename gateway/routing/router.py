@@ -116,6 +116,7 @@ class Router:
         self.feedback = CacheFeedback(index, metrics, settings) if settings.cache_feedback else None
         self._settings = settings
         self._block_chars = settings.block_chars
+        self._max_blocks = settings.max_prompt_blocks
         self._affinity_chars = round(settings.affinity_tokens * settings.chars_per_token)
         self._decision_seconds = metrics.decision_seconds.labels(settings.policy)
         self._routed = 0
@@ -141,7 +142,9 @@ class Router:
         """The policy's decision for `request` now; `count`: the request counts in the shared
         prompt's traffic (it is being routed, not explained). Records nothing else."""
         serving = self.serving(request.model)
-        chain = chain_hashes(request.canonical, self._block_chars)
+        chain = chain_hashes(
+            request.canonical, self._block_chars, _seed(request), limit=self._max_blocks
+        )
         sticky = None
         if request.session_key is None:
             matched = await self.index.match(request.model, chain)
@@ -242,7 +245,8 @@ class Router:
         if request.session_key is not None:
             return key_hash(request.session_key)
         start = request.distinct_from
-        return key_hash(request.canonical[start : start + self._affinity_chars])
+        key = key_hash(request.canonical[start : start + self._affinity_chars])
+        return key if request.tenant is None else key ^ key_hash(request.tenant)
 
     async def _record(self, request: RoutingInput, backend: str, chain: list[int]) -> None:
         if request.endpoint is not Endpoint.EMBEDDINGS:
@@ -278,7 +282,9 @@ class Router:
         if routed.request.endpoint is not Endpoint.CHAT or not segment:
             return routed.chain
         history = routed.request.canonical + segment
-        chain = extend_hashes(routed.chain, history, self._block_chars)
+        chain = extend_hashes(
+            routed.chain, history, self._block_chars, _seed(routed.request), self._max_blocks
+        )
         # An answer too short to complete a block adds nothing routing did not record.
         return chain if len(chain) > len(routed.chain) else routed.chain
 
@@ -303,6 +309,11 @@ class Router:
         if turn.previous_backend in outcome.tried:
             miss = AffinityMiss.FAILOVER
         self.metrics.child(self.metrics.affinity_misses, model, miss.value).inc()
+
+
+def _seed(request: RoutingInput) -> int:
+    """Where a request's chain starts: a tenant's own chains share no block with another's."""
+    return 0 if request.tenant is None else key_hash(request.tenant)
 
 
 def _move_cause(sticky: str, serving: ModelPool, decision: Decision) -> str:

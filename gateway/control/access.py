@@ -1,0 +1,41 @@
+"""The admin API's guard and route class, on FastAPI: the rules are `gateway.auth.AdminAccess`."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+from fastapi.routing import APIRoute
+
+from gateway.auth import AdminAccess
+from gateway.errors import GatewayError
+
+Guard = Callable[[Request], Awaitable[None]]
+
+
+class AdminRoute(APIRoute):
+    """Answers a `GatewayError` raised by a dependency or an endpoint in the OpenAI error shape."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def handle(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except GatewayError as error:
+                headers = {"www-authenticate": "Bearer"} if error.status == 401 else None
+                return Response(error.body(), error.status, headers, media_type="application/json")
+
+        return handle
+
+
+def admin_guard(access: AdminAccess) -> Guard:
+    """A dependency that lets through only what `access` allows."""
+
+    async def require_admin(request: Request) -> None:
+        header = request.headers.get("authorization")
+        access.check(header.encode("latin-1") if header is not None else None)
+
+    return require_admin
