@@ -1,10 +1,5 @@
-"""Client API keys: `Authorization: Bearer <key>` on the OpenAI routes (`/v1/...`).
-
-Keys are compared in constant time against every configured key, so neither the timing nor
-the position of a match tells a caller anything about the keys. The admin endpoints use their
-own token (`gateway.control.explain.admin_guard`); probes and metrics (`/health`, `/ready`,
-`/metrics`)
-stay open for the orchestrator and Prometheus.
+"""Client API keys: `Authorization: Bearer <key>` on `/v1/...`, compared in constant time
+against every key so that neither timing nor position tells a caller anything.
 """
 
 from __future__ import annotations

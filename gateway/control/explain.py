@@ -1,12 +1,5 @@
-"""Admin endpoints under `/admin`, guarded by the admin token when one is set.
-
-`POST /admin/explain` takes a request body exactly as a client would send it and answers, without
-forwarding or recording anything, where the gateway would send it and why: the candidates with
-their loads and matched prefixes, the load bound, the route reason, the affinity key and how the
-prompt relates to its conversation's previous one.
-
-Other admin routes reuse `admin_guard` (a FastAPI dependency) and `AdminRoute` (errors from the
-gateway's error tree answered in the OpenAI shape).
+"""`POST /admin/explain`: where the gateway would send a request and why, without forwarding or
+recording it (docs/observability.md); and the admin token guard the other admin routes reuse.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Request parsing: OpenAI request bodies into what routing needs, and nothing more.
-
-The body is parsed once and never re-serialised: the bytes go upstream as the client sent
-them. The canonical stream mirrors what an engine caches: the same messages in the same order
-give the same bytes, and one more message only appends bytes.
+"""Request parsing: OpenAI request bodies into what routing needs, parsed once and never
+re-serialised (the bytes go upstream as the client sent them).
 """
 
 from __future__ import annotations
@@ -93,9 +90,8 @@ def parse_request(
 
 
 def _check_depth(payload: dict[str, Any], body: bytes, limit: int) -> None:
-    """Refuse a body nested deeper than `limit` arrays and objects, level by level (no
-    recursion). A body with no more brackets than the limit cannot be deeper: two byte counts
-    prove it for most requests."""
+    """Refuse a body nested deeper than `limit`, level by level; for most bodies two byte
+    counts (no more brackets than the limit) prove it without a walk."""
     if body.count(b"[") + body.count(b"{") <= limit:
         return
     level: list[Any] = [payload]
