@@ -1,9 +1,6 @@
-"""The ASGI application: the lean proxy path for inference, FastAPI for everything else.
-
-In front of both: the client API keys on `/v1/...` and, once shutdown has begun, a `/ready`
-that answers 503 so that the orchestrator stops sending traffic before the listener closes.
-The inference routes are declared on the FastAPI app too, only so that `/openapi.json`
-describes them: requests to them never reach it.
+"""The ASGI application: the lean proxy path for inference, FastAPI for everything else, with
+client keys and the shutting-down `/ready` in front of both. The inference routes are declared
+on FastAPI only so that `/openapi.json` describes them.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Who may call what: client API keys on `/v1/...`, the admin token on `/admin/...`.
 
-Keys and tokens are compared in constant time, every key whether or not one matched, so
-neither timing nor position tells a caller anything. The admin API changes routing and shows
-traffic: with no token set it is open on a loopback listener only, and off anywhere else.
-Probes and metrics (`/health`, `/ready`, `/metrics`) stay open for orchestrators and Prometheus.
+Compared in constant time against every key, so that neither timing nor position tells a
+caller anything. Without a token the admin API is open on a loopback listener only.
 """
 
 from __future__ import annotations

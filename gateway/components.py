@@ -1,6 +1,5 @@
-"""The one composition root: everything a gateway process runs, built from `Settings`.
-
-Built in the app's lifespan (no import-time state), started and stopped in dependency order.
+"""The one composition root: everything a gateway process runs, built from `Settings` in the
+app's lifespan, started and stopped in dependency order.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""Every Prometheus series the gateway exports, defined in one place.
+"""Every Prometheus series the gateway exports, defined in one place (docs/metrics.md).
 
-Names and labels are a public interface (dashboards and alerts depend on them; docs/metrics.md
-lists every one); labels carry only bounded values: model names the pool serves, backend names,
-route reasons, status codes and fixed cause names — never session ids or prompts.
-
-Under several worker processes (`--workers N`), prometheus_client's multiprocess mode keeps every
-value in a memory-mapped file per process, and a scrape of any worker reads them all: counters
-and histograms are summed over live and dead workers, each gauge is combined by the
-`multiprocess_mode` given with it (ignored by a single process).
+Names and labels are a public interface; labels carry only bounded values. Under `--workers`
+each gauge is combined over the workers by the `multiprocess_mode` given with it.
 """
 
 from __future__ import annotations
@@ -48,8 +42,7 @@ _REDIS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.
 
 
 class _Registry(CollectorRegistry):
-    """Leaves out the `*_created` series the client library adds to every counter and histogram:
-    they double the series a scrape stores and no dashboard or alert reads them."""
+    """Leaves out the `*_created` series, which double what a scrape stores and nothing reads."""
 
     def collect(self) -> Iterable[Metric]:
         for family in super().collect():
@@ -334,9 +327,8 @@ class Metrics:
         self.worker_restarts = worker_restarts_counter(r)
 
     def child(self, family: Counter | Histogram, *values: str) -> Any:
-        """`family.labels(*values)`, looked up once: the request path counts into the same few
-        series again and again (label values are bounded, so is this cache). Not for gauges,
-        which `set_per_label` clears."""
+        """`family.labels(*values)`, cached (label values are bounded); not for gauges, which
+        `set_per_label` clears."""
         key = (id(family), values)
         found = self._children.get(key)
         if found is None:
@@ -344,8 +336,8 @@ class Metrics:
         return found
 
     def set_per_label(self, gauge: Gauge, values: Mapping[str, float]) -> None:
-        """Sets a one-label gauge to exactly `values`; a label value no longer given leaves it —
-        or, under several workers, where a series cannot be removed from the files, drops to 0."""
+        """Sets a one-label gauge to exactly `values`; a label value no longer given leaves it
+        (drops to 0 under several workers, whose files cannot remove a series)."""
         if self.multiprocess_dir is None:
             gauge.clear()
         else:

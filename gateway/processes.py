@@ -1,7 +1,5 @@
-"""A server in a child process on a loopback port: started, checked healthy, stopped.
-
-Used to run emulated replicas for `serve --emulate N`, and by tests and benchmarks to run real
-gateways and replicas side by side.
+"""A server in a child process on a loopback port, started, checked healthy and stopped: for
+`serve --emulate N`, tests and benchmarks.
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
-"""Serving the gateway with uvicorn: bounded request heads and a graceful shutdown.
-
-Request heads. uvicorn's httptools parser keeps every header it is sent, however many; the
-protocol here counts the request line and headers as they are parsed and answers 431 past
-`--max-header-bytes`, so a client cannot grow the process by streaming headers. Malformed
-HTTP gets a 400 in the OpenAI error shape too.
-
-Shutdown, on SIGTERM or SIGINT:
-
-1. `/ready` answers 503 at once, and requests are still served for `--shutdown-delay` seconds
-   (time for the orchestrator to stop sending any);
-2. the listener closes and idle keep-alive connections with it;
-3. requests in flight — streams included — run to their end for up to `--shutdown-grace`
-   seconds; those still running then are cancelled, which ends a stream with an SSE error
-   event and a request not yet answered with a 503;
-4. the components stop and the process exits.
-
-Under `--workers N` each worker runs this server on the listening socket its supervisor bound
-(`gateway.workers`); it names itself in an `x-gateway-worker` response header, publishes its
-scrape-time gauges every second for the other workers' scrapes, and shuts down by itself if
-its supervisor is gone.
+"""Serving the gateway with uvicorn: request heads bounded by `--max-header-bytes` (431 past
+it) and the graceful shutdown of docs/reliability.md. Under `--workers` each worker also names
+itself in a header, publishes its gauges and stops when its supervisor is gone.
 """
 
 from __future__ import annotations
@@ -177,13 +159,8 @@ def _http_protocol(max_header_bytes: int) -> type[asyncio.Protocol] | str:
 
 
 class CoalescingTransport:
-    """A transport that sends a response's head together with the first write that follows it.
-
-    uvicorn writes a response's status line and headers, then its body, as two writes: two
-    system calls, a good part of what a small response costs. The head is held until the next
-    write (normally the body, a moment later) and both leave as one; a head with nothing after
-    it leaves at the end of the event loop's turn.
-    """
+    """A transport that sends a response's head with the write that follows it (uvicorn writes
+    them apart: two system calls), or at the end of the loop's turn if nothing follows."""
 
     __slots__ = ("_loop", "_pending", "_transport")
 

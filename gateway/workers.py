@@ -1,23 +1,6 @@
-"""Several worker processes on one port, under a supervising process (`--workers N`).
-
-The supervisor binds the listening socket once and hands it to every worker: the workers
-accept from one shared queue. A worker busy with a long event-loop turn does not accept, so a
-new connection goes to a worker that is free, and connections waiting in the queue survive the
-death of any one worker. (With SO_REUSEPORT each worker would own a queue of its own, filled by
-a hash of the client's address whatever the worker's load, and the connections waiting in a
-dead worker's queue would be reset.)
-
-Each worker is a fresh interpreter (the `spawn` start method) running the whole gateway —
-components, health probes, prefix index and sessions — so without `--redis-url` a worker routes
-only on what it has seen itself. Metrics use prometheus_client's multiprocess mode: the
-supervisor creates and empties the directory before any worker starts, and drops a dead
-worker's live gauges.
-
-The supervisor starts a worker again when it dies (after a pause that grows while it keeps
-dying young) and counts it in `gateway_worker_restarts_total`. SIGTERM or SIGINT is passed on
-to every worker as SIGTERM, each of which then shuts down as one process does (`gateway.server`);
-the supervisor closes its copy of the socket at once, so that the port closes when the last
-worker's listener does, and exits when every worker has.
+"""Several worker processes on one port under a supervisor (`--workers N`): it binds the socket
+once for every worker to accept from (docs/deploy.md), restarts dead workers with a growing
+pause, passes signals on and keeps the multiprocess metrics directory.
 """
 
 from __future__ import annotations
@@ -68,10 +51,8 @@ class MetricsDirectory:
 
 
 def prepare_metrics_directory() -> MetricsDirectory:
-    """Empties $PROMETHEUS_MULTIPROC_DIR, or creates a temporary one and sets the variable.
-
-    Called before prometheus_client is imported: the library chooses its mode at import.
-    """
+    """Empties $PROMETHEUS_MULTIPROC_DIR, or creates a temporary one and sets the variable;
+    called before prometheus_client is imported, which chooses its mode at import."""
     given = os.environ.get(_METRICS_DIR_VARIABLE)
     if given:
         directory = MetricsDirectory(Path(given), owned=False)

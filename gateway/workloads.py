@@ -1,16 +1,6 @@
-"""Synthetic workloads in the three shapes of prefix sharing, generated from a seed.
-
-A workload is a list of sessions; a session is a system prompt and the user turns that follow
-it (one turn for single requests, several for a conversation, whose answers the driver appends
-as they come back). Text is made of short lowercase words, so a prompt's length in words is
-its length in the emulated replica's tokens.
-
-- `shared`: one system prompt, many users with their own questions.
-- `customers`: many per-customer system prompts with Zipf-skewed popularity; together they
-  overflow one replica's cache.
-- `conversation`: multi-turn chats sharing one system prompt, re-sending the whole history.
-- `rag`: fixed instructions, then 5 of 40 passages in varying order, then a question.
-- `mixed`: all of the above, interleaved.
+"""Synthetic workloads in the shapes of prefix sharing (`shared`, `customers`, `conversation`,
+`rag`, `mixed`; docs/benchmarks.md), generated from a seed. A session is a system prompt and
+its user turns, in short words that are one emulator token each.
 """
 
 from __future__ import annotations

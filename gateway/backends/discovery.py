@@ -1,17 +1,7 @@
-"""Service discovery: replicas that join and leave while the gateway serves.
+"""Service discovery: replicas that join and leave while the gateway serves (docs/deploy.md).
 
-Two sources besides the static `--backend` list:
-
-- DNS (`--backend-dns [MODEL=]HOST:PORT`): the A and AAAA records of a headless Service,
-  looked up every `discovery_interval` seconds.
-- Kubernetes (`--k8s-service [MODEL=]NAME[:PORT]`): the Service's EndpointSlices, listed and
-  then watched with the pod's service account; only endpoints that are ready and not
-  terminating are replicas.
-
-Each source reconciles the addresses it sees into the BackendPool through a `Membership`
-(`membership.py`). The hash ring is keyed by backend names, so a replica joining
-or leaving moves only its own share of keys. A failed lookup or a broken watch leaves the
-membership as it was: a replica is removed only when its source says it is gone.
+Each source (DNS records, Kubernetes EndpointSlices) reconciles what it sees into the pool
+through a `Membership`; a failed lookup or a broken watch changes nothing.
 """
 
 from __future__ import annotations

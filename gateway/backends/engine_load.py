@@ -1,15 +1,5 @@
-"""Engine load signals: each replica's own queue, scraped from its Prometheus endpoint.
-
-A gateway knows only the requests it sent itself. When several gateways share a fleet, each
-replica's running and waiting counts (vLLM `vllm:num_requests_running` / `_waiting`, SGLang
-`sglang:num_running_reqs` / `num_queue_reqs`) tell every gateway the load the others put there.
-The part of the engine's count that this gateway did not send becomes the backend's `queued`
-load, which the load bound adds to the gateway's own in-flight count.
-
-A scrape is seconds old, and requests may last less than that. With Redis, the gateways also
-exchange their in-flight counts many times a second (`gateway/backends/shared_load.py`): then
-`queued` is the other gateways' requests as of that exchange, plus whatever the engine reported
-beyond them at the last scrape (clients that bypass the gateways).
+"""Engine load: each replica's running and waiting requests, scraped from its `/metrics`. The
+load this gateway did not send (other gateways', and clients' that bypass them) is `queued`.
 """
 
 from __future__ import annotations
@@ -45,10 +35,7 @@ class EngineLoad:
 
 def parse_engine_load(text: str) -> EngineLoad | None:
     """Sum the engine's series over their label sets; None when it exports none of them.
-
-    Only the lines of the wanted families are handed to the Prometheus parser: an engine's
-    page runs to thousands of lines of histograms, parsed here on every scrape.
-    """
+    Only the wanted lines are parsed: an engine's page runs to thousands of lines."""
     wanted = "\n".join(line for line in text.splitlines() if line.startswith(_NAMES))
     running = waiting = 0.0
     usage: float | None = None

@@ -1,18 +1,5 @@
-"""Replica health: when a replica is ejected from routing and when it is let back in.
-
-Two kinds of evidence, one verdict per replica (`Backend.healthy`):
-
-- Active probes (`GET /health`, by `BackendMonitor`). A replica that has never passed a probe
-  is *starting*: its first passed probe admits it. A serving replica is ejected after
-  `unhealthy_threshold` consecutive failed probes; an ejected one is readmitted after
-  `healthy_threshold` consecutive passed probes.
-- Passive observation of real requests. A refused or unreachable connection ejects the replica
-  at once (nothing is listening: trying it again only costs the next request a connect);
-  other failures (5xx answers, timeouts, responses that break off) eject it after
-  `failure_threshold` in a row. Any good answer resets that count.
-
-Whatever ejected a replica, only probes readmit it, so a replica that fails requests while its
-`/health` still answers is tried again after `healthy_threshold` probe intervals.
+"""Replica health: ejection after failed probes or requests (a refused connection at once),
+readmission by probes only (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -23,8 +10,7 @@ from gateway.backends.pool import Backend, BackendPool
 
 log = logging.getLogger("gateway.backends.health")
 
-CONNECT = "connect"
-"""The failure cause of a connection that could not be opened."""
+CONNECT = "connect"  # the failure cause of a connection that could not be opened
 
 
 class Health:

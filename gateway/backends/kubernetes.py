@@ -1,5 +1,4 @@
-"""Discovery in Kubernetes: a Service's EndpointSlices, listed and then watched with the pod's
-service account; only endpoints that are ready and not terminating are replicas."""
+"""Discovery in Kubernetes: a Service's EndpointSlices, watched with the pod's service account."""
 
 from __future__ import annotations
 

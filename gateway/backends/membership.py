@@ -1,8 +1,5 @@
-"""One discovery source's share of the pool: the replicas it sees, added and drained.
-
-A new address is added and probed at once; an address that is gone is drained (no new
-requests, those in flight finish, at most `drain_timeout` seconds) and then removed. Backends
-that another source added are never touched.
+"""One discovery source's share of the pool: replicas that appear are added and probed, those
+that go are drained and removed; other sources' backends are never touched.
 """
 
 from __future__ import annotations

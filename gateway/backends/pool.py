@@ -1,11 +1,7 @@
 """The backend pool: membership, the models each backend serves, health and load.
 
-A backend given as `MODEL=URL` serves that model only; a bare URL serves whatever its
-`GET /v1/models` lists, refreshed on an interval. Health is probed actively (`GET /health`) and
-observed passively on real requests; `gateway.backends.health` decides ejection and readmission.
-
-Membership changes while serving: discovery and the admin API add backends, and remove them
-either at once or by draining (no new requests; removed once its requests in flight finish).
+A backend given as `MODEL=URL` serves that model only; a bare URL serves what its
+`/v1/models` lists. Backends are added and removed (at once, or by draining) while serving.
 """
 
 from __future__ import annotations
@@ -43,8 +39,7 @@ class Backend:
     groups: list[ModelPool] = field(default_factory=list, repr=False)
     """The candidate groups it is in now, whose load tallies follow its own."""
     pending_prefill: int = field(default=0, repr=False)
-    """Prompt blocks this gateway has sent it that it has not computed yet, by the index's
-    estimate: each request counts its unmatched blocks until its first byte (or its end)."""
+    """Unmatched prompt blocks of this gateway's requests to it that have no first byte yet."""
     _in_flight: int = field(default=0, repr=False)
     _queued: int = field(default=0, repr=False)
 
@@ -78,12 +73,8 @@ class Backend:
 
 
 class ModelPool:
-    """The backends serving one model now, with their summed load kept up to date.
-
-    Rebuilt by the pool on every health or membership change; between changes a lease or an
-    engine-queue scrape updates `total_load` as it changes a backend's load, so that the load
-    bound costs O(1) per request instead of a sum over the fleet.
-    """
+    """The backends serving one model now, with their summed load kept up to date by every
+    change of a backend's load, so that the load bound costs O(1) instead of a sum."""
 
     __slots__ = (
         "backends",
@@ -107,10 +98,7 @@ class ModelPool:
 
 class _PerBackend(Mapping[str, int]):
     """One number per candidate, read from the backend when asked: a mapping nobody fills.
-
-    Subclasses read their attribute in `__getitem__` and `get` themselves: the policy calls
-    `get` several times a decision, so no extra call per read.
-    """
+    Subclasses implement `get` themselves: the policy calls it several times a decision."""
 
     __slots__ = ("_by_name",)
 
@@ -195,10 +183,8 @@ class BackendPool:
         return backend
 
     async def finish_drain(self, backend: Backend, timeout: float) -> bool:
-        """Wait for a draining backend's requests in flight (at most `timeout` s), remove it.
-
-        False when it was restored (`undrain`) or replaced while it drained.
-        """
+        """Wait (at most `timeout` s) for a draining backend's requests, then remove it; False
+        when it was restored or replaced meanwhile."""
         idle = backend.idle
         if backend.in_flight > 0 and idle is not None:
             with suppress(TimeoutError):

@@ -1,15 +1,6 @@
-"""Requests in flight, shared between the gateways of a deployment through Redis.
-
-Each gateway knows only the requests it sent. Behind one Service, every gateway sees a third
-of the load with three gateways, so its load bound admits three times too much: new
-conversations pile onto the backend that first held their system prompt, and their later
-turns must then leave it. The replicas' own queues (`engine_load.py`) show the others'
-load too, but only as of the last scrape, seconds old, while requests last a fraction of that.
-
-So every `_SYNC_SECONDS` each gateway writes its own in-flight count per backend into one hash
-(a field per gateway process) and reads the others' back, in one script call. A field whose
-gateway stopped writing stops counting after `_STALE_MS` and is deleted later. Times are
-Redis's own (`TIME`), so gateways on hosts with skewed clocks still agree.
+"""Requests in flight, exchanged between the gateways of a fleet through Redis every
+`_SYNC_SECONDS` in one script call, so each gateway's load bound sees the others' requests
+(docs/redis.md, fleet behaviour).
 """
 
 from __future__ import annotations
@@ -29,9 +20,8 @@ from gateway.state.redis.keys import KeySpace
 
 log = logging.getLogger("gateway.redis")
 
-# Requests last from tens of milliseconds to minutes: the picture must be fresher than the
-# shortest of them to keep a burst of new conversations off one backend (docs/redis.md: on the
-# fleet benchmark 50 ms still cost three gateways a point or two of hit rate; 20 ms did not).
+# Fresher than the shortest requests, to keep a burst of new conversations off one backend
+# (the interval is chosen in docs/redis.md).
 _SYNC_SECONDS = 0.02
 # Another gateway's counts stop counting when it has not written for this long (it stopped,
 # or lost Redis), and its field is deleted after `_FORGOTTEN_MS`.

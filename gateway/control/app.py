@@ -1,7 +1,5 @@
-"""The control plane: models, health, readiness and metrics, on FastAPI.
-
-FastAPI's cost per request is fine here; the inference endpoints take the lean path in
-`gateway.proxy.handler` instead.
+"""The control plane on FastAPI: models, health, readiness and metrics. The inference
+endpoints take the lean path in `gateway.proxy.handler` instead.
 """
 
 from __future__ import annotations

@@ -1,14 +1,5 @@
-"""The fleet under `/admin/backends`: list, add, drain and remove replicas while serving.
-
-- `GET /admin/backends`: every backend with its health, load, models and whether it drains.
-- `POST /admin/backends` `{"url": ..., "model": optional}`: add one; it is probed at once.
-- `POST /admin/backends/{name}/drain`: no new requests; removed once those in flight finish
-  (at most `drain_timeout` seconds). `?wait=true` answers only once it is gone.
-- `DELETE /admin/backends/{name}`: remove at once; requests already sent to it still finish.
-
-The access check is a dependency handed in (the admin token guard), so this module holds only
-the routes. A backend that discovery found comes back at its source's next look if removed
-here: for those, the Service (or its DNS records) is the source of truth.
+"""The fleet under `/admin/backends`: list, add, drain and remove replicas while serving
+(docs/deploy.md). The access check is a dependency handed in.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""`POST /admin/explain`: where a request body would go and why, without sending or recording it.
-
-It answers with the candidates, their loads and matched prefixes, the load bound, the route and
-its reason, the affinity key and how the prompt relates to its conversation's previous one.
+"""`POST /admin/explain`: where the gateway would send a request and why, without forwarding or
+recording it (docs/observability.md).
 """
 
 from __future__ import annotations

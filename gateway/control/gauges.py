@@ -1,8 +1,5 @@
-"""Gauges read from the live state of one gateway process: set just before a scrape renders.
-
-A single process sets them when `/metrics` is asked for. Under several workers a scrape reads
-every worker's values from the multiprocess files, so each worker also publishes its own every
-second (see `gateway.server`); another worker's value is then at most that old.
+"""Gauges read from one gateway process's live state, set just before a scrape renders (and,
+under several workers, published every second from `gateway.server`).
 """
 
 from __future__ import annotations

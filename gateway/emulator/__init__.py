@@ -1,8 +1,5 @@
-"""An emulated vLLM replica: OpenAI routes, a real block-level prefix cache, a time model and
-vLLM's Prometheus metrics, for demos, integration tests and benchmarks without a GPU.
-
-The cache (`PrefixCache`) and the time model (`TimeModel`, `PrefillLane`) are pure: they take
-times as arguments and can drive a virtual-time replay as well as the live server.
+"""An emulated vLLM replica for demos, tests and benchmarks without a GPU (docs/emulator.md);
+its cache and time model are pure, so the replay drives them in virtual time.
 """
 
 from gateway.emulator.app import EmulatorApp, build_app

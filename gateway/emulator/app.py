@@ -1,7 +1,5 @@
-"""The emulated replica's HTTP surface: a plain ASGI application, vLLM's OpenAI routes.
-
-Generation runs in a task of its own next to a task that watches `receive()` for the client
-going away; a disconnect cancels the generation at once, which releases its slot and blocks.
+"""The emulated replica's HTTP surface: a plain ASGI application with vLLM's OpenAI routes;
+a client that disconnects cancels its generation at once, releasing its slot and blocks.
 """
 
 from __future__ import annotations

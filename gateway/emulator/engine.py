@@ -1,9 +1,5 @@
-"""The emulated engine: admits sequences in arrival order and paces their tokens.
-
-A sequence runs when fewer than `max_running` run and the prefix cache can reserve its blocks;
-otherwise it waits, first come first served, behind every earlier waiting sequence. A running
-sequence waits for its prefill on the one prefill lane, then yields a token per decode step.
-With both per-token costs zero nothing sleeps: a request completes without yielding to the loop.
+"""The emulated engine: admits sequences in arrival order while fewer than `max_running` run
+and the cache can reserve their blocks, prefills them on one lane and paces their tokens.
 """
 
 from __future__ import annotations
@@ -140,11 +136,8 @@ class Engine:
     async def run(
         self, prompt_ids: Sequence[int], max_tokens: int, salt: str | None = None
     ) -> AsyncIterator[Run]:
-        """Admit, prefill and hand over one sequence; leaving the block finishes it.
-
-        It finishes as "length" when every token was produced and as "abort" otherwise, also
-        when the caller is cancelled while it waits, prefills or decodes.
-        """
+        """Admit, prefill and hand over one sequence; leaving the block finishes it, as
+        "length" when every token was produced and as "abort" otherwise."""
         if not self.fits(len(prompt_ids), max_tokens):
             raise ValueError("this sequence can never fit the cache")
         arrival = self._clock()

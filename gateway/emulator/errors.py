@@ -1,7 +1,5 @@
-"""Errors answered to clients, rendered in the shape vLLM's OpenAI server uses.
-
-vLLM names the error type after the HTTP status (`BadRequestError`, `NotFoundError`) and puts
-the status number in `code`; clients and the gateway's error mapping see the same body here.
+"""Errors answered to clients in vLLM's shape: the type named after the status
+(`BadRequestError`, `NotFoundError`), the status number in `code`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""vLLM's Prometheus metrics for one emulated engine, on a registry of its own.
-
-Names, labels and histogram buckets follow vLLM's V1 engine. Gauges and counters are read from
-the engine when scraped, so serving a request updates no metric but the two histograms.
+"""vLLM's Prometheus metrics (V1 names, labels and buckets) for one emulated engine; all but
+the two histograms are read from the engine when scraped.
 """
 
 from __future__ import annotations

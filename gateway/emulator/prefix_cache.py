@@ -1,16 +1,10 @@
 """A block-level prefix cache with vLLM's arithmetic, free of I/O and clocks.
 
-Only full blocks are cached. Block i is named by a chained hash over the hash of block i-1 and
-its own token ids, so a name stands for the whole prefix up to that block. A lookup is the
-longest run of leading names present. Like vLLM, the last prompt token is always computed, so
-at most `(prompt_tokens - 1) // block_size` blocks count as a hit.
-
-A physical block is in one of three states: pinned (held by one or more running sequences),
-cached and evictable (reference count zero, in LRU order), or empty. Admission reserves every
-block a sequence will ever hold - its prompt and all but its last generated token - so a
-running sequence never needs more memory. A sequence that cannot get its blocks is refused and
-waits. Freed blocks join the LRU tail last-block-first, so a chain loses its tail before its
-head, as in vLLM. Lookup and admission cost O(blocks of the prompt); eviction is O(1) a block.
+Full blocks only, named by chained hashes; a hit is the longest cached run of leading blocks,
+leaving the last prompt token to compute. Admission pins the cached blocks and reserves every
+block the sequence will hold, or refuses; freed blocks join the LRU tail last block first, so
+a chain loses its tail before its head. Lookup and admission are O(prompt blocks), eviction
+O(1) a block.
 """
 
 from __future__ import annotations
@@ -143,11 +137,8 @@ class PrefixCache:
         )
 
     def publish(self, lease: CacheLease, hashes: Sequence[int]) -> None:
-        """Make the computed full blocks of a sequence (named by `hashes`) reusable.
-
-        A block whose name is already cached, computed twice by sequences that ran at the same
-        time, stays private to this sequence and is freed with it.
-        """
+        """Make a sequence's computed full blocks reusable; one already cached (computed twice
+        at once) stays private to the sequence and is freed with it."""
         refs = self._refs
         for index in range(lease.covered_blocks, len(hashes)):
             if lease.anonymous_blocks == 0:

@@ -1,7 +1,5 @@
-"""An emulated replica in a child process on a free loopback port, for tests and demos.
-
-with EmulatorProcess("--cache-blocks", "64") as replica:
-    httpx.get(replica.url + "/health")
+"""An emulated replica in a child process on a free loopback port, for tests and demos:
+`with EmulatorProcess("--cache-blocks", "64") as replica: ...`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Prompt token ids of chat messages and completion prompts.
 
-Each message's content is tokenized on its own and the lists are concatenated, so a message
-boundary is always a token boundary. Template "plain" adds nothing else, which makes a prompt's
-token count the sum of its contents' counts. Template "chatml" wraps each message in
-`<|im_start|>`, the role, a newline, the content and `<|im_end|>`, and ends with the generation
-prompt `<|im_start|>assistant` and a newline; the two markers are single tokens. Request tools
-are one leading message of sorted-keys JSON (role "tools" under chatml).
+Each message is tokenized on its own, so a message boundary is a token boundary. Template
+"plain" adds nothing; "chatml" wraps each message in `<|im_start|>`, its role, a newline and
+`<|im_end|>` (one token each) and ends with the generation prompt. Tools lead as one message.
 """
 
 from __future__ import annotations

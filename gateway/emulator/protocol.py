@@ -1,7 +1,5 @@
-"""OpenAI request bodies checked and turned into the values the engine runs on.
-
-Any field of the wrong type is a 400 naming the field, an unknown model a 404; fields the
-emulator does not model (temperature, stop, ...) are accepted and ignored.
+"""OpenAI request bodies checked and turned into the values the engine runs on: a field of the
+wrong type is a 400, an unknown model a 404, fields not modelled are ignored.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Deterministic generated text: the same prompt and seed always give the same answer.
-
-Each generated token is one word of two to six lowercase letters; every token after the first
-carries a leading space. Such a token is exactly one token for the tokenizer, so the answer
-re-tokenizes to the tokens generated.
+"""Deterministic generated text: the same prompt and seed always give the same answer, in
+words that are one token each, so an answer re-tokenizes to the tokens generated.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The emulated engine's time model, free of clocks: every time is an argument.
 
-Prefill costs a fixed time per uncached prompt token and prefills run one after another, as on
-a GPU whose prefill is compute-bound: uncached work queues up and raises time to first token on
-a busy replica. Decode costs a fixed time per generated token, for every running sequence in
-parallel, as in a batched decode step whose cost is dominated by reading the weights.
+Prefill costs a fixed time per uncached token and runs one at a time (compute-bound); decode
+costs a fixed time per token for all running sequences at once (a batched step).
 """
 
 from __future__ import annotations
@@ -25,11 +23,8 @@ class TimeModel:
 
 
 class PrefillLane:
-    """The one prefill lane: a prefill starts when it is asked for and the lane is free.
-
-    A reservation is final: a sequence aborted before its prefill ran still holds its slot, so
-    the prefills queued behind it start no earlier than they were told.
-    """
+    """The one prefill lane. A reservation is final: one aborted before it ran still holds
+    its slot, so those behind it start no earlier than they were told."""
 
     def __init__(self) -> None:
         self._free_at = float("-inf")

@@ -1,10 +1,6 @@
-"""The emulated engine's tokenizer.
-
-A token is a run of at most six non-blank characters together with the blanks before it, or
-a run of trailing blanks; longer words split into six-character pieces. A token's id is the
-32-bit xxhash of its text, so ids are stable across processes and need no vocabulary file.
-Joining the tokens of a text gives the text back, which is what makes generated answers,
-sent back as assistant messages, tokenize to exactly the tokens that were generated.
+"""The emulated engine's tokenizer: runs of at most six non-blank characters with the blanks
+before them, ids the 32-bit xxhash of the text (no vocabulary). Joining a text's tokens gives
+it back, so a generated answer sent back tokenizes to exactly the tokens generated.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The canonical prompt stream: the bytes routing hashes, one format for every endpoint.
-
-It mirrors what an engine caches: the same messages in the same order give the same bytes, and
-one more message only appends bytes. A chat is its tools block (if any), then one segment per
-message; a completion's prompt is its text, or its token ids; a batch of prompts is marked so
-that it is never taken for one long prompt.
+"""The canonical prompt stream: the bytes routing hashes, one format for every endpoint. The
+same messages give the same bytes and one more message only appends bytes, as an engine's
+cache sees it; a batch is marked so it is never taken for one long prompt.
 
     chat        [TOOLS "tools" FIELD json] (MESSAGE role FIELD content [FIELD tool_calls])*
     content     text, and PART json for a part that is not text (images, audio, files)

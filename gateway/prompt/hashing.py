@@ -1,8 +1,5 @@
-"""Prefix hashing: a canonical prompt stream cut into blocks and hashed as a chain.
-
-Block i's hash covers block i and, through its seed, every block before it, so equal hashes at
-depth i mean equal prefixes. Only full blocks are hashed: a trailing partial block changes as
-soon as the prompt grows, so it could never match a later request.
+"""Prefix hashing: a canonical stream's full blocks hashed as a chain, so equal hashes at depth
+i mean equal prefixes (a partial last block could never match a later request).
 """
 
 from __future__ import annotations

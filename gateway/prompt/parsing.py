@@ -1,8 +1,5 @@
-"""Request parsing: OpenAI request bodies into what routing needs, and nothing more.
-
-The body is parsed once and never re-serialised: the bytes go upstream as the client sent
-them. The canonical stream mirrors what an engine caches: the same messages in the same order
-give the same bytes, and one more message only appends bytes.
+"""Request parsing: OpenAI request bodies into what routing needs, parsed once and never
+re-serialised (the bytes go upstream as the client sent them).
 """
 
 from __future__ import annotations
@@ -128,8 +125,7 @@ def parse_request(
 
 
 def _check_depth(payload: dict[str, Any], limit: int) -> None:
-    """Refuse a body nested deeper than `limit` arrays and objects, level by level (no
-    recursion)."""
+    """Refuse a body nested deeper than `limit` arrays and objects, level by level."""
     level: list[Any] = [payload]
     depth = 0
     while level:

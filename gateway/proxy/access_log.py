@@ -1,9 +1,6 @@
-"""The access log: one JSON line per request on the logger `gateway.access`.
-
-It carries what an operator needs to follow a request through the fleet — request id, model,
-backend, route reason, estimated matched and prompt tokens, the cached tokens the backend
-reported, status, time to first byte and duration — and never the prompt. The line is built
-only when the logger is enabled for INFO, so `--no-access-log` costs one branch per request.
+"""The access log: one JSON line per request on the logger `gateway.access`, with what an
+operator needs to follow a request (docs/observability.md) and never the prompt. The line is
+built only when the logger is enabled for INFO.
 """
 
 from __future__ import annotations
@@ -24,13 +21,9 @@ LOGGER = "gateway.access"
 
 
 class JsonLinesHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """The default handler: each message a line on a stream.
-
-    When the stream has a binary buffer (stdout does), `AccessLog` writes its lines straight
-    into it, skipping the log record and the flush after every line that the logging module
-    costs per request; `flush_access_log` then empties the buffer, from the server's tick (ten
-    times a second) and at exit, so a line is out within a tenth of a second.
-    """
+    """The default handler: each message a line on a stream. With a binary buffer (stdout),
+    `AccessLog` writes lines straight into it, with no record and no flush per line;
+    `flush_access_log` empties it on the server's tick and at exit."""
 
     def __init__(self, stream: TextIO) -> None:
         super().__init__(stream)
@@ -130,7 +123,7 @@ class AccessLog:
             if isinstance(handler, JsonLinesHandler) and handler.binary is not None:
                 handler.write_line(orjson.dumps(line))
                 return
-        # A record made directly skips the logger's look-up of its caller's frame: the line's
-        # origin is always here, and that look-up was a third of the cost.
+        # A record made directly skips the logger's costly look-up of its caller's frame: the
+        # line's origin is always here.
         message = orjson.dumps(line).decode()
         logger.handle(logger.makeRecord(LOGGER, logging.INFO, __file__, 0, message, (), None))

@@ -1,11 +1,6 @@
-"""Admission: a bound on the requests one gateway proxies at once, with a bounded queue.
-
-Up to `limit` requests run; up to `queue_limit` more wait, first come first served, at most
-`queue_timeout` seconds each; anything beyond is refused at once (the proxy answers 429 with
-`Retry-After`). A finished request hands its slot straight to the oldest waiter. Memory is
-bounded by `limit + queue_limit` requests whatever the offered load.
-
-The fast path (a free slot) is one comparison and one increment.
+"""Admission: at most `limit` requests proxied at once and `queue_limit` more waiting (FIFO, at
+most `queue_timeout` s); beyond that, refused at once. A finished request hands its slot to
+the oldest waiter. The fast path is one comparison and one increment.
 """
 
 from __future__ import annotations
@@ -35,10 +30,8 @@ class Admission:
         return False
 
     async def enter(self) -> str | None:
-        """Take a slot, waiting in the queue if need be; the refusal's cause when none came.
-
-        Causes: `overloaded` (the queue is full) and `queue_timeout` (no slot in time).
-        """
+        """Take a slot, waiting in the queue if need be; else the refusal's cause: `overloaded`
+        (the queue is full) or `queue_timeout`."""
         if self.try_enter():
             return None
         if len(self._waiters) >= self.queue_limit or self.queue_timeout <= 0:

@@ -1,10 +1,6 @@
-"""One try at one replica, and what it holds while it runs.
-
-An attempt counts in its backend's load (requests in flight) until it ends, and in its
-pending prefill (the prompt blocks the replica has yet to compute for it) until its first
-byte. A streamed attempt is also a prefill in progress that later requests sharing its prefix
-may wait for. Entering takes all of these; the first byte gives back the prefill; leaving
-gives back whatever is left, also when the attempt failed or was interrupted.
+"""One try at one replica, and what it holds while it runs: its backend's lease until it ends,
+its pending prefill until its first byte and, for a stream, a place among the prefills in
+progress. Leaving gives back whatever is left, however the attempt ended.
 """
 
 from __future__ import annotations
@@ -68,8 +64,8 @@ class Attempt:
         self._lease.__exit__(kind, error, trace)
 
     async def take_turn(self) -> None:
-        """Wait for a stream computing this prompt's matched prefix on the same backend now;
-        then, if streamed, announce this attempt's own prefill."""
+        """Wait for a stream computing this prompt's matched prefix here; then, if streamed,
+        announce this attempt's own prefill."""
         prefills = self._prefills
         if prefills is None:
             return

@@ -1,14 +1,6 @@
-"""Deadlines of the requests in flight, and the one task that enforces them.
-
-An `Exchange` is one proxied request: the moment by which it must next make progress (`due`,
-for what it waits on now: the body, the replica's first byte, the next chunk, the client
-taking a chunk) and the moment by which it must end (`deadline`). One `DeadlineWatch` checks
-every exchange a few times per shortest timeout, so moving a deadline costs one store, not a
-timer.
-
-A deadline that passes, or a client that hangs up, interrupts the request's task. Where the
-task is waiting, `Exchange.guard()` turns that into an `Interrupted` exception naming why, and
-the proxy handles it as any other exception.
+"""Deadlines of the requests in flight, and the one task that enforces them: an `Exchange`
+holds when its request must next progress and end, `DeadlineWatch` checks them all a few
+times per shortest timeout, and `Exchange.guard()` turns an interruption into `Interrupted`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""Forwarding one routed request: attempts at replicas until one answers.
-
-The routed backend is tried first. A failure before anything reached the client moves the
-request to the policy's next choice (`--max-attempts` in all, with jittered exponential
-backoff): a connection that fails, no first byte in time, a response that breaks off before
-its first byte, 502/503/504, and 429 after its `Retry-After` when that is short enough. A
-client that hangs up ends the attempt at once, so the replica sees its connection close and
-stops generating. Whatever happens, the result is one `Outcome`.
+"""Forwarding one routed request: attempts at replicas until one answers, failing over before
+the first byte (docs/reliability.md); whatever happens, the result is one `Outcome`.
 """
 
 from __future__ import annotations
@@ -184,7 +178,7 @@ class Forwarder:
         strip_usage: bool,
     ) -> tuple[Relayed, tuple[str, float | None] | None]:
         """Relay `response`, unless its status asks for another replica and one is left: then
-        `Relayed(0)` and the retry's cause and pause (from `Retry-After`)."""
+        `Relayed(0)`, the retry's cause and its pause."""
         backend = attempt.backend
         status = response.status
         if status >= 500:

@@ -1,9 +1,5 @@
-"""The proxy path: one lean ASGI handler for the OpenAI inference endpoints.
-
-A request goes one way through: admitted (a bounded number at once, a bounded queue), its body
-read (bounded in size and time), parsed once, routed, forwarded as the client sent it, its
-response relayed as it arrives; then it is logged and counted, and the router learns from
-its outcome.
+"""The proxy path: one lean ASGI handler for the OpenAI inference endpoints, which takes a
+request one way through (docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""Prefills in progress: a request whose prefix is being computed on its replica waits for it.
-
-The index records a prompt when it is routed, so the next request sharing it goes to the same
-replica at once, often while the first is still in prefill. An engine finds in its cache only
-blocks already computed: sent at once, the second request would compute the shared prefix a
-second time, on the same replica, at the same moment. Held until the first request's first
-byte comes back (its prefill is done), it finds the prefix cached.
-
-Only streams count as prefills in progress (a plain response's first byte is its whole
-answer). A request waits at most `--prefill-wait` seconds, never for one that is itself
-waiting, and sees only this process's requests.
+"""Prefills in progress: a request whose prefix a stream is computing on its replica waits for
+that stream's first byte, at most `--prefill-wait` seconds, then finds the prefix cached
+instead of computing it again (docs/routing.md). Per process.
 """
 
 from __future__ import annotations
@@ -32,8 +24,7 @@ class Computing:
         self.done = asyncio.Event()
 
     def computes(self, chain: Sequence[int], depth: int) -> bool:
-        """Whether this computes block `depth - 1` of `chain` (chained hashes: and so the whole
-        prefix up to it)."""
+        """Whether this computes block `depth - 1` of `chain`, and so (chained) its prefix."""
         last = depth - 1
         return self.first_block <= last < len(self.chain) and self.chain[last] == chain[last]
 

@@ -1,9 +1,6 @@
-"""Relaying one replica's response to the client, as it arrives.
-
-A plain response is read whole, then sent. A stream is sent chunk by chunk, each as it comes
-(no coalescing). The reply to the client begins only with the first chunk, so until then the
-attempt may still fail over: the relay returns that failure instead of answering. A stream
-that breaks or goes quiet after its first byte ends with an SSE error event.
+"""Relaying one replica's response to the client as it arrives. Until the first chunk is sent
+the attempt may still fail over, so the relay returns that failure instead of answering; a
+stream that breaks later ends with an SSE error event.
 """
 
 from __future__ import annotations
@@ -53,8 +50,7 @@ class Relay:
         stream: bool,
         strip_usage: bool,
     ) -> Relayed:
-        """Relay `response`; `strip_usage`: the gateway asked for the stream's usage on its
-        own, and the client does not get it."""
+        """Relay `response`; with `strip_usage` the usage the gateway asked for is held back."""
         status = response.status
         if stream and status == 200:
             return await self._stream(attempt, exchange, response, headers, reply, strip_usage)

@@ -1,8 +1,5 @@
-"""The response to the client: begun once, as a whole body or as a stream of events.
-
-`Reply` is the only writer of what the client has been sent, so an error is always shaped to
-fit it: an OpenAI error body before anything was sent, a last server-sent event inside a
-stream, nothing after a whole body.
+"""The response to the client, begun once: its only writer, so an error always takes the shape
+that still fits (an error body, a last SSE event, or nothing).
 """
 
 from __future__ import annotations

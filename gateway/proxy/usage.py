@@ -1,9 +1,7 @@
 """Reading what a response says about the cache: usage, cached tokens and the answer text.
 
-The response is relayed untouched; this only looks at it. For streams it follows the SSE
-events as they pass, so the answer is known once the stream ends. The one exception: a stream
-whose usage the gateway asked for on its own (`--observe-usage`) loses its usage-only event
-(empty `choices`, `usage` set) on the way to the client, which thus sees what it asked for.
+Responses are relayed untouched, except that a stream whose usage the gateway asked for itself
+(`--observe-usage`) loses its usage-only event (docs/routing.md).
 """
 
 from __future__ import annotations
@@ -15,8 +13,7 @@ from typing import Any
 
 import orjson
 
-_HOLD_MAX = 1 << 20
-"""Bytes of one unfinished event held back at most while stripping usage."""
+_HOLD_MAX = 1 << 20  # bytes of one unfinished event held back at most while stripping usage
 # An event ends at a blank line; lines end in LF or CRLF (sse-starlette's default).
 _BLANK_LINE = re.compile(rb"\r?\n\r?\n")
 
@@ -65,12 +62,8 @@ def observe_body(body: bytes) -> Observation:
 
 
 class StreamObserver:
-    """Follows SSE events across arbitrary chunk boundaries.
-
-    With `strip_usage`, `feed` returns what the client is to get: the complete events of
-    what has arrived, each with its own blank line, less the usage-only one; an event cut by a
-    chunk boundary is held until its end arrives. Without, it returns each chunk as it came.
-    """
+    """Follows SSE events across chunk boundaries. `feed` returns what the client is to get:
+    each chunk as it came, or with `strip_usage` the complete events less the usage-only one."""
 
     def __init__(self, strip_usage: bool = False) -> None:
         self.seen = Observation()
@@ -107,8 +100,8 @@ class StreamObserver:
         return b"".join(kept)
 
     def finish(self) -> bytes:
-        """Once the stream has ended: its last event when no blank line closed it, taken in
-        and, while stripping, returned unless it was the usage-only one."""
+        """Once the stream has ended: its last event if no blank line closed it (returned while
+        stripping unless usage-only)."""
         rest, self._pending = self._pending, b""
         if self._event(rest) or not self._strip_usage:
             return b""

@@ -1,9 +1,5 @@
-"""Offline what-if replay: a trace through the gateway's own policies against simulated replicas.
-
-Requests (from a Mooncake-format trace or a synthetic shape) are routed by the same policy
-objects, prefix index and recent-traffic counter the gateway runs, to replicas built from the
-emulator's cache, prefill lane and time model, in virtual time. `oracle` routes on the
-replicas' actual cache contents under the same load bound, as a reference.
+"""Offline what-if replay: a trace through the gateway's own policies against simulated
+replicas, in virtual time (docs/replay.md).
 """
 
 from gateway.replay.report import Summary, render_table, summarise

@@ -15,11 +15,8 @@ from gateway.replay.traces import Trace, TraceError, read_mooncake
 from gateway.workloads import SHAPES
 
 SYNTHETIC = "synthetic:"
-# A 70B-class model with grouped-query attention keeps ~320 KiB of KV per token, so a replica
-# of 8 x 80 GB GPUs has room for about a million tokens once the weights are loaded. At that
-# size the 8-replica replay of the Mooncake conversation trace is cache-bound: one LRU cache
-# of 8 x 2^20 tokens serving the whole trace reuses 27.6% of prompt tokens where an unbounded
-# one reuses 37.3%.
+# About what one 8-GPU replica of a 70B-class model holds next to its weights; the trace's
+# replay is then cache-bound (docs/replay.md).
 TRACE_CACHE_TOKENS = 1 << 20
 TRACE_BLOCK_TOKENS = 512
 # The routing benchmark's emulated replicas: 1,024 blocks of 16 tokens, a size the customers

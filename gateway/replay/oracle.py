@@ -1,20 +1,6 @@
-"""The oracle: routing with perfect knowledge of every replica's cache, under the same bound.
-
-For each request, given the loads (requests in flight) before it:
-
-1. The bound is the gateway's: `B = load_bound(total load, replicas, c, floor)` with the
-   gateway's defaults (c = 1.25, floor 2); the eligible replicas are those `within_bound`
-   (load + 1 ≤ B). The least loaded replica is always eligible.
-2. Each eligible replica's depth is the number of the prompt's blocks its cache would reuse if
-   the request were admitted now: `PrefixCache.hit_blocks` on the replica's actual contents
-   (published blocks, pinned or evictable), not on what was sent to it.
-3. The deepest wins; equal depths go to the least loaded, then to the first in the ring walk
-   from the request's affinity key (the same ring the policies use).
-
-It is greedy: it maximises each request's own hit and looks no further (it does not keep a
-prefix off a replica to save that replica's cache for later traffic, nor reason about
-evictions its choice causes). Its route is `prefix` when the chosen replica reuses at least
-one block, `hash` otherwise. It records nothing: the caches are the truth it reads.
+"""The oracle: among the replicas within the gateway's bound, the deepest hit in its actual
+cache wins, then the least loaded, then the ring order. Greedy; a reference, not a ceiling
+(docs/replay.md).
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""A simulated replica: the emulated engine's admission, prefill lane and cache, in virtual time.
+"""A simulated replica: the emulator's admission, prefill lane and cache, in virtual time.
 
-It uses the emulator's pure pieces the way `gateway.emulator.engine.Engine` does. A sequence
-is admitted in arrival order when fewer than `max_running` run and the cache can reserve every
-block it will hold; otherwise it waits, first come first served. Once admitted it books its
-uncached prefill on the one prefill lane; when that ends its prompt blocks are published and
-its first token is out; its last token comes one decode step per further token later. At the
-end the blocks of its prompt and answer (but the last token) are published, the lease is
-released, and waiting sequences are admitted.
-
-Nothing here keeps time: the simulator passes `now` in and schedules the returned times.
+The pieces are used as `gateway.emulator.engine.Engine` uses them; the simulator passes `now`
+in and schedules the times returned.
 """
 
 from __future__ import annotations

@@ -1,18 +1,4 @@
-"""What a replay run measured, and the table it prints.
-
-- hit rate: cached prompt tokens / prompt tokens, as the simulated replicas' caches decided;
-- max/mean requests per replica over the whole run, and in the worst one-minute window of
-  arrival time (whole windows only; a run shorter than a minute is one window);
-- modelled TTFT p50 and p99: admission wait, queueing on the prefill lane and the uncached
-  prefill itself;
-- over bound: placements that left the chosen replica above the gateway's load bound at that
-  instant (the `prefix` policy lets the one holder of a conversation's history go past it);
-- the count of each route reason;
-- for a synthetic workload of several shapes, the same per shape of request (shared prompt,
-  per-customer prompts, conversation, RAG): hit rate, prefilled tokens, modelled TTFT p99 and
-  the requests each replica served, which shows how a policy places each kind of traffic and
-  whose requests wait for it.
-"""
+"""What a replay run measured, and the Markdown table it prints (columns: docs/replay.md)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""Routing in a replay: the gateway's own policy, index and recent-traffic counter.
-
-`PolicyRouter` does for a trace request what `gateway.routing.router.Router` does for an HTTP
-one: it
-shows the policy the candidates, their loads (requests in flight), the index's matched depths,
-the affinity key, the private part, the recent request counts and the pending prefill (blocks
-routed and not computed yet, until the first token), records the prompt's blocks for the
-chosen replica in the index at routing time, and records the prompt with its answer once the
-answer is complete. There are no session keys in a trace, so nothing is sticky.
+"""Routing in a replay: the gateway's own policy, index and recent-traffic counter, shown what
+`gateway.routing.router.Router` shows it for an HTTP request (no sessions: nothing is sticky).
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""The replay loop: a trace through one routing policy and simulated replicas, in virtual time.
-
-Events run in time order from one queue: a request's arrival (it is routed and joins its
-replica), the end of its prefill (its prompt blocks become reusable) and its completion (it
-leaves the replica's load, its answer is indexed and, for a conversation, its next turn is
-scheduled a think time later). At equal times a prefill's end comes before a completion and a
-completion before an arrival. Load is requests in flight: from arrival to modelled completion.
-A run is a pure function of the trace, the policy and the settings; nothing sleeps.
+"""The replay loop: a trace through one routing policy and simulated replicas, in virtual
+time, from one event heap; a run is a pure function of its inputs (docs/replay.md).
 """
 
 from __future__ import annotations
@@ -85,11 +79,8 @@ def replica_names(count: int) -> list[str]:
 def run_replay(
     trace: Trace, policy: str, config: ReplayConfig, experiment: Policy | None = None
 ) -> RunResult:
-    """Replay `trace` through `policy`: a gateway policy name, or "oracle".
-
-    `experiment`, when given, is a policy object to replay instead of the one the name builds
-    (a variant under study), reported under `policy`.
-    """
+    """Replay `trace` through `policy` (a gateway policy name, or "oracle"), or through the
+    policy object `experiment` reported under that name."""
     if experiment is None and policy not in ROUTERS:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(ROUTERS)}")
     return asyncio.run(_run(trace, policy, config, experiment))

@@ -1,15 +1,5 @@
-"""Replay traces from the synthetic workloads, in the emulated replica's own tokens and blocks.
-
-Each session of `gateway.workloads` becomes chat requests: the prompt is tokenized as the
-emulator does (`chat_prompt_ids`, template "plain") and cut into the emulator's chained block
-hashes; the answer is the emulator's deterministic `Sampler` text for that prompt, so a
-conversation's next turn re-sends the history with exactly the answer the replica generated
-and cached. Sessions start as a seeded Poisson process; a next turn is sent an exponentially
-distributed think time after the previous answer is complete, as a client waiting for it does.
-
-The affinity key and the private part follow the gateway's rules for chat: the key hashes the
-first `affinity_tokens` tokens from the first user message on, and the request's own part
-begins after the system prompt.
+"""Replay traces from the synthetic workloads, in the emulator's own tokens, blocks and
+answers, sessions arriving as a seeded Poisson process (docs/replay.md).
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
-"""Replay traces: requests as block hash chains, read from Mooncake-format JSONL files.
-
-A Mooncake line is `{"timestamp": ms, "input_length": tokens, "output_length": tokens,
-"hash_ids": [block ids]}`, one id per block of the prompt (512 tokens in the published traces),
-two prompts sharing a beginning exactly as far as their ids agree from the start.
-
-The ids are chained into gateway-style hashes, `h_i = xxh3(id_i, seed=h_(i-1))`, rather than
-used as they are. In the published traces an id already stands for its whole prefix (every id
-has one predecessor and one depth), so chaining changes nothing there; it keeps the replay
-right for a trace whose ids name block contents only, where equal ids after different
-beginnings must not match. The prefix index and the simulated caches both key blocks by these
-hashes, as the gateway's index and a vLLM cache both key blocks by chained hashes.
-
-A trace has no message structure, so every request's own part begins at block 0
-(`private_from = 0`) and there are no answer blocks: the next turn of a conversation shows its
-previous answer only as new ids.
+"""Replay traces from Mooncake-format JSONL files: each line's `hash_ids` chained into
+gateway-style hashes, so ids that name block contents only still match by prefix
+(docs/replay.md). A trace has no messages: no private part, no answer blocks.
 """
 
 from __future__ import annotations
@@ -46,8 +33,7 @@ class TraceRequest:
     answered: tuple[int, ...] = ()
     """Blocks of the prompt with its answer appended, indexed once the answer is complete."""
     held: tuple[int, ...] = ()
-    """Blocks the replica caches once the request finishes (prompt and answer but its last
-    token, as vLLM); empty means the prompt's blocks only."""
+    """Blocks cached once the request finishes (prompt and answer); empty: the prompt's."""
     shape: str = ""
     """The synthetic workload shape the request belongs to; empty for a trace file."""
 
@@ -102,11 +88,8 @@ def read_mooncake(
     time_scale: float = 1.0,
     limit: int | None = None,
 ) -> Trace:
-    """The requests of a Mooncake-format JSONL trace, arrivals multiplied by `time_scale`.
-
-    The affinity key is the chained hash of the first `affinity_blocks` blocks: one block
-    alone would be the system prompt that every request of a conversation trace shares.
-    """
+    """The requests of a Mooncake-format JSONL trace, arrivals multiplied by `time_scale`; the
+    affinity key hashes `affinity_blocks` blocks, since the first alone may be shared by all."""
     requests = [
         _mooncake_request(record, where, block_tokens, affinity_blocks, time_scale)
         for where, record in _records(Path(path), limit)

@@ -1,24 +1,11 @@
-"""Conversation continuity: does a chat prompt extend the conversation's previous one, and if not,
-what broke it.
+"""Conversation continuity: whether a chat prompt extends its conversation's previous one.
 
-Each chat request leaves a compact fingerprint: one 64-bit hash per message of its canonical
-stream (the tools block counts as a message) and one role byte per message. The next request of
-the same conversation is compared with it, plus the answer the replica wrote when it is known:
-
-- it starts with the whole previous history (answer included): it *extends* it;
-- it is shorter but agrees as far as it goes, or changes only the last question: a *branch*
-  (regenerate, rewind, edited question) — the cached prefix still serves;
-- otherwise it is a cache *break*, classified by the first message that differs:
-  `front_trim` (the history now starts at a later message: oldest turns dropped),
-  `system_prompt` (the system prompt or tools changed), `rewritten_answer` (an assistant message
-  differs from what was sent or written: a chat template or client that strips reasoning, such
-  as `<think>…</think>`) or `mid_edit` (an earlier message was edited or removed).
-
-A conversation is found by its session key when the request has one, else by the hash of its
-system prompt and first user message. A history trimmed from the front has a new first user
-message, so each fingerprint is also filed under the system prompt plus each of the next few
-user messages. The map is bounded and forgets entries unused for a TTL. Everything here is plain
-values and a dict: no I/O, no metrics.
+Each request leaves a fingerprint (a hash and a role byte per message). The next one
+*extends* it (starts with the previous prompt and answer), *branches* (agrees as far as it
+goes, or changes only the last question) or *breaks*, classified by the first message that
+differs (`BreakCause`); O(messages). A conversation is keyed by its session key, else by its
+system prompt and first user message plus `TRIM_ALIASES` later ones, which find a history
+trimmed from the front. Plain values and a bounded dict: no I/O, no metrics.
 """
 
 from __future__ import annotations
@@ -65,7 +52,6 @@ class AffinityMiss(Enum):
     UNHEALTHY = "unhealthy"
     """The previous replica was no longer a candidate (ejected, removed or draining)."""
     LOAD_BOUND = "load_bound"
-    """The previous replica was at the load bound."""
     INDEX = "index"
     """The index held less of the prompt on the previous replica (expired, evicted or pruned)."""
     SPREAD = "spread"
@@ -201,8 +187,7 @@ class Turn:
 
     @property
     def continues(self) -> bool:
-        """Whether this request counts for affinity: it follows a known previous request of its
-        session, or extends (or branches from) its conversation's previous prompt."""
+        """Whether it counts for affinity: a known session's, or extending or branching."""
         if self.previous_backend is None:
             return False
         return self.by_session or self.continuity is not Continuity.BREAK

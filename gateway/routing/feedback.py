@@ -1,26 +1,10 @@
-"""Cache feedback: what a replica's reported cached tokens say about the prefix index.
+"""Cache feedback: a replica's reported cached tokens against the index's prediction.
 
-The index predicts, per request, how deep the chosen replica's cached prefix is (its matched
-depth in blocks of `block_chars` characters). The replica reports what it found
-(`usage.prompt_tokens_details.cached_tokens`). Converted to tokens with the request's own
-characters per token (canonical length over reported prompt tokens), the two agree within a
-tolerance when nothing was evicted; the tolerance covers the engine rounding its hit down to
-whole blocks (and leaving the last prompt token to compute) and the chunking's character
-counts not falling on token boundaries.
-
-A report clearly below the prediction means the replica evicted the prefix from some block on.
-The request has just computed its whole prompt again, so its own blocks are where the index
-says they are. What turned stale is every *other* chain through the first missing block:
-each use of such a chain used that block too, so under LRU (the emulator's, and vLLM's, whose
-freed blocks queue for eviction tail first) their deeper blocks were evicted no later than it.
-Those are the chains that branch off the prompt at or below the first missing block; this
-module keeps the links between blocks (`ChainLinks`, bounded, local to the process) to find
-them, and the index forgets them for that backend only. Only chains whose requests had ended
-before this one was sent count: the index records a prompt when it is routed, so a request
-sent while another with the same new prefix is still being computed finds nothing, and that is
-not eviction.
-
-Everything here runs after the response reached the client; a failure is counted, not raised.
+The two agree within a tolerance when nothing was evicted. A report clearly below means the
+replica evicted the prompt from its first missing block on: every *other* chain through that
+block whose request ended before this one was sent is forgotten for that backend, found
+through `ChainLinks` (bounded, per process) in O(prompt + pruned), at most `_PRUNE_MAX`
+blocks, deepest runs first so every chain left is a prefix. Failures are counted, not raised.
 """
 
 from __future__ import annotations
@@ -42,16 +26,14 @@ from gateway.state.index import PrefixIndex
 
 log = logging.getLogger("gateway.routing.feedback")
 
-# With nothing evicted, the emulator's reports differ from predictions by at most 17.3 tokens
-# (loadtest/feedback_tolerance.py, docs/routing.md): one engine block plus this slack covers it.
+# The tolerance is one engine block plus this slack, which covers block rounding and
+# template tokens with nothing evicted (docs/routing.md).
 _SLACK_TOKENS = 8
-# Real tokenizers' characters per token vary along a prompt (code, JSON, prose), which the
-# emulator's does not show: a prediction may also be off by this share of itself.
+# Real tokenizers' characters per token vary along a prompt: a prediction may also be off by
+# this share of itself.
 _SLACK_FRACTION = 0.1
-_LINKS_MAX = 1 << 18
-"""Blocks whose successors `ChainLinks` remembers (about 160 bytes each: 40 MiB at most)."""
-_PRUNE_MAX = 4096
-"""Blocks one report may prune at most."""
+_LINKS_MAX = 1 << 18  # blocks ChainLinks remembers: bounds its memory (docs/routing.md)
+_PRUNE_MAX = 4096  # blocks one report may prune: bounds the work after one response
 
 
 class Agreement(Enum):
@@ -99,21 +81,14 @@ def judge(
 
 
 class ChainLinks:
-    """Which block follows which, over the chains of recent requests: a bounded tree.
-
-    Hashes are chained, so a block has one predecessor and the links form a tree; a block
-    followed by one block (the common case) stores it as a plain int, a chain's last block an
-    empty tuple. Each block also keeps when a chain through it was last added: a block's time
-    is never earlier than any block's below it. When full, the blocks used longest ago are
-    dropped first, and of one chain its deepest blocks first, so that a block is never kept
-    while the links leading to it are gone.
-    """
+    """Which block follows which over recent requests' chains: a bounded tree that drops the
+    least recently added blocks first, a chain's deepest first."""
 
     def __init__(self, max_blocks: int = _LINKS_MAX) -> None:
         self._max_blocks = max_blocks
-        # Ordered by last use, oldest first. (A plain dict would do without its O(1) removal
-        # of the oldest: deleting a dict's first entry again and again leaves a run of dead
-        # slots that every next look-up of the first entry walks.)
+        # Oldest first. An OrderedDict, since popping a plain dict's first entry again and again
+        # leaves dead slots that every next look-up of the first entry walks.
+        # One child is stored as an int, a chain's last block as ().
         self._next: OrderedDict[int, int | tuple[int, ...]] = OrderedDict()
         self._added_at: dict[int, float] = {}
 
@@ -171,13 +146,9 @@ class ChainLinks:
         before: float = math.inf,
         limit: int = _PRUNE_MAX,
     ) -> list[list[int]]:
-        """The blocks of chains that leave `hashes` below block `start` and were last added
-        before `before`, in runs ending at a chain's last block, every block once, a run after
-        the runs below it.
-
-        At most `limit` blocks, as whole subtrees: a block is never listed without the blocks
-        below it, so that forgetting the runs in order keeps every chain in the index a prefix.
-        """
+        """The chains leaving `hashes` below block `start`, last added before `before`: runs
+        of whole subtrees (at most `limit` blocks), deepest first, so that forgetting them in
+        order keeps every chain in the index a prefix."""
         following = self._next
         added_at = self._added_at
         roots: list[int] = []
@@ -241,8 +212,7 @@ class CacheFeedback:
     async def observe(
         self, request: RoutingInput, prompt: list[int], outcome: types.Outcome, chain: list[int]
     ) -> None:
-        """Learn from a completed request's usage; `prompt` is its prompt's chain, `chain` what
-        the index holds for it once its answer is recorded. Never raises."""
+        """Learn from a completed request's usage (`chain`: its prompt and answer). Never raises."""
         if outcome.cached_tokens is None or request.endpoint is Endpoint.EMBEDDINGS:
             return
         if _batched(request):
@@ -288,6 +258,5 @@ class CacheFeedback:
 
 
 def _batched(request: RoutingInput) -> bool:
-    """A completions batch: its usage adds up prompts that the replica caches each on its own,
-    which one chain cannot predict."""
+    """A completions batch, whose usage adds up prompts that no one chain predicts."""
     return request.endpoint is Endpoint.COMPLETIONS and is_batch(request.canonical)

@@ -1,11 +1,6 @@
-"""The router: decides once where a request goes, and learns once from what came back.
-
-`route` gathers what the policy needs (the model's serving backends and their loads, the
-index's matches, the session's backend, recent traffic), asks the policy, and records the
-choice (index, session, conversation) before the request leaves, so that the next request
-sharing its prefix follows it. `learn` takes the request's `Outcome`: the answer's blocks join
-the index, the replica's cached tokens correct it, affinity and failovers are counted. The
-router knows no HTTP.
+"""The router: decides once where a request goes (`route`), and learns once from what came
+back (`learn`). The choice is recorded before the request leaves, so the next request sharing
+its prefix follows it. No HTTP here.
 """
 
 from __future__ import annotations
@@ -60,8 +55,7 @@ class Routed:
         return self.state.affinity_key
 
     def fallback(self, tried: Collection[str]) -> tuple[Backend, Decision] | None:
-        """Where to try next after `tried` failed before a first byte: the policy's choice
-        among the backends still serving, with the same matches (labelled `retry`)."""
+        """The policy's next choice (route `retry`) among the backends not yet `tried`."""
         left = [
             backend
             for backend in self.serving.backends
@@ -139,8 +133,8 @@ class Router:
         return routed
 
     async def decide(self, request: RoutingInput, count: bool = False) -> Routed:
-        """The policy's decision for `request` now; `count`: the request counts in the shared
-        prompt's traffic (it is being routed, not explained). Records nothing else."""
+        """The policy's decision for `request` now; with `count` it counts in its shared
+        prompt's traffic (routed, not explained). Records nothing else."""
         serving = self.serving(request.model)
         chain = chain_hashes(
             request.canonical, self._block_chars, _seed(request), limit=self._max_blocks
@@ -277,8 +271,7 @@ class Router:
         return turn
 
     def _with_answer(self, routed: Routed, segment: bytes) -> list[int]:
-        """The chain of the prompt and its answer, which a chat's next turn extends (the
-        prompt's own chain when there is nothing to add)."""
+        """The chain of the prompt and its answer, which a chat's next turn extends."""
         if routed.request.endpoint is not Endpoint.CHAT or not segment:
             return routed.chain
         history = routed.request.canonical + segment

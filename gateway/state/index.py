@@ -1,9 +1,9 @@
 """The prefix index: which backends were sent which prefix blocks.
 
-Every backend that was sent a block is remembered (never a single owner that flips), so each
-backend has its own matched depth. Entries expire after a TTL of disuse and the index is
-bounded: the least recently touched blocks go first, deepest first within a prompt, so a
-prefix is cut from its end and never loses its beginning.
+Every backend sent a block is remembered, each with its own matched depth. Records cover whole
+prefixes, and eviction (TTL of disuse, least recently touched first, deepest first) and
+`forget` cut from the end, so holding is monotone along a chain: `match` binary-searches each
+backend's depth, O(holders · log blocks).
 """
 
 from __future__ import annotations
@@ -44,10 +44,7 @@ class InMemoryPrefixIndex:
         return len(self._blocks)
 
     async def match(self, model: str, hashes: Sequence[int]) -> dict[str, int]:
-        # Holding is monotone along a chain: a backend that holds block i holds every block
-        # before it, at least as recently (records cover whole prefixes, touching the deepest
-        # block first; eviction and `forget` cut from the end). So each backend's depth is a
-        # binary search: O(holders · log blocks) look-ups instead of a walk of the prompt.
+        # Binary search per backend: holding is monotone along a chain (see the module).
         if not hashes:
             return {}
         blocks = self._blocks

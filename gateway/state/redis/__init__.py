@@ -1,7 +1,5 @@
-"""Prefix index and sticky sessions shared through Redis by every gateway replica.
-
-`connect(settings, metrics, index, sessions)` wraps the local stores so that Redis is asked
-first and the local stores answer whenever Redis cannot. See docs/redis.md for the data model.
+"""Prefix index and sticky sessions shared through Redis, the local stores answering whenever
+Redis cannot (docs/redis.md).
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
-"""The link to Redis: one bounded client, a deadline on every call, health and reconnection.
-
-Every operation goes through `RedisLink.call` (awaited, on a request's path; it gives up after
-`timeout` seconds) or `RedisLink.submit` (fire-and-forget, at most `max_pending` in flight,
-each given ten times as long). A connection failure or a timeout marks the link down: from
-then on calls fail at once — no request waits on a Redis that is known to be away — and a
-background task probes with PING, backing off exponentially, until Redis answers in time.
-
-URLs: `redis://`, `rediss://` and `unix://` name one server; `redis+cluster://host:port` (or
-`rediss+cluster://`) names any node of a Redis Cluster.
+"""The link to Redis: one bounded client, a deadline on every call, background writes, and a
+link marked down on failure until a PING with backoff answers again.
 """
 
 from __future__ import annotations
@@ -128,11 +120,8 @@ class RedisLink:
         self._companions.append((start, stop))
 
     async def start(self) -> None:
-        """Connect if Redis answers now; otherwise serve locally and keep trying.
-
-        The first connection may take longer than a request's deadline (a cluster client
-        discovers its nodes, and every script is loaded on every primary).
-        """
+        """Connect if Redis answers now (with more patience than a request's deadline: a
+        cluster client discovers its nodes); otherwise serve locally and keep trying."""
         for begin, _ in self._companions:
             begin()
         patience = max(self.timeout, _START_SECONDS)

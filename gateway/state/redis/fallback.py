@@ -1,17 +1,6 @@
-"""Shared state that never fails a request: Redis when it answers in time, local state always.
-
-Every write goes to the local store at once and to Redis in the background, so the local store
-is warm whenever Redis goes away. A lookup asks Redis (bounded by the link's timeout); when
-Redis is down or slow the local answer alone is used and the fallback is counted.
-
-Redis knows what every gateway learned; it may lack what this gateway learned if a write of
-ours was lost — Redis was away (and may have restarted empty), or a write failed or was dropped.
-For one TTL after such a loss a lookup takes, per backend, the deeper of Redis's answer and the
-local one. Otherwise Redis's answer stands alone, and the local match is not paid for.
-
-Cache feedback forgets in bursts (every chain through one evicted block at once). Those go to
-Redis one after another in a single background write, so that a burst never takes the slots
-the prompts' own writes need.
+"""Shared state that never fails a request: Redis when it answers in time, local state always
+(docs/redis.md, failure behaviour). Forgets go out in batches, so a burst never takes the
+slots the prompts' own writes need.
 """
 
 from __future__ import annotations
@@ -27,7 +16,7 @@ from gateway.state.sessions import InMemorySessionStore
 
 # Forgets waiting for Redis at most; beyond, one is dropped (and counted as a fallback).
 _FORGETS_WAITING = 4096
-# Forgets per background write: each well under a millisecond, all within the write deadline.
+# Forgets per background write: few enough to finish within the write deadline.
 _FORGETS_PER_WRITE = 32
 
 

@@ -1,22 +1,6 @@
-"""The prefix index in Redis, shared by every gateway replica.
-
-The same contract as `InMemoryPrefixIndex`: every backend that was sent a block is remembered
-with the time it was last sent there, each backend has its own matched depth, entries older
-than the TTL do not count, and `forget` cuts a backend at the first forgotten block. A lookup
-is one script call whatever the prompt's length (see `scripts.py` for the data model).
-
-Two differences, both deliberate: memory is bounded by Redis (`maxmemory` with a `volatile-*`
-policy evicts whole block keys) rather than by a block count; and an
-entry's stamp is its last-sent time rounded down to `refresh` seconds (a twentieth of the TTL
-by default), so an entry already stamped in the current period is not rewritten. Rewriting a
-block costs Redis twice as much as reading it, and every turn of a conversation re-sends its
-whole history: so a conversation's next turn, and its answer's write right after its
-prompt's, write only their new blocks — at the price of entries that may count as unused up to
-`refresh` seconds early. One stamp for a whole prompt keeps the stamps prefix-closed, which is
-what lets a lookup binary-search the chain (see `scripts.py`).
-
-Times come from an injected clock in seconds (wall-clock by default, so that gateways on
-different hosts agree within their clock skew).
+"""The prefix index in Redis, shared by every gateway: the contract of `InMemoryPrefixIndex`,
+one script call per operation, bounded by `maxmemory`, stamps rounded to `refresh` seconds so
+a next turn rewrites only its new blocks (docs/redis.md).
 """
 
 from __future__ import annotations

@@ -1,14 +1,5 @@
-"""Key names in Redis: every key under one namespace, every lookup's keys in one slot.
-
-    <ns>:{<model id>:<tag>}<block hash>   one prefix block (the hash as 8 raw bytes)
-    <ns>:s:<session key hash>             one sticky session
-    <ns>:load                             every gateway's requests in flight (`loads.py`)
-
-`<model id>` is 8 hex digits of the model name's hash (names may be long or hold braces) and
-`<tag>` 4 hex digits of the prompt's first block hash. The hash tag `{model id:tag}` puts every
-block of one prompt — and of every prompt that begins with the same block — in one Redis
-Cluster slot, so one lookup is one script on one node, while prompts with different
-beginnings spread over all 16,384 slots.
+"""Key names in Redis (docs/redis.md): blocks under a hash tag of model and first block, so a
+lookup's keys share one Redis Cluster slot; sessions; the fleet's load hash.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
-"""The Lua scripts of the shared prefix index, registered once per client.
+"""The Lua scripts of the shared prefix index, registered once per client (docs/redis.md).
 
-One block of a prompt is one string key (see `keys.py`) whose value lists every backend that
-was sent the block, with a stamp of when it was last sent there: `"<backend> <unix ms>\\n"` per
-backend. All block keys of one prompt share the hash tag of KEYS[1], the prompt's first block,
-so every key a script touches lives in that key's slot. That is why the lookup and the write
-take the prompt as its key prefix and its block hashes packed 8 bytes each, and build the few
-key names they touch themselves: a 32k-token prompt is one 16 KB argument, not 2,000 names.
-Redis Cluster still checks that every key a script touches is in the declared key's slot (and
-errors if not), so a mistake here is loud, never silent.
-
-The stamps are prefix-closed: along a chain, each backend's stamp never grows with depth. A
-write stamps every block of a prompt with the same value — now, rounded down to the refresh
-period — and never lowers a stamp, so blocks deeper than the prompt keep older stamps and
-blocks within it the newest. Hence a backend holds block k (fresh) only if it holds every
-block before it, and both scripts binary-search the chain: a lookup reads O(log n) blocks per
-distinct depth, and a write finds the first block whose stamp is behind and writes from
-there, so a conversation's next turn reads a few blocks and writes only its new ones.
-
-A key expires by its newest stamp, a millisecond earlier per block of depth, so keys too are
-prefix-closed and `volatile-ttl` evicts a chain from its end. An evicted middle key, or a
-`forget` that missed a deeper chain, still leaves holes: the search then answers a depth
-between a walk from the root's and the deepest block whose entry counts, never a block without
-one (docs/redis.md says why that is safe).
+Every block key of a prompt shares KEYS[1]'s hash tag; the scripts build the names from a key
+prefix and the packed hashes. Stamps are prefix-closed, so both binary-search the chain: a
+lookup reads O(log n) blocks per distinct depth, a write rewrites only blocks whose stamp is
+behind. Over holes (an evicted middle key, a partial `forget`) a lookup answers a depth
+between a walk from the root's and the deepest counting entry's.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Sticky sessions in Redis: `key → backend`, forgotten after a TTL of inactivity.
+"""Sticky sessions in Redis: `<ns>:s:<key hash>` = `"<unix ms> <backend>"`.
 
-One string key per session, `<ns>:s:<hash of the session key>` = `"<unix ms> <backend>"`, with
-a Redis TTL restarted on every `put`. The time in the value lets the injected clock decide
-expiry exactly as the in-memory store does; the Redis TTL reclaims the memory. The number of
-sessions is bounded by Redis `maxmemory`, not by a count.
+The stamp lets the injected clock decide expiry as the in-memory store does; the key's Redis
+TTL, restarted on every `put`, reclaims the memory.
 """
 
 from __future__ import annotations
