@@ -52,6 +52,7 @@ class Components:
         if settings.access_log:
             configure_access_logger()
         metrics = Metrics()
+        pool.removed.append(metrics.forget_backend)
         local_index = InMemoryPrefixIndex(settings.affinity_ttl, settings.index_max_blocks)
         local_sessions = InMemorySessionStore(settings.affinity_ttl, settings.session_max)
         index: PrefixIndex = local_index
@@ -98,6 +99,7 @@ class Components:
         proxy = ProxyHandler(settings, router, forwarder, admission, metrics)
         discovery = Discovery.build(settings, pool, monitor.refresh)
         engine_load = EngineLoadScraper(pool, probes, settings.scrape_interval)
+        pool.removed.append(engine_load.forget)
         if shared is not None:
             link = shared.link
             link.preload(LOAD_SCRIPT)

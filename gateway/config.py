@@ -124,6 +124,11 @@ class Settings:
         "", "sent to replicas as `Authorization: Bearer KEY` in place of the client's header"
     )
     forward_client_auth: bool = _opt(False, "pass the client's Authorization header on to replicas")
+    trusted_proxies: tuple[str, ...] = _opt(
+        (),
+        "addresses (or CIDRs) of proxies in front of the gateway whose X-Forwarded-For and"
+        " X-Forwarded-Proto are believed (none: the peer is the client)",
+    )
     isolate_tenants: bool = _opt(
         False,
         "give each client API key its own prefix-cache namespace: its own index entries, and"

@@ -326,6 +326,23 @@ class Metrics:
         self.workers.set(1)  # this process; dead workers' files are dropped from the sum
         self.worker_restarts = worker_restarts_counter(r)
 
+    def forget_backend(self, name: str) -> None:
+        """Drop every series labelled with `name`, a backend that left the pool (under
+        several workers the multiprocess files keep them until the workers restart)."""
+        for family in self._families():
+            names = getattr(family, "_labelnames", ())
+            if "backend" not in names:
+                continue
+            position = names.index("backend")
+            for values in list(getattr(family, "_metrics", {})):
+                if values[position] == name:
+                    family.remove(*values)
+        self._children.clear()
+
+    def _families(self) -> list[Counter | Gauge | Histogram]:
+        kinds = (Counter, Gauge, Histogram)
+        return [value for value in vars(self).values() if isinstance(value, kinds)]
+
     def child(self, family: Counter | Histogram, *values: str) -> Any:
         """`family.labels(*values)`, cached (label values are bounded); not for gauges, which
         `set_per_label` clears."""

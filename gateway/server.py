@@ -62,6 +62,9 @@ def serve(app: GatewayApp, settings: Settings, worker: WorkerRole | None = None)
         server_header=False,
         date_header=False,
         headers=[(WORKER_HEADER, str(worker.number))] if worker is not None else None,
+        # The client's address is the peer's, unless the peer is a proxy the operator trusts.
+        proxy_headers=bool(settings.trusted_proxies),
+        forwarded_allow_ips=list(settings.trusted_proxies) or None,
     )
     server = GatewayServer(config, app, settings.shutdown_delay, worker)
     server.run(sockets=[worker.listener] if worker is not None else None)

@@ -110,6 +110,11 @@ class EngineLoadScraper:
                 self.kv_cache_usage[name] = engine.kv_cache_usage
         self._apply(backend)
 
+    def forget(self, name: str) -> None:
+        """`name` left the pool: nothing of it is kept."""
+        for kept in (self.kv_cache_usage, self._fleet_at_scrape, self._engine_others):
+            kept.pop(name, None)
+
     def set_fleet(self, others: dict[str, int]) -> None:
         """The other gateways' requests in flight per backend, just read from Redis."""
         self._fleet = others

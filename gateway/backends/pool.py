@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -145,6 +145,8 @@ class PendingPrefillView(_PerBackend):
 class BackendPool:
     backends: list[Backend] = field(default_factory=list)
     _by_model: dict[str, ModelPool] = field(default_factory=dict)
+    removed: list[Callable[[str], object]] = field(default_factory=list)
+    """Told the name of each backend taken out of the pool (to forget what is kept of it)."""
 
     @classmethod
     def from_specs(cls, specs: Sequence[str]) -> BackendPool:
@@ -170,6 +172,8 @@ class BackendPool:
             self.backends.remove(backend)
             self.rebuild()
             log.warning("backend %s removed", name)
+            for listener in self.removed:
+                listener(name)
         return backend
 
     def start_drain(self, name: str) -> Backend | None:

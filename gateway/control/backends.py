@@ -76,6 +76,12 @@ def build_backends_router(components: Components, guard: Guard) -> APIRouter:
     async def add_backend(new: NewBackend) -> JSONResponse:
         """Add a replica; it serves `model` only when given, else what its /v1/models lists."""
         spec = f"{new.model}={new.url}" if new.model else new.url
+        if any(char.isspace() or not char.isprintable() for char in spec):
+            raise BadRequest(
+                "the URL or model holds whitespace or control characters",
+                param="url",
+                code="invalid_backend",
+            )
         try:
             backend = parse_backend_spec(spec)
         except ConfigError as exc:

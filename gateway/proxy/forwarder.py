@@ -185,6 +185,8 @@ class Forwarder:
             self._failed(backend, f"status_{status}")
         else:
             self._health.request_succeeded(backend)
+            if status < 300:
+                tries.routed.accepted(backend.name)
         if status in _RETRY_STATUSES:
             after = _retry_after(response.headers.get("retry-after")) if status == 429 else None
             if (after is None or after <= self._retry_after_cap) and self._can_move(tries):

@@ -47,8 +47,18 @@ class Routed:
     state: RoutingState
     sticky: str | None
     policy: Policy = field(repr=False)
+    index: PrefixIndex = field(repr=False)
     turn: Turn | None = None
     """The request's place in its conversation (chat, or any request with a session key)."""
+    accepted_by: set[str] = field(default_factory=set)
+    """Backends that accepted the request (answered 2xx): its prompt is theirs for good."""
+
+    def accepted(self, backend: str) -> None:
+        """`backend` answered 2xx: the other gateways learn where the prompt is."""
+        if backend not in self.accepted_by:
+            self.accepted_by.add(backend)
+            if self.request.endpoint is not Endpoint.EMBEDDINGS:
+                self.index.share(self.request.model, backend, self.chain)
 
     @property
     def affinity_key(self) -> int:
@@ -168,7 +178,9 @@ class Router:
         )
         decision = self.policy.choose(state)
         backend = serving.by_name[decision.backend]
-        return Routed(request, chain, decision, backend, serving, state, sticky, self.policy)
+        return Routed(
+            request, chain, decision, backend, serving, state, sticky, self.policy, self.index
+        )
 
     async def explain(self, request: RoutingInput) -> Explanation:
         """The decision `route` would make for `request` now, recording nothing."""
@@ -180,7 +192,12 @@ class Router:
         """Take in what came back: failover, the answer's blocks, cached tokens, affinity."""
         request = routed.request
         served = outcome.decision.backend
-        if served != routed.backend.name:
+        first = routed.backend.name
+        if first not in routed.accepted_by and request.endpoint is not Endpoint.EMBEDDINGS:
+            # Recorded when routed, never accepted there: what it added is not there.
+            matched = routed.state.matched.get(first, 0)
+            await self.index.forget(request.model, first, routed.chain[matched:])
+        if served != first:
             # Failed over: the prompt is where it was answered now.
             if request.session_key is not None:
                 self.metrics.session_moves.labels("failover").inc()
@@ -209,6 +226,7 @@ class Router:
         self._settle(routed, outcome, segment)
         if chain is not routed.chain:
             await self.index.record(model, served, chain)
+            self.index.share(model, served, chain)
 
     def load_bounds(self) -> dict[str, int]:
         """The bound a new request meets at each serving backend now (largest over its models)."""

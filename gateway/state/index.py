@@ -21,7 +21,11 @@ class PrefixIndex(Protocol):
         ...
 
     async def record(self, model: str, backend: str, hashes: Sequence[int]) -> None:
-        """Remember that `backend` was sent (or now holds) every block of `hashes`."""
+        """Remember that `backend` was sent (or now holds) every block of `hashes`, here."""
+        ...
+
+    def share(self, model: str, backend: str, hashes: Sequence[int]) -> None:
+        """Tell the other gateways too, in the background: the replica accepted the prompt."""
         ...
 
     async def forget(self, model: str, backend: str, hashes: Sequence[int]) -> None:
@@ -81,6 +85,9 @@ class InMemoryPrefixIndex:
                 holders[backend] = now
                 blocks.move_to_end(key)
         self._trim(now)
+
+    def share(self, model: str, backend: str, hashes: Sequence[int]) -> None:
+        return None  # nothing beyond this process to tell
 
     async def forget(self, model: str, backend: str, hashes: Sequence[int]) -> None:
         for block in hashes:

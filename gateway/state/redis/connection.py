@@ -18,7 +18,14 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import ClusterError, RedisClusterException, RedisError
+from redis.exceptions import (
+    AuthenticationError,
+    AuthorizationError,
+    ClusterError,
+    NoPermissionError,
+    RedisClusterException,
+    RedisError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -44,6 +51,9 @@ _LINK_ERRORS = (
     ClusterError,
     RedisClusterException,
 )
+
+
+_REFUSED = (AuthenticationError, AuthorizationError, NoPermissionError)
 
 
 class RedisUnavailable(Exception):
@@ -98,6 +108,7 @@ class RedisLink:
         self._pending: set[asyncio.Task[None]] = set()
         self._closed = False
         self._lost_write_at = -math.inf
+        self._refused = False
         self._scripts: list[str] = []
         self._companions: list[tuple[Callable[[], None], Callable[[], Awaitable[None]]]] = []
 
@@ -126,7 +137,8 @@ class RedisLink:
             begin()
         patience = max(self.timeout, _START_SECONDS)
         if not await self._ping(patience):
-            log.warning("Redis does not answer; serving from local state until it does")
+            if not self._refused:
+                log.warning("Redis does not answer; serving from local state until it does")
             self._mark_down()
             return
         # Open a few connections now rather than on the first requests' deadlines.
@@ -205,9 +217,17 @@ class RedisLink:
                 await self.client.ping()
                 for script in self._scripts:
                     await self.client.script_load(script)
+        except _REFUSED as error:
+            if not self._refused:
+                # Not a Redis that is away: one that will not take this gateway's credentials,
+                # which no reconnection will mend.
+                log.error("Redis refused the gateway's credentials or commands: %s", error)
+            self._refused = True
+            return False
         except (RedisError, *_LINK_ERRORS) as error:
             log.debug("Redis PING failed: %s", error)
             return False
+        self._refused = False
         self._mark_up()
         return True
 

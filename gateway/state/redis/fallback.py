@@ -50,6 +50,8 @@ class FallbackPrefixIndex:
 
     async def record(self, model: str, backend: str, hashes: Sequence[int]) -> None:
         await self.local.record(model, backend, hashes)
+
+    def share(self, model: str, backend: str, hashes: Sequence[int]) -> None:
         if hashes:
             self._link.submit("record", lambda: self.shared.record(model, backend, hashes))
 

@@ -21,6 +21,9 @@ from gateway.state.redis.scripts import FORGET_SCRIPT, MATCH_SCRIPT, RECORD_SCRI
 # Chains whose first block this process has seen, so that `forget` (given only the deeper
 # part of a chain) finds the hash tag its keys live under.
 _KNOWN_CHAINS = 65_536
+# Block keys one script call writes or deletes at most: a long prompt's write is several short
+# calls, so that no gateway's lookup waits long behind it.
+BLOCKS_PER_CALL = 512
 
 
 def wall_clock() -> float:
@@ -79,19 +82,26 @@ class RedisPrefixIndex:
         stamp = now - now % refresh if refresh > 0 else now
         # A key lives a refresh period longer than its newest entry counts, less up to that
         # period for its depth, so that eviction by TTL cuts a chain from its end.
-        await self._record(
-            [prefix + packed[:HASH_BYTES]],
-            [prefix, packed, backend, stamp, now - ttl, ttl + refresh, now, refresh],
-        )
+        first_key = [prefix + packed[:HASH_BYTES]]
+        # Ever longer prefixes of the chain: each call finds the blocks already written in
+        # O(log n) reads and writes at most BLOCKS_PER_CALL more, keeping stamps prefix-closed.
+        for end in range(BLOCKS_PER_CALL, len(hashes) + BLOCKS_PER_CALL, BLOCKS_PER_CALL):
+            chunk = packed[: min(end, len(hashes)) * HASH_BYTES]
+            await self._record(
+                first_key,
+                [prefix, chunk, backend, stamp, now - ttl, ttl + refresh, now, refresh],
+            )
 
     async def forget(self, model: str, backend: str, hashes: Sequence[int]) -> None:
         if not hashes:
             return
         first_block = self._first_block(model, hashes)
         prefix = self._keys.block_prefix(model, first_block)
-        names = self._keys.block_keys(prefix, hashes)
         width = len(prefix) + HASH_BYTES
-        await self._forget([names[:width]], [names, width, backend])
+        # Deepest first, so that what stays of a chain between calls is still its prefix.
+        for start in reversed(range(0, len(hashes), BLOCKS_PER_CALL)):
+            names = self._keys.block_keys(prefix, hashes[start : start + BLOCKS_PER_CALL])
+            await self._forget([names[:width]], [names, width, backend])
 
     def _now_ms(self) -> int:
         return round(self._clock() * 1000)
