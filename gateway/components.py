@@ -15,6 +15,7 @@ from gateway.backends.health import Health
 from gateway.backends.monitor import BackendMonitor
 from gateway.backends.pool import BackendPool
 from gateway.backends.shared_load import LOAD_SCRIPT, SharedLoad
+from gateway.backends.stalls import StallRule, StallWatch
 from gateway.config import Settings
 from gateway.metrics import Metrics
 from gateway.proxy.access_log import configure_access_logger
@@ -44,6 +45,7 @@ class Components:
     proxy: ProxyHandler
     discovery: Discovery
     engine_load: EngineLoadScraper
+    stalls: StallWatch
     redis: redis_store.RedisLink | None = None
 
     @classmethod
@@ -76,8 +78,15 @@ class Components:
             settings.failure_threshold,
         )
         monitor = BackendMonitor(
-            pool, probes, settings.health_interval, settings.models_interval, health.probed
+            pool,
+            probes,
+            settings.health_interval,
+            settings.models_interval,
+            health.probed,
+            health.inference_probed,
         )
+        stall_rule = StallRule(settings.stall_seconds, settings.stall_factor)
+        stalls = StallWatch(pool, health, stall_rule, metrics, settings.block_tokens)
         upstream = Upstream(
             settings.connect_timeout, settings.upstream_api_key, settings.forward_client_auth
         )
@@ -94,6 +103,7 @@ class Components:
             settings.retry_backoff,
             settings.retry_after_cap,
             settings.observe_usage,
+            stalls.speed,
         )
         admission = Admission(settings.max_concurrency, settings.max_queue, settings.queue_timeout)
         proxy = ProxyHandler(settings, router, forwarder, admission, metrics)
@@ -117,6 +127,7 @@ class Components:
             proxy,
             discovery,
             engine_load,
+            stalls,
             shared.link if shared is not None else None,
         )
 
@@ -129,8 +140,10 @@ class Components:
         await self.discovery.start()
         self.monitor.start()
         self.engine_load.start()
+        self.stalls.start()
 
     async def stop(self) -> None:
+        await self.stalls.stop()
         await self.engine_load.stop()
         await self.discovery.stop()
         await self.monitor.stop()

@@ -99,6 +99,14 @@ class Settings:
         "consecutive failed requests (5xx, timeouts, broken responses) that eject a replica;"
         " a refused connection ejects it at once",
     )
+    stall_seconds: float = _opt(
+        3.0,
+        "a replica holding a request with no first byte this long (or stall_factor times what"
+        " the fleet's prefill speed explains, if longer) while it produces nothing is stalled",
+    )
+    stall_factor: float = _opt(
+        4.0, "how many times its expected prefill time a request may wait before a stall"
+    )
     max_concurrency: int = _opt(1024, "requests proxied at once; more wait in the queue")
     max_queue: int = _opt(512, "requests waiting for a slot at most; beyond, a 429")
     queue_timeout: float = _opt(5.0, "seconds a request may wait for a slot before a 429")
@@ -249,6 +257,8 @@ class Settings:
         )
         if min(waits) < 0:
             raise ConfigError("queue sizes, backoff and shutdown periods must not be negative")
+        if self.stall_seconds <= 0 or self.stall_factor < 1:
+            raise ConfigError("stall_seconds must be positive and stall_factor at least 1")
         if self.max_header_bytes < 1024 or self.max_json_depth < 2:
             raise ConfigError("max_header_bytes must be at least 1024, max_json_depth at least 2")
         limits = (

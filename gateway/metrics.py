@@ -185,6 +185,20 @@ class Metrics:
             multiprocess_mode="livemax",
             registry=r,
         )
+        self.stalled = Gauge(
+            "gateway_backend_stalled",
+            "1 while the backend is out of routing as stalled (answering probes, producing"
+            " nothing), until an inference probe passes.",
+            ["backend"],
+            multiprocess_mode="livemax",
+            registry=r,
+        )
+        self.stalls = Counter(
+            "gateway_backend_stalls",
+            "Times a backend was found stalled and taken out of routing.",
+            ["backend"],
+            registry=r,
+        )
         self.first_byte_seconds = Histogram(
             "gateway_upstream_first_byte_seconds",
             "Time from sending a request upstream to its first body byte.",

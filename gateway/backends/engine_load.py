@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 
 import httpx
@@ -19,7 +20,8 @@ log = logging.getLogger("gateway.backends.engine_load")
 _RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 _WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 _KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
-_NAMES = (*_RUNNING, *_WAITING, *_KV_USAGE)
+_GENERATED = ("vllm:generation_tokens_total", "sglang:generation_tokens_total")
+_NAMES = (*_RUNNING, *_WAITING, *_KV_USAGE, *_GENERATED)
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,8 @@ class EngineLoad:
     running: float = 0.0
     waiting: float = 0.0
     kv_cache_usage: float | None = None
+    generated: float | None = None
+    """Tokens the engine has generated since it started (its counter)."""
 
     @property
     def requests(self) -> int:
@@ -39,6 +43,7 @@ def parse_engine_load(text: str) -> EngineLoad | None:
     wanted = "\n".join(line for line in text.splitlines() if line.startswith(_NAMES))
     running = waiting = 0.0
     usage: float | None = None
+    generated: float | None = None
     found = False
     try:
         for family in text_string_to_metric_families(wanted):
@@ -50,12 +55,14 @@ def parse_engine_load(text: str) -> EngineLoad | None:
                     waiting += value
                 elif name in _KV_USAGE:
                     usage = value if usage is None else max(usage, value)
+                elif name in _GENERATED:
+                    generated = value + (generated or 0.0)
                 else:
                     continue
                 found = True
     except ValueError:  # not the exposition format
         return None
-    return EngineLoad(running, waiting, usage) if found else None
+    return EngineLoad(running, waiting, usage, generated) if found else None
 
 
 def others_load(engine: EngineLoad, own_in_flight: int) -> int:
@@ -75,6 +82,7 @@ class EngineLoadScraper:
         self._fleet: dict[str, int] = {}
         self._fleet_at_scrape: dict[str, int] = {}
         self._engine_others: dict[str, int] = {}
+        self._generated: dict[str, float] = {}
 
     def start(self) -> None:
         if self._interval > 0:
@@ -108,11 +116,20 @@ class EngineLoadScraper:
             self._engine_others[name] = others_load(engine, own)
             if engine.kv_cache_usage is not None:
                 self.kv_cache_usage[name] = engine.kv_cache_usage
+            if engine.generated is not None:
+                if engine.generated > self._generated.get(name, engine.generated):
+                    backend.progressed_at = time.monotonic()  # tokens came, from anyone's requests
+                self._generated[name] = engine.generated
         self._apply(backend)
 
     def forget(self, name: str) -> None:
         """`name` left the pool: nothing of it is kept."""
-        for kept in (self.kv_cache_usage, self._fleet_at_scrape, self._engine_others):
+        for kept in (
+            self.kv_cache_usage,
+            self._fleet_at_scrape,
+            self._engine_others,
+            self._generated,
+        ):
             kept.pop(name, None)
 
     def set_fleet(self, others: dict[str, int]) -> None:

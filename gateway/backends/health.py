@@ -28,12 +28,15 @@ class Health:
 
     def probed(self, backend: Backend, passed: bool) -> None:
         """Record one active probe's result."""
+        if backend.stalled:
+            return  # `/health` says nothing of a stalled engine: `inference_probed` decides
         if passed:
             backend.probe_streak = max(backend.probe_streak, 0) + 1
             if backend.healthy:
                 return
             if not backend.ejected or backend.probe_streak >= self._healthy_threshold:
                 backend.ejected = False
+                backend.ejected_why = ""
                 backend.failures = 0
                 self._pool.set_health(backend, True)
             return
@@ -56,8 +59,26 @@ class Health:
         elif backend.failures >= self._failure_threshold:
             self._eject(backend, f"{backend.failures} failed requests in a row ({cause})")
 
+    def stalled(self, backend: Backend, why: str) -> None:
+        """It answers probes but produces nothing: out until an inference probe passes."""
+        backend.stalled = True
+        log.warning("backend %s stalled: %s", backend.name, why)
+        self._eject(backend, f"stalled: {why}")
+
+    def inference_probed(self, backend: Backend, passed: bool) -> None:
+        """Record a one-token completion asked of a stalled backend."""
+        if passed and backend.stalled:
+            backend.stalled = False
+            backend.ejected = False
+            backend.ejected_why = ""
+            backend.failures = 0
+            backend.probe_streak = 1
+            log.warning("backend %s answers inference again: readmitted", backend.name)
+            self._pool.set_health(backend, True)
+
     def _eject(self, backend: Backend, why: str) -> None:
         backend.ejected = True
+        backend.ejected_why = why
         backend.probe_streak = 0
         if self._pool.set_health(backend, False):
             log.info("backend %s ejected: %s", backend.name, why)

@@ -21,11 +21,13 @@ class BackendMonitor:
         health_interval: float,
         models_interval: float,
         on_probe: Callable[[Backend, bool], object] | None = None,
+        on_inference_probe: Callable[[Backend, bool], object] | None = None,
     ) -> None:
         self._pool = pool
         self._client = client
         # Where each probe's verdict goes (gateway.backends.health applies the thresholds).
         self._on_probe = on_probe or pool.set_health
+        self._on_inference_probe = on_inference_probe
         self._health_interval = health_interval
         self._models_interval = models_interval
         self._task: asyncio.Task[None] | None = None
@@ -34,7 +36,11 @@ class BackendMonitor:
         await asyncio.gather(*(self.refresh(backend) for backend in self._pool.backends))
 
     async def refresh(self, backend: Backend, with_models: bool = True) -> None:
-        """Probe one backend now: health, and its model list unless pinned to a model."""
+        """Probe one backend now: health, and its model list unless pinned to a model; a
+        stalled one with a one-token completion instead."""
+        if backend.stalled and self._on_inference_probe is not None:
+            self._on_inference_probe(backend, await self._infers(backend))
+            return
         try:
             response = await self._client.get(backend.url + "/health")
             healthy = response.status_code == 200
@@ -50,6 +56,18 @@ class BackendMonitor:
         except (httpx.HTTPError, httpx.InvalidURL, ValueError, KeyError, TypeError):
             healthy = False
         self._on_probe(backend, healthy)
+
+    async def _infers(self, backend: Backend) -> bool:
+        """Whether the backend completes one token of a tiny prompt in time."""
+        model = backend.pinned_model or min(backend.models, default=None)
+        if model is None:
+            return False
+        body = {"model": model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
+        try:
+            response = await self._client.post(backend.url + "/v1/completions", json=body)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="backend-monitor")

@@ -11,11 +11,27 @@ import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from gateway.config import ConfigError
 
 log = logging.getLogger("gateway.backends.pool")
+
+
+class Work(Protocol):
+    """An attempt running on a backend, as its health sees it."""
+
+    sent_at: float
+    """`time.monotonic()` when it was sent."""
+    blocks_ahead: int
+    """Prompt blocks the backend had to compute before this one's first byte, its own included."""
+    first_byte_at: float
+    """`time.perf_counter()` of its first byte; 0 while it waits for one."""
+
+    def stop(self) -> None:
+        """End it: before its first byte it moves to another backend, after it fails."""
+        ...
 
 
 @dataclass(eq=False)
@@ -40,6 +56,15 @@ class Backend:
     """The candidate groups it is in now, whose load tallies follow its own."""
     pending_prefill: int = field(default=0, repr=False)
     """Unmatched prompt blocks of this gateway's requests to it that have no first byte yet."""
+    work: set[Work] = field(default_factory=set, repr=False)
+    """This gateway's attempts running on it now."""
+    progressed_at: float = field(default=0.0, repr=False)
+    """`time.monotonic()` when it last produced anything: a byte of a response, or tokens its
+    engine counted between two scrapes."""
+    stalled: bool = False
+    """It answers probes but produced nothing while requests waited on it: out of routing until
+    an inference probe passes."""
+    ejected_why: str = ""
     _in_flight: int = field(default=0, repr=False)
     _queued: int = field(default=0, repr=False)
 

@@ -38,6 +38,8 @@ def backend_view(backend: Backend) -> dict[str, Any]:
         "models": sorted(backend.models),
         "pinned_model": backend.pinned_model,
         "healthy": backend.healthy,
+        "stalled": backend.stalled,
+        "ejected": backend.ejected_why or None,
         "draining": backend.draining,
         "in_flight": backend.in_flight,
         "queued": backend.queued,

@@ -17,6 +17,9 @@ def publish_scrape_gauges(components: Components) -> None:
     metrics.set_per_label(metrics.healthy, {name: int(up) for name, up in serving.items()})
     metrics.set_per_label(metrics.queued, {backend.name: backend.queued for backend in backends})
     metrics.set_per_label(
+        metrics.stalled, {backend.name: int(backend.stalled) for backend in backends}
+    )
+    metrics.set_per_label(
         metrics.pending_prefill, {backend.name: backend.pending_prefill for backend in backends}
     )
     metrics.set_per_label(metrics.load_bound, components.router.load_bounds())

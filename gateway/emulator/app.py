@@ -74,6 +74,8 @@ class EmulatorApp:
             "/v1/models": ("GET", self._models),
             "/health": ("GET", self._health),
             "/metrics": ("GET", self._metrics),
+            # Not vLLM's: lets tests and benchmarks hang the engine while /health still answers.
+            "/emulator/stall": ("POST", self._stall),
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -107,7 +109,10 @@ class EmulatorApp:
     async def _embeddings(self, receive: Receive, send: Send) -> None:
         request = parse_embedding(parse_body(await _read_body(receive)), self.config)
         body = embeddings_body(
-            self._new_id("embd"), int(time.time()), self.config.model, request.inputs,
+            self._new_id("embd"),
+            int(time.time()),
+            self.config.model,
+            request.inputs,
             request.base64,
         )
         await _respond(send, 200, body)
@@ -119,14 +124,19 @@ class EmulatorApp:
     async def _health(self, receive: Receive, send: Send) -> None:
         await _respond(send, 200, b"", b"text/plain; charset=utf-8")
 
+    async def _stall(self, receive: Receive, send: Send) -> None:
+        body = parse_body(await _read_body(receive))
+        self.engine.stall(bool(body.get("stalled", True)))
+        await _respond(
+            send, 200, b'{"stalled":%s}' % (b"true" if self.engine.stalled else b"false")
+        )
+
     async def _metrics(self, receive: Receive, send: Send) -> None:
         await _respond(send, 200, self.metrics.render(), METRICS_CONTENT_TYPE.encode())
 
     async def _generate(self, request: GenerationRequest, send: Send) -> None:
         prefix = "chatcmpl" if request.kind == "chat" else "cmpl"
-        envelope = Envelope(
-            request.kind, self._new_id(prefix), int(time.time()), self.config.model
-        )
+        envelope = Envelope(request.kind, self._new_id(prefix), int(time.time()), self.config.model)
         if not request.stream:
             salt = request.cache_salt
             results = await _each(

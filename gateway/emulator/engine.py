@@ -45,6 +45,7 @@ class Run:
         time_model: TimeModel,
         clock: Callable[[], float],
         sleep: Callable[[float], Awaitable[None]],
+        flowing: asyncio.Event,
     ) -> None:
         self.prompt_tokens = prompt_tokens
         self.cached_tokens = cached_tokens
@@ -54,6 +55,7 @@ class Run:
         self._time = time_model
         self._clock = clock
         self._sleep = sleep
+        self._flowing = flowing
 
     @property
     def max_tokens(self) -> int:
@@ -68,6 +70,7 @@ class Run:
         for index, token in enumerate(self._tokens):
             if index and self._time.decode_seconds_per_token:
                 await self._sleep_until(self._time.token_time(self._first_token_at, index))
+            await self._flowing.wait()
             self.produced = index + 1
             yield token
 
@@ -118,6 +121,19 @@ class Engine:
         self._lane = PrefillLane()
         self._running = 0
         self._waiting: deque[_Waiter] = deque()
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+
+    @property
+    def stalled(self) -> bool:
+        return not self._flowing.is_set()
+
+    def stall(self, stalled: bool) -> None:
+        """Stop producing tokens (as a hung engine behind a live API server does), or resume."""
+        if stalled:
+            self._flowing.clear()
+        else:
+            self._flowing.set()
 
     @property
     def running(self) -> int:
@@ -150,6 +166,7 @@ class Engine:
             first_token_at = self._lane.reserve(now, self.time_model.prefill_seconds(uncached))
             if first_token_at > now:
                 await self._sleep(first_token_at - now)
+            await self._flowing.wait()
             self.cache.publish(lease, hashes)
             self.stats.prompt_tokens += len(prompt_ids)
             if self._observer is not None:
@@ -162,6 +179,7 @@ class Engine:
                 self.time_model,
                 self._clock,
                 self._sleep,
+                self._flowing,
             )
             yield run
         finally:

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from types import TracebackType
 
 from gateway.backends.pool import Backend, Lease
+from gateway.backends.stalls import PrefillSpeed
+from gateway.proxy.deadlines import Exchange, Why
 from gateway.proxy.prefills import Computing, Prefills
 from gateway.routing.types import Decision
 
@@ -17,14 +19,18 @@ from gateway.routing.types import Decision
 class Attempt:
     __slots__ = (
         "_computing",
+        "_exchange",
         "_lease",
         "_pending",
         "_prefills",
+        "_speed",
         "_streamed",
         "backend",
+        "blocks_ahead",
         "chain",
         "decision",
         "first_byte_at",
+        "sent_at",
         "started",
     )
 
@@ -35,6 +41,8 @@ class Attempt:
         chain: Sequence[int],
         prefills: Prefills | None,
         streamed: bool,
+        exchange: Exchange,
+        speed: PrefillSpeed,
     ) -> None:
         self.backend = backend
         self.decision = decision
@@ -42,6 +50,11 @@ class Attempt:
         self.started = 0.0
         """`time.perf_counter()` when the request was sent to the replica."""
         self.first_byte_at = 0.0
+        self.sent_at = 0.0
+        """`time.monotonic()` when it was sent."""
+        self.blocks_ahead = 0
+        self._exchange = exchange
+        self._speed = speed
         self._lease = Lease(backend)
         self._pending = max(0, len(chain) - decision.matched_blocks)
         self._prefills = prefills
@@ -61,6 +74,7 @@ class Attempt:
         trace: TracebackType | None,
     ) -> None:
         self._prefilled()
+        self.backend.work.discard(self)
         self._lease.__exit__(kind, error, trace)
 
     async def take_turn(self) -> None:
@@ -77,13 +91,24 @@ class Attempt:
             self._computing = prefills.begin(name, self.chain, depth)
 
     def sent(self) -> None:
+        backend = self.backend
         self.started = time.perf_counter()
+        self.sent_at = time.monotonic()
+        self.blocks_ahead = backend.pending_prefill
+        backend.work.add(self)
+
+    def stop(self) -> None:
+        """Its backend stalled: before the first byte it moves elsewhere, after it fails."""
+        self._exchange.interrupt(Why.STALLED)
 
     def reached_first_byte(self) -> float:
         """The prefill is over; the seconds since the request was sent."""
         self.first_byte_at = time.perf_counter()
+        waited = self.first_byte_at - self.started
+        self.backend.progressed_at = self.sent_at + waited
+        self._speed.observe(self.blocks_ahead, waited)
         self._prefilled()
-        return self.first_byte_at - self.started
+        return waited
 
     def _prefilled(self) -> None:
         if self._pending:

@@ -29,6 +29,8 @@ class Why(Enum):
     """The client stopped reading: a chunk waited too long to be taken."""
     TOTAL = "total"
     DISCONNECTED = "disconnected"
+    STALLED = "stalled"
+    """The replica stopped producing anything: the stall watch took it out."""
 
 
 class Interrupted(Exception):
@@ -96,8 +98,8 @@ class _Guard:
             return
         exchange.reason = None
         exchange.task.uncancel()
-        if why is Why.FIRST_BYTE:
-            exchange.due = exchange.deadline  # the next attempt sets its own
+        if why is Why.FIRST_BYTE or why is Why.STALLED:
+            exchange.due = exchange.deadline  # a next attempt sets its own
         else:
             exchange.done = True
         raise Interrupted(why) from None

@@ -14,6 +14,7 @@ from email.utils import parsedate_to_datetime
 
 from gateway.backends.health import Health
 from gateway.backends.pool import Backend
+from gateway.backends.stalls import PrefillSpeed
 from gateway.errors import GatewayError, ShuttingDown, UpstreamTimeout
 from gateway.metrics import Metrics
 from gateway.prompt.parsing import Endpoint
@@ -47,6 +48,7 @@ class Forwarder:
         retry_backoff: float,
         retry_after_cap: float,
         observe_usage: bool,
+        speed: PrefillSpeed,
         rng: random.Random | None = None,
     ) -> None:
         self.upstream = upstream
@@ -59,6 +61,7 @@ class Forwarder:
         self._backoff = retry_backoff
         self._retry_after_cap = retry_after_cap
         self._observe_usage = observe_usage
+        self._speed = speed
         self._rng = rng or random.Random()
 
     async def forward(
@@ -125,7 +128,13 @@ class Forwarder:
             if pause > 0:
                 await asyncio.sleep(pause)
             with Attempt(
-                backend, tries.decision, routed.chain, self._prefills, routed.request.stream
+                backend,
+                tries.decision,
+                routed.chain,
+                self._prefills,
+                routed.request.stream,
+                exchange,
+                self._speed,
             ) as attempt:
                 await attempt.take_turn()
                 exchange.expect(Why.FIRST_BYTE, self._limits.first_byte)
@@ -138,9 +147,12 @@ class Forwarder:
                 except UpstreamError as unsent:
                     relayed, retry = Relayed(0, failure=unsent), None
                 except Interrupted as stop:
-                    if stop.why is not Why.FIRST_BYTE:
+                    if stop.why is Why.STALLED:
+                        relayed = Relayed(0, failure=failure("stalled"))
+                    elif stop.why is Why.FIRST_BYTE:
+                        relayed = Relayed(0, failure=failure("timeout", self._limits.first_byte))
+                    else:
                         raise
-                    relayed = Relayed(0, failure=failure("timeout", self._limits.first_byte))
                     retry = None
                 else:
                     try:
@@ -154,7 +166,9 @@ class Forwarder:
                 tries.first_byte_at = attempt.first_byte_at
             failed = relayed.failure
             if failed is not None:
-                self._failed(backend, failed.cause, blame=failed.cause != "request_timeout")
+                # A stall was already held against the backend; a total deadline is the client's.
+                blamed = failed.cause not in ("request_timeout", "stalled")
+                self._failed(backend, failed.cause, blame=blamed)
             if relayed.status:
                 return relayed
             if retry is None:

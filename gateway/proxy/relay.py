@@ -88,6 +88,7 @@ class Relay:
         self._first_byte(attempt)
         idle = self._limits.idle
         clock = time.monotonic
+        backend = attempt.backend
         exchange.expect(Why.IDLE, idle)
         observer = StreamObserver(strip_usage)
         seen = observer.seen
@@ -106,7 +107,9 @@ class Relay:
                     if not strip_usage:
                         observer.feed(chunk)
                     chunk = await response.readany()
-                    exchange.due = clock() + idle
+                    now = clock()
+                    exchange.due = now + idle
+                    backend.progressed_at = now
         except HTTPClientError:
             failed = failure("stream_broken")
         except Interrupted as stop:
@@ -114,6 +117,8 @@ class Relay:
                 failed = failure("stream_idle", idle)
             elif stop.why is Why.TOTAL:
                 failed = failure("request_timeout", self._limits.total)
+            elif stop.why is Why.STALLED:
+                failed = failure("stalled")
             elif seen.complete:
                 # The client left once it had every event it needs: answered all the same.
                 return Relayed(200, seen)
@@ -131,6 +136,8 @@ class Relay:
         return Relayed(failed.error.status, seen, failed)
 
     def _first_byte_missed(self, stop: Interrupted) -> UpstreamError:
+        if stop.why is Why.STALLED:
+            return failure("stalled")
         if stop.why is not Why.FIRST_BYTE:
             raise stop
         return failure("timeout", self._limits.first_byte)

@@ -58,6 +58,7 @@ _FAILURES: dict[str, tuple[type[GatewayError], str, str]] = {
     "stream_broken": (UpstreamFailed, "stream_broken", "the upstream response broke off"),
     "stream_idle": (UpstreamTimeout, "stream_idle_timeout", "upstream sent nothing for {0:g} s"),
     "request_timeout": (UpstreamTimeout, "request_timeout", "the request took longer than {0:g} s"),
+    "stalled": (UpstreamFailed, "upstream_stalled", "the replica stopped producing output"),
 }
 _CAUSES = {"connect": "connect", "connect_timeout": "connect"}
 

@@ -1,0 +1,128 @@
+"""Stalled replicas: alive to health checks, dead to inference.
+
+A replica whose HTTP server still answers `/health` while its engine is stuck (a hung kernel
+or collective, an engine loop that died) is found from progress, not from probes: it is
+stalled when a request has waited on it for its first byte much longer than the fleet's recent
+prefill speed explains for the work queued ahead of it (`factor` times that, and at least
+`min_seconds`), and it has produced nothing at all since that request was sent (no byte of
+any response, no token in its engine's counter). A long prefill is not a stall: it is
+expected to take long, and other requests' tokens keep coming meanwhile.
+
+A stalled replica leaves routing at once; its requests without a first byte move to other
+replicas, its streams end with an SSE error. Only an inference probe (a one-token completion)
+brings it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import suppress
+from dataclasses import dataclass
+
+from gateway.backends.health import Health
+from gateway.backends.pool import Backend, BackendPool, Work
+from gateway.metrics import Metrics
+
+log = logging.getLogger("gateway.backends.stalls")
+
+_WEIGHT = 0.1
+"""Of each new first byte in the prefill speed (an exponential average)."""
+_GUESS_TOKENS_PER_SECOND = 1_000.0
+"""Before any first byte: slower than any engine prefills, GPU or CPU."""
+
+
+class PrefillSpeed:
+    """Prompt blocks per second the replicas prefill, from recent first bytes.
+
+    It starts from a cautious guess, so that a long first prompt is not taken for a stall, and
+    underestimates rather than over: a first byte's time includes more than the prefill.
+    """
+
+    def __init__(self, guess_blocks_per_second: float) -> None:
+        self.blocks_per_second = guess_blocks_per_second
+
+    def observe(self, blocks: int, seconds: float) -> None:
+        if blocks <= 0 or seconds <= 0:
+            return
+        known = self.blocks_per_second
+        self.blocks_per_second = known + _WEIGHT * (blocks / seconds - known)
+
+    def expected(self, blocks: int) -> float:
+        """Seconds a prefill of `blocks` takes at the recent speed."""
+        return blocks / self.blocks_per_second
+
+
+@dataclass(frozen=True)
+class StallRule:
+    min_seconds: float
+    factor: float
+
+    def verdict(
+        self, now: float, work: set[Work], progressed_at: float, speed: PrefillSpeed
+    ) -> str | None:
+        """Why the replica doing `work` is stalled, or None."""
+        waiting = [item for item in work if not item.first_byte_at]
+        if not waiting:
+            return None
+        oldest = min(waiting, key=lambda item: item.sent_at)
+        if progressed_at >= oldest.sent_at:
+            return None  # it produced something since: slow, perhaps, not stuck
+        waited = now - oldest.sent_at
+        limit = max(self.min_seconds, self.factor * speed.expected(oldest.blocks_ahead))
+        if waited <= limit:
+            return None
+        return f"no first byte for {waited:.1f} s (limit {limit:.1f} s) and no progress"
+
+
+class StallWatch:
+    """Checks every serving backend a few times per `min_seconds`."""
+
+    def __init__(
+        self,
+        pool: BackendPool,
+        health: Health,
+        rule: StallRule,
+        metrics: Metrics,
+        block_tokens: int,
+    ) -> None:
+        self._pool = pool
+        self._health = health
+        self._rule = rule
+        self._metrics = metrics
+        self.speed = PrefillSpeed(_GUESS_TOKENS_PER_SECOND / block_tokens)
+        self._interval = max(0.05, rule.min_seconds / 6)
+        self._task: asyncio.Task[None] | None = None
+
+    def check(self, now: float) -> list[Backend]:
+        """Take every stalled backend out, and stop its work; the backends taken out."""
+        found = []
+        for backend in self._pool.backends:
+            if backend.stalled or not backend.healthy or not backend.work:
+                continue
+            why = self._rule.verdict(now, backend.work, backend.progressed_at, self.speed)
+            if why is not None:
+                self._metrics.stalls.labels(backend.name).inc()
+                self._health.stalled(backend, why)
+                for item in list(backend.work):
+                    item.stop()
+                found.append(backend)
+        return found
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="stall-watch")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                self.check(time.monotonic())
+            except Exception:  # keep watching whatever one backend did
+                log.exception("stall check failed")

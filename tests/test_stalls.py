@@ -1,0 +1,186 @@
+"""Stalled replicas: alive to /health, producing nothing; found from progress, not probes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import httpx
+import orjson
+import pytest
+
+from gateway.backends.stalls import PrefillSpeed, StallRule
+from gateway.emulator.replicas import EmulatedReplicas
+from tests.support import GatewayProcess, metric_value
+
+MODEL = "emulated-model"
+RULE = StallRule(min_seconds=3.0, factor=4.0)
+
+
+@dataclass(eq=False)
+class Waiting:
+    sent_at: float
+    blocks_ahead: int = 1
+    first_byte_at: float = 0.0
+
+    def stop(self) -> None:
+        return None
+
+
+def test_a_replica_is_stalled_only_when_it_waits_long_and_produces_nothing() -> None:
+    speed = PrefillSpeed(guess_blocks_per_second=100.0)
+    waiting = {Waiting(sent_at=100.0)}
+    assert RULE.verdict(102.0, waiting, progressed_at=90.0, speed=speed) is None  # not yet
+    assert RULE.verdict(104.0, waiting, progressed_at=90.0, speed=speed) is not None
+    # Anything produced since the oldest waiting request was sent: busy, not stuck.
+    assert RULE.verdict(104.0, waiting, progressed_at=101.0, speed=speed) is None
+    # Nobody waiting for a first byte: nothing to judge.
+    assert RULE.verdict(104.0, {Waiting(100.0, first_byte_at=1.0)}, 90.0, speed) is None
+
+
+def test_a_long_prefill_is_given_the_time_its_size_needs() -> None:
+    speed = PrefillSpeed(guess_blocks_per_second=100.0)
+    for _ in range(50):
+        speed.observe(blocks=20, seconds=0.02)  # the fleet prefills 1,000 blocks a second
+    assert 900 < speed.blocks_per_second < 1_100
+    long = {Waiting(sent_at=100.0, blocks_ahead=6_000)}  # ~6 s of prefill
+    assert RULE.verdict(110.0, long, progressed_at=90.0, speed=speed) is None
+    assert RULE.verdict(130.0, long, progressed_at=90.0, speed=speed) is not None
+
+
+def chat(
+    url: str, tag: str, stream: bool = True, tokens: int = 8, **extra: object
+) -> httpx.Response:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"{tag} please answer"}],
+        "max_tokens": tokens,
+        "stream": stream,
+        **extra,
+    }
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as response:
+        response.read()
+        return response
+
+
+def stall(replica_url: str, stalled: bool) -> None:
+    answer = httpx.post(replica_url + "/emulator/stall", json={"stalled": stalled})
+    assert answer.status_code == 200
+
+
+def wait_until(condition: Callable[[], bool], seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def replicas() -> Iterator[EmulatedReplicas]:
+    with EmulatedReplicas(3, MODEL, ["--decode-ms-per-token", "2"]) as started:
+        yield started
+
+
+def backends(gateway: GatewayProcess) -> dict[str, dict[str, object]]:
+    listing = httpx.get(gateway.url + "/admin/backends").json()["data"]
+    return {item["name"]: item for item in listing}
+
+
+def test_a_stalled_replica_loses_no_request_and_comes_back_after_an_inference_probe(
+    replicas: EmulatedReplicas,
+) -> None:
+    with GatewayProcess(replicas.urls, "--stall-seconds", "1", "--health-interval", "0.5") as gw:
+        stuck = replicas.urls[0]
+        name = stuck.removeprefix("http://")
+        failures: list[str] = []
+        answered: list[str] = []
+        running = threading.Event()
+        running.set()
+
+        def load(worker: int) -> None:
+            turn = 0
+            while running.is_set():
+                turn += 1
+                try:
+                    response = chat(gw.url, f"w{worker}-{turn}")
+                except httpx.HTTPError as error:
+                    failures.append(repr(error))
+                    continue
+                text = response.text
+                if response.status_code != 200 or '"error"' in text or "[DONE]" not in text:
+                    failures.append(f"{response.status_code} {text[-200:]}")
+                else:
+                    answered.append(response.headers["x-gateway-backend"])
+
+        clients = [threading.Thread(target=load, args=(worker,)) for worker in range(4)]
+        for client in clients:
+            client.start()
+        try:
+            wait_until(lambda: name in answered)
+            stall(stuck, True)
+            wait_until(lambda: bool(backends(gw)[name]["stalled"]))
+            count = len(answered)
+            wait_until(lambda: len(answered) > count + 20)  # the others carry the load
+            stall(stuck, False)
+            wait_until(lambda: not backends(gw)[name]["stalled"])
+            wait_until(lambda: backends(gw)[name]["healthy"] is True)
+        finally:
+            running.clear()
+            for client in clients:
+                client.join(60)
+        assert failures == []
+        text = gw.metrics()
+        assert metric_value(text, "gateway_backend_stalls_total", backend=name) == 1
+        assert metric_value(text, "gateway_backend_stalled", backend=name) == 0
+
+
+def test_a_stream_already_begun_on_a_replica_that_stalls_ends_with_an_error_event(
+    replicas: EmulatedReplicas,
+) -> None:
+    with GatewayProcess(replicas.urls, "--stall-seconds", "1") as gw:
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "a long answer"}],
+            "max_tokens": 2000,
+            "stream": True,
+        }
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=60) as long:
+            backend = long.headers["x-gateway-backend"]
+            lines = long.iter_lines()
+            assert next(lines).startswith("data: ")
+            stall(f"http://{backend}", True)
+            # Requests left waiting on it show the stall; the stream begun there ends in an error.
+            others = [
+                threading.Thread(target=chat, args=(gw.url, f"probe {turn}")) for turn in range(6)
+            ]
+            for other in others:
+                other.start()
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest, "the stream ended without a last event"
+        last = orjson.loads(rest[-1].removeprefix("data: "))
+        assert last["error"]["code"] == "upstream_stalled"
+        for other in others:
+            other.join(60)
+        stall(f"http://{backend}", False)
+
+
+def test_a_long_prefill_alone_on_its_replica_is_not_a_stall() -> None:
+    # 100k tokens at 60 µs each: six seconds of prefill, with nothing else produced meanwhile.
+    with (
+        EmulatedReplicas(
+            1,
+            MODEL,
+            ["--prefill-us-per-token", "60", "--cache-blocks", "16384"],
+        ) as replica,
+        GatewayProcess(replica.urls, "--stall-seconds", "1", "--max-body-bytes", "4194304") as gw,
+    ):
+        for turn in range(5):
+            assert chat(gw.url, f"warm {turn}", stream=False).status_code == 200
+        words = " ".join(f"w{index % 997}" for index in range(100_000))
+        body = {"model": MODEL, "prompt": words, "max_tokens": 2, "stream": True}
+        with httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=120) as long:
+            text = long.read().decode()
+        assert long.status_code == 200 and "[DONE]" in text and '"error"' not in text
+        assert metric_value(gw.metrics(), "gateway_backend_stalls_total") == 0
