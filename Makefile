@@ -24,4 +24,5 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 
 test: lint
+	scripts/test-tools
 	$(BIN)/pytest

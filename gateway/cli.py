@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import shlex
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -38,15 +39,22 @@ def _serve(args: argparse.Namespace) -> int:
     from gateway.emulator.replicas import EmulatedReplicas
 
     fleet = None
-    if settings.emulate > 0:
-        fleet = EmulatedReplicas(
-            settings.emulate, settings.emulate_model, shlex.split(settings.emulate_args)
-        ).start()
-        settings = dataclasses.replace(
-            settings, backend=(*settings.backend, *(f"{url}" for url in fleet.urls))
-        )
-        print(f"emulated replicas: {' '.join(fleet.urls)}", flush=True)
+    # uvicorn raises the signal that stopped it once it is done: as an exception, so that the
+    # emulated replicas are stopped too and the command ends without a traceback.
+    for ending in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(ending, _stopped)
     try:
+        if settings.emulate > 0:
+            fleet = EmulatedReplicas(
+                settings.emulate,
+                settings.emulate_model,
+                shlex.split(settings.emulate_args),
+                end_with_parent=True,
+            ).start()
+            settings = dataclasses.replace(
+                settings, backend=(*settings.backend, *(f"{url}" for url in fleet.urls))
+            )
+            print(f"emulated replicas: {' '.join(fleet.urls)}", flush=True)
         if metrics_dir is not None:
             from gateway.workers import run_workers
 
@@ -55,10 +63,23 @@ def _serve(args: argparse.Namespace) -> int:
         from gateway.server import serve
 
         serve(GatewayApp(settings), settings)
+        return 0
+    except _Stopped as stopped:
+        return 128 + stopped.signal
     finally:
         if fleet is not None:
             fleet.stop()
-    return 0
+            print(f"stopped {len(fleet.urls)} emulated replicas", flush=True)
+
+
+class _Stopped(Exception):
+    def __init__(self, number: int) -> None:
+        super().__init__(signal.Signals(number).name)
+        self.signal = number
+
+
+def _stopped(number: int, frame: object) -> None:
+    raise _Stopped(number)
 
 
 def _emulate(args: argparse.Namespace) -> int:

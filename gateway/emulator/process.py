@@ -4,6 +4,9 @@
 
 from __future__ import annotations
 
+import os
+
+from gateway.emulator.server import PARENT_VARIABLE
 from gateway.processes import ChildProcess
 
 
@@ -16,12 +19,16 @@ class EmulatorProcess(ChildProcess):
         port: int = 0,
         startup_seconds: float = 15.0,
         stop_seconds: float = 5.0,
+        end_with_parent: bool = False,
     ) -> None:
+        """`end_with_parent`: the replica ends when this process does, however it ends (start
+        it from the main thread then: Linux ties it to the starting thread)."""
         super().__init__(
             "gateway.emulator",
             ("--name", name, *args),
             host=host,
             port=port,
+            env={PARENT_VARIABLE: str(os.getpid())} if end_with_parent else None,
             startup_seconds=startup_seconds,
             stop_seconds=stop_seconds,
         )

@@ -17,9 +17,17 @@ class EmulatedReplicas:
         model: str = "emulated-model",
         args: Sequence[str] = (),
         host: str = "127.0.0.1",
+        end_with_parent: bool = False,
     ) -> None:
         self.replicas = [
-            EmulatorProcess("--seed", str(position), *args, name=model, host=host)
+            EmulatorProcess(
+                "--seed",
+                str(position),
+                *args,
+                name=model,
+                host=host,
+                end_with_parent=end_with_parent,
+            )
             for position in range(count)
         ]
 

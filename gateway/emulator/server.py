@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
+import signal
+import sys
+
 import uvicorn
 
 from gateway.emulator.app import build_app
@@ -11,8 +16,13 @@ from gateway.emulator.config import EmulatorConfig
 GRACEFUL_SHUTDOWN_SECONDS = 5
 
 
+PARENT_VARIABLE = "PREFIX_GATEWAY_PARENT_PID"
+"""Set by whoever starts a replica as its child: the replica then ends with that process."""
+
+
 def serve(config: EmulatorConfig) -> None:
-    """Serve until SIGTERM or SIGINT; blocks."""
+    """Serve until SIGTERM or SIGINT (or the death of the process that started it); blocks."""
+    _end_with_parent()
     uvicorn.run(
         build_app(config),
         host=config.host,
@@ -24,3 +34,17 @@ def serve(config: EmulatorConfig) -> None:
         log_level="warning",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
     )
+
+
+def _end_with_parent() -> None:
+    """Ask Linux for a SIGTERM when the starting process dies, however it dies."""
+    parent = os.environ.get(PARENT_VARIABLE)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if str(os.getppid()) != parent:  # it died before the request was made
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+_PR_SET_PDEATHSIG = 1
