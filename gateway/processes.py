@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Sequence
 from types import TracebackType
 from typing import IO, Self
@@ -136,6 +137,8 @@ class ChildProcess:
         if self._capture:
             if self._log is None:
                 self._log = tempfile.TemporaryFile()  # noqa: SIM115 - kept across restarts
+                # Closed with this object when it is not used as a context manager.
+                weakref.finalize(self, self._log.close)
             output = self._log
         command = [sys.executable, "-m", self.module, *self.args]
         command += ["--host", self.host, "--port", str(self.port)]

@@ -179,7 +179,8 @@ class Harness:
         return asyncio.run(self.router.route(parse_request(Endpoint.CHAT, body, None)))
 
     def answered(self, routed: Routed, seen: Observation) -> None:
-        """As the proxy does after a response: the router learns from its outcome."""
+        """As the proxy does: the replica accepts the request, then its outcome is learned."""
+        routed.accepted(routed.backend.name)
         outcome = Outcome(
             200,
             routed.decision,

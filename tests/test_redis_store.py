@@ -61,6 +61,11 @@ class Gateway:
     def count(self, name: str, **labels: str) -> float:
         return metric_value(self.metrics.render().decode(), name, **labels)
 
+    async def learn(self, model: str, backend: str, chain: list[int]) -> None:
+        """What routing does once a replica accepted a prompt: record it here, share it."""
+        await self.index.record(model, backend, chain)
+        self.index.share(model, backend, chain)
+
     async def settle(self) -> None:
         """Wait for the background writes in flight."""
         while self.link.pending:
@@ -85,7 +90,7 @@ def test_what_one_gateway_learns_another_one_matches(server: RedisServer) -> Non
         first, second = Gateway(server.url, "ns"), Gateway(server.url, "ns")
         await first.link.start()
         await second.link.start()
-        await first.index.record(MODEL, "10.0.0.1:8000", CHAIN)
+        await first.learn(MODEL, "10.0.0.1:8000", CHAIN)
         await first.sessions.put("conversation-1", "10.0.0.2:8000")
         await first.settle()
         assert await second.index.match(MODEL, [*CHAIN, 7]) == {"10.0.0.1:8000": 40}
@@ -106,7 +111,7 @@ def test_what_another_gateway_forgot_stays_forgotten(server: RedisServer) -> Non
         first, second = Gateway(server.url, "ns"), Gateway(server.url, "ns")
         await first.link.start()
         await second.link.start()
-        await first.index.record(MODEL, "a:1", CHAIN)
+        await first.learn(MODEL, "a:1", CHAIN)
         await first.settle()
         assert await second.index.match(MODEL, CHAIN) == {"a:1": 40}
         await second.index.forget(MODEL, "a:1", CHAIN[10:])  # a:1 reported a shorter hit
@@ -125,7 +130,7 @@ def test_a_slow_redis_costs_one_timeout_then_nothing_until_it_answers(server: Re
     async def scenario() -> None:
         gateway = Gateway(server.url, "ns")
         await gateway.link.start()
-        await gateway.index.record(MODEL, "a:1", CHAIN)
+        await gateway.learn(MODEL, "a:1", CHAIN)
         await gateway.settle()
         server.cli("client", "pause", "1500", "all")
         paused_at = time.monotonic()
@@ -153,17 +158,17 @@ def test_a_restarted_empty_redis_is_backed_by_the_local_index(server: RedisServe
     async def scenario() -> None:
         gateway = Gateway(server.url, "ns")
         await gateway.link.start()
-        await gateway.index.record(MODEL, "a:1", CHAIN)
+        await gateway.learn(MODEL, "a:1", CHAIN)
         await gateway.settle()
         server.kill()
         assert await gateway.index.match(MODEL, CHAIN) == {"a:1": 40}
         assert not gateway.link.up
-        await gateway.index.record(MODEL, "b:2", CHAIN[:10])  # local only while it is away
+        await gateway.learn(MODEL, "b:2", CHAIN[:10])  # local only while it is away
         server.start()
         await eventually(lambda: gateway.link.up)
         # Redis lost everything; what this gateway learned still routes.
         assert await gateway.index.match(MODEL, CHAIN) == {"a:1": 40, "b:2": 10}
-        await gateway.index.record(MODEL, "c:3", CHAIN)
+        await gateway.learn(MODEL, "c:3", CHAIN)
         await gateway.settle()
         fresh = Gateway(server.url, "ns")
         await fresh.link.start()
@@ -184,11 +189,11 @@ def test_a_gateway_started_while_redis_is_away_serves_and_connects_later() -> No
         await gateway.link.start()
         assert time.perf_counter() - began < 0.5
         assert not gateway.link.up
-        await gateway.index.record(MODEL, "a:1", CHAIN)
+        await gateway.learn(MODEL, "a:1", CHAIN)
         assert await gateway.index.match(MODEL, CHAIN) == {"a:1": 40}
         with RedisServer(port=port):
             await eventually(lambda: gateway.link.up)
-            await gateway.index.record(MODEL, "a:1", CHAIN)
+            await gateway.learn(MODEL, "a:1", CHAIN)
             await gateway.settle()
             assert await gateway.index.shared.match(MODEL, CHAIN) == {"a:1": 40}
             await gateway.link.close()
@@ -201,7 +206,7 @@ def test_background_writes_in_flight_are_bounded(server: RedisServer) -> None:
         gateway = Gateway(server.url, "ns", max_pending=2)
         await gateway.link.start()
         for backend in ("a:1", "b:2", "c:3", "d:4", "e:5"):
-            await gateway.index.record(MODEL, backend, CHAIN)
+            await gateway.learn(MODEL, backend, CHAIN)
         assert gateway.link.pending == 2
         assert gateway.count("gateway_redis_fallbacks_total", operation="record") == 3
         await gateway.settle()
@@ -307,10 +312,10 @@ def test_an_error_reply_fails_one_operation_and_keeps_the_link_up() -> None:
         async def scenario() -> None:
             gateway = Gateway(server.url, "ns")
             await gateway.link.start()
-            await gateway.index.record(MODEL, "a:1", CHAIN)
+            await gateway.learn(MODEL, "a:1", CHAIN)
             await gateway.settle()
             server.cli("config", "set", "maxmemory", "1")  # full: every write is refused
-            await gateway.index.record(MODEL, "b:2", list(range(5001, 5100)))
+            await gateway.learn(MODEL, "b:2", list(range(5001, 5100)))
             await gateway.settle()
             assert gateway.count("gateway_redis_errors_total", operation="record") == 1
             assert gateway.link.up
@@ -388,12 +393,12 @@ def test_a_burst_of_forgets_takes_one_write_slot(server: RedisServer) -> None:
         await gateway.link.start()
         chains = [[prompt * 1000 + block for block in range(1, 11)] for prompt in range(2, 102)]
         for chain in chains:
-            await gateway.index.record(MODEL, "a:1", chain)
+            await gateway.learn(MODEL, "a:1", chain)
             await gateway.settle()
         # Cache feedback forgets every chain through one evicted block at once.
         for chain in chains:
             await gateway.index.forget(MODEL, "a:1", chain[5:])
-        await gateway.index.record(MODEL, "b:2", CHAIN)
+        await gateway.learn(MODEL, "b:2", CHAIN)
         await gateway.settle()
         assert gateway.count("gateway_redis_fallbacks_total") == 0
         for chain in (chains[0], chains[-1]):
