@@ -85,7 +85,9 @@ class Components:
             health.probed,
             health.inference_probed,
         )
-        stall_rule = StallRule(settings.stall_seconds, settings.stall_factor)
+        stall_rule = StallRule(
+            settings.stall_seconds, settings.stall_factor, 2 * settings.scrape_interval
+        )
         stalls = StallWatch(pool, health, stall_rule, metrics, settings.block_tokens)
         upstream = Upstream(
             settings.connect_timeout, settings.upstream_api_key, settings.forward_client_auth

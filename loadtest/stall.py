@@ -35,8 +35,12 @@ CLIENT_TIMEOUT = 30.0
 class Run:
     started: float = field(default_factory=time.monotonic)
     ttfts: list[tuple[float, float]] = field(default_factory=list)
+    served: dict[str, int] = field(default_factory=dict)
+    """Requests each backend answered."""
     """(when it was sent, seconds to its first byte) of every request that succeeded."""
     failures: list[str] = field(default_factory=list)
+    cut: int = 0
+    """Streams begun on the replica when it stalled, ended with the upstream_stalled event."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -60,10 +64,16 @@ def client(url: str, worker: int, run: Run, stop: threading.Event) -> None:
                         first = first or time.monotonic()
                         text.append(chunk)
                 whole = "".join(text)
+                if response.status_code == 200 and '"code":"upstream_stalled"' in whole:
+                    with run.lock:
+                        run.cut += 1
+                    continue
                 if response.status_code != 200 or '"error"' in whole or "[DONE]" not in whole:
                     raise RuntimeError(f"{response.status_code}: {whole[-160:]}")
                 with run.lock:
                     run.ttfts.append((sent, (first or sent) - sent))
+                    backend = response.headers.get("x-gateway-backend", "")
+                    run.served[backend] = run.served.get(backend, 0) + 1
             except Exception as error:  # a failed request is what this measures
                 with run.lock:
                     run.failures.append(f"{type(error).__name__}: {error}")
@@ -102,8 +112,6 @@ def one_run(args: argparse.Namespace) -> dict[str, object]:
         EmulatedReplicas(4, MODEL, replica_args) as replicas,
         GatewayProcess(replicas.urls, "--health-interval", "1") as gateway,
     ):
-        stuck_url = replicas.urls[0]
-        stuck = stuck_url.removeprefix("http://")
         run = Run()
         stop = threading.Event()
         clients = [
@@ -113,6 +121,9 @@ def one_run(args: argparse.Namespace) -> dict[str, object]:
         for thread in clients:
             thread.start()
         time.sleep(args.stall_after)
+        with run.lock:  # the busiest replica stalls
+            stuck = max(run.served, key=lambda name: run.served[name])
+        stuck_url = f"http://{stuck}"
         stall_at = time.monotonic()
         httpx.post(stuck_url + "/emulator/stall", json={"stalled": True})
         detected = wait_for(lambda: stalled(gateway, stuck), args.stalled_for)
@@ -130,8 +141,9 @@ def one_run(args: argparse.Namespace) -> dict[str, object]:
         "after": [ttft for sent, ttft in run.ttfts if sent >= resume_at],
     }
     return {
-        "requests": len(run.ttfts) + len(run.failures),
+        "requests": len(run.ttfts) + len(run.failures) + run.cut,
         "failed": len(run.failures),
+        "cut": run.cut,
         "first_failures": run.failures[:3],
         "detected": detected,
         "readmitted": readmitted,
@@ -151,10 +163,10 @@ def main() -> None:
         f" stalls after {args.stall_after:g} s for {args.stalled_for:g} s"
     )
     print(
-        "| run | requests | failed | stall detected after s | readmitted after s"
-        " | TTFT p50/p99 ms before | during | after |"
+        "| run | requests | failed | streams cut by the stall | stall detected after s"
+        " | readmitted after s | TTFT p50/p99 ms before | during | after |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for number in range(1, args.runs + 1):
         result = one_run(args)
         phases = result["phases"]
@@ -165,7 +177,7 @@ def main() -> None:
         ]
         detected, readmitted = result["detected"], result["readmitted"]
         print(
-            f"| {number} | {result['requests']} | {result['failed']} "
+            f"| {number} | {result['requests']} | {result['failed']} | {result['cut']} "
             f"| {detected if detected is None else f'{detected:.1f}'} "
             f"| {readmitted if readmitted is None else f'{readmitted:.1f}'} "
             f"| {' | '.join(cells)} |",

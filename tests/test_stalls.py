@@ -34,10 +34,22 @@ def test_a_replica_is_stalled_only_when_it_waits_long_and_produces_nothing() -> 
     waiting = {Waiting(sent_at=100.0)}
     assert RULE.verdict(102.0, waiting, progressed_at=90.0, speed=speed) is None  # not yet
     assert RULE.verdict(104.0, waiting, progressed_at=90.0, speed=speed) is not None
-    # Anything produced since the oldest waiting request was sent: busy, not stuck.
-    assert RULE.verdict(104.0, waiting, progressed_at=101.0, speed=speed) is None
+    # Something produced lately: busy, not stuck; silent since then for long: stuck.
+    assert RULE.verdict(104.0, waiting, progressed_at=101.5, speed=speed) is None
+    assert RULE.verdict(105.0, waiting, progressed_at=101.5, speed=speed) is not None
     # Nobody waiting for a first byte: nothing to judge.
     assert RULE.verdict(104.0, {Waiting(100.0, first_byte_at=1.0)}, 90.0, speed) is None
+
+
+def test_without_a_stream_to_show_progress_the_engine_counter_gets_its_lag() -> None:
+    speed = PrefillSpeed(guess_blocks_per_second=100.0)
+    lagging = StallRule(min_seconds=3.0, factor=4.0, scrape_lag=4.0)
+    alone = {Waiting(sent_at=100.0)}
+    assert lagging.verdict(105.0, alone, progressed_at=90.0, speed=speed) is None
+    assert lagging.verdict(108.0, alone, progressed_at=90.0, speed=speed) is not None
+    # A stream of ours running there would have shown progress as it happened.
+    streaming = {*alone, Waiting(sent_at=95.0, first_byte_at=1.0)}
+    assert lagging.verdict(105.0, streaming, progressed_at=90.0, speed=speed) is not None
 
 
 def test_a_long_prefill_is_given_the_time_its_size_needs() -> None:
@@ -95,6 +107,7 @@ def test_a_stalled_replica_loses_no_request_and_comes_back_after_an_inference_pr
         stuck = replicas.urls[0]
         name = stuck.removeprefix("http://")
         failures: list[str] = []
+        cut: list[str] = []
         answered: list[str] = []
         running = threading.Event()
         running.set()
@@ -109,7 +122,9 @@ def test_a_stalled_replica_loses_no_request_and_comes_back_after_an_inference_pr
                     failures.append(repr(error))
                     continue
                 text = response.text
-                if response.status_code != 200 or '"error"' in text or "[DONE]" not in text:
+                if response.status_code == 200 and '"code":"upstream_stalled"' in text:
+                    cut.append(response.headers["x-gateway-backend"])  # begun there before
+                elif response.status_code != 200 or '"error"' in text or "[DONE]" not in text:
                     failures.append(f"{response.status_code} {text[-200:]}")
                 else:
                     answered.append(response.headers["x-gateway-backend"])
@@ -130,7 +145,10 @@ def test_a_stalled_replica_loses_no_request_and_comes_back_after_an_inference_pr
             running.clear()
             for client in clients:
                 client.join(60)
+        # Every request completed, but streams already begun on it when it stalled: those end
+        # with the documented error event (one per client at most).
         assert failures == []
+        assert set(cut) <= {name} and len(cut) <= 4
         text = gw.metrics()
         assert metric_value(text, "gateway_backend_stalls_total", backend=name) == 1
         assert metric_value(text, "gateway_backend_stalled", backend=name) == 0

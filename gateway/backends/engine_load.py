@@ -83,6 +83,7 @@ class EngineLoadScraper:
         self._fleet_at_scrape: dict[str, int] = {}
         self._engine_others: dict[str, int] = {}
         self._generated: dict[str, float] = {}
+        self._scraped_at: dict[str, float] = {}
 
     def start(self) -> None:
         if self._interval > 0:
@@ -103,6 +104,7 @@ class EngineLoadScraper:
         # Our own count (and the other gateways') at the moment the engine's is read, so the
         # difference is the others' (and what came from outside the fleet).
         own, fleet = backend.in_flight, self._fleet.get(backend.name, 0)
+        asked_at = time.monotonic()
         try:
             response = await self._client.get(backend.url + "/metrics")
             engine = parse_engine_load(response.text) if response.status_code == 200 else None
@@ -118,8 +120,11 @@ class EngineLoadScraper:
                 self.kv_cache_usage[name] = engine.kv_cache_usage
             if engine.generated is not None:
                 if engine.generated > self._generated.get(name, engine.generated):
-                    backend.progressed_at = time.monotonic()  # tokens came, from anyone's requests
+                    # Tokens came, for anyone's requests, at some time since the last scrape.
+                    since = self._scraped_at.get(name, 0.0)
+                    backend.progressed_at = max(backend.progressed_at, since)
                 self._generated[name] = engine.generated
+        self._scraped_at[name] = asked_at
         self._apply(backend)
 
     def forget(self, name: str) -> None:
@@ -129,6 +134,7 @@ class EngineLoadScraper:
             self._fleet_at_scrape,
             self._engine_others,
             self._generated,
+            self._scraped_at,
         ):
             kept.pop(name, None)
 

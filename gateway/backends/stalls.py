@@ -2,11 +2,11 @@
 
 A replica whose HTTP server still answers `/health` while its engine is stuck (a hung kernel
 or collective, an engine loop that died) is found from progress, not from probes: it is
-stalled when a request has waited on it for its first byte much longer than the fleet's recent
-prefill speed explains for the work queued ahead of it (`factor` times that, and at least
-`min_seconds`), and it has produced nothing at all since that request was sent (no byte of
-any response, no token in its engine's counter). A long prefill is not a stall: it is
-expected to take long, and other requests' tokens keep coming meanwhile.
+stalled when requests wait on it for a first byte and it has produced nothing at all (no byte
+of any response, no token in its engine's counter) for much longer than the fleet's recent
+prefill speed explains for the work queued ahead of the oldest of them (`factor` times that,
+and at least `min_seconds`). A long prefill is not a stall: it is expected to take long, and
+other requests' tokens keep coming meanwhile.
 
 A stalled replica leaves routing at once; its requests without a first byte move to other
 replicas, its streams end with an SSE error. Only an inference probe (a one-token completion)
@@ -58,6 +58,9 @@ class PrefillSpeed:
 class StallRule:
     min_seconds: float
     factor: float
+    scrape_lag: float = 0.0
+    """How late the engine's own counter can show progress: without a stream of this
+    gateway's running there, a wait is judged only once that much longer."""
 
     def verdict(
         self, now: float, work: set[Work], progressed_at: float, speed: PrefillSpeed
@@ -67,13 +70,14 @@ class StallRule:
         if not waiting:
             return None
         oldest = min(waiting, key=lambda item: item.sent_at)
-        if progressed_at >= oldest.sent_at:
-            return None  # it produced something since: slow, perhaps, not stuck
-        waited = now - oldest.sent_at
+        # Silent since its last progress, or since the oldest request waits if that is later.
+        silent = now - max(progressed_at, oldest.sent_at)
         limit = max(self.min_seconds, self.factor * speed.expected(oldest.blocks_ahead))
-        if waited <= limit:
+        if len(waiting) == len(work):  # no stream here to show progress as it happens
+            limit += self.scrape_lag
+        if silent <= limit:
             return None
-        return f"no first byte for {waited:.1f} s (limit {limit:.1f} s) and no progress"
+        return f"nothing produced for {silent:.1f} s (limit {limit:.1f} s) while requests wait"
 
 
 class StallWatch:
