@@ -34,10 +34,14 @@ def model_folder() -> Path:
 
 
 class VLLMFleet:
-    """`count` replicas of one model, each pinned to one core (round robin), started together."""
+    """Replicas started together (each waits for its own health) and stopped together."""
 
-    def __init__(
-        self,
+    def __init__(self, replicas: Sequence[VLLMReplica]) -> None:
+        self.replicas = list(replicas)
+
+    @classmethod
+    def pinned(
+        cls,
         model: Path,
         count: int = 2,
         *,
@@ -47,21 +51,24 @@ class VLLMFleet:
         kv_cache_bytes: int = 16 * MIB,
         extra_args: Sequence[str] = (),
         log_folder: Path | None = None,
-    ) -> None:
+    ) -> VLLMFleet:
+        """`count` replicas of one model, replica i pinned to core i modulo the cores here."""
         cores = os.cpu_count() or 1
-        self.replicas = [
-            VLLMReplica(
-                model,
-                venv=venv,
-                served_model_names=served_model_names,
-                block_size=block_size,
-                kv_cache_bytes=kv_cache_bytes,
-                cpu_cores=str(position % cores),
-                extra_args=extra_args,
-                log_path=None if log_folder is None else log_folder / f"replica-{position}.log",
-            )
-            for position in range(count)
-        ]
+        return cls(
+            [
+                VLLMReplica(
+                    model,
+                    venv=venv,
+                    served_model_names=served_model_names,
+                    block_size=block_size,
+                    kv_cache_bytes=kv_cache_bytes,
+                    cpu_cores=str(i % cores),
+                    extra_args=extra_args,
+                    log_path=None if log_folder is None else log_folder / f"replica-{i}.log",
+                )
+                for i in range(count)
+            ]
+        )
 
     @property
     def urls(self) -> list[str]:
@@ -162,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     gateway: subprocess.Popen[bytes] | None = None
     try:
-        with VLLMFleet(
+        with VLLMFleet.pinned(
             model,
             options.replicas,
             venv=venv,

@@ -47,6 +47,7 @@ QUIET_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
+_ERROR_LINE = re.compile(r"\b[A-Z][A-Za-z]*(Error|Exception): ")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
@@ -206,7 +207,11 @@ class VLLMReplica:
         return self._log.read().decode(errors="replace")
 
     def log_tail(self, characters: int = 4000) -> str:
-        return self.log()[-characters:]
+        """The log's last characters, after the first lines that name an error (the cause)."""
+        text = self.log()
+        causes = [line for line in text.splitlines() if _ERROR_LINE.search(line)]
+        head = "\n".join(dict.fromkeys(causes[:5]))
+        return (f"{head}\n...\n" if head else "") + text[-characters:]
 
     def get(self, path: str, timeout: float = 10.0) -> bytes:
         with urllib.request.urlopen(self.url + path, timeout=timeout) as reply:
