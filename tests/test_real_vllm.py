@@ -331,6 +331,13 @@ def test_kv_events_carry_block_hashes_reproducible_from_token_ids(real: RealFlee
     assert stored["block_size"] == BLOCK
 
 
+def test_kv_event_sources_names_each_replicas_publisher(real: RealFleet) -> None:
+    for replica, endpoint in zip(real.replicas, real.endpoints, strict=True):
+        sources = json.loads(replica.get("/kv_event_sources"))
+        assert sources["0"]["endpoint"] == endpoint  # keyed by data-parallel rank
+        assert sources["0"]["publisher"] == "zmq" and sources["0"]["topic"] == "kv-events"
+
+
 def test_replicas_report_their_block_size(real: RealFleet) -> None:
     for replica in real.replicas:
         assert replica.metric("vllm:cache_config_info", block_size=str(BLOCK)) == 1
