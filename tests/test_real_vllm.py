@@ -13,6 +13,7 @@ machine. `pytest --skip-real-vllm` (or SKIP_REAL_VLLM=1) skips this module; by d
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +24,7 @@ import openai
 import pytest
 
 from engines.fleet import VLLMFleet, model_folder
-from engines.kv_events import KVEventSubscriber, block_hashes, events_config
+from engines.kv_events import DEFAULT_SEED, KVEventSubscriber, block_hashes, events_config
 from engines.replica import VLLMReplica
 from engines.tiny_model import ensure_model
 from engines.venv import VLLMVenv
@@ -318,7 +319,8 @@ def test_kv_events_carry_block_hashes_reproducible_from_token_ids(real: RealFlee
             timeout=120,
         )
         assert reply.status_code == 200, reply.text
-        expected = block_hashes(prompt, BLOCK)
+        # The replicas inherit this environment: PYTHONHASHSEED, when set, seeds their hashes.
+        expected = block_hashes(prompt, BLOCK, seed=os.environ.get("PYTHONHASHSEED", DEFAULT_SEED))
         events = subscriber.wait_for(
             lambda events: any(
                 e["type"] == "BlockStored" and e["block_hashes"] == expected for e in events
