@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -75,29 +74,15 @@ class VLLMFleet:
         return [replica.url for replica in self.replicas]
 
     def start(self) -> Self:
-        """Start all replicas at once (each waits for its own health); stop all if one fails."""
-        errors: list[BaseException] = []
-
-        def start_one(replica: VLLMReplica) -> None:
-            try:
-                replica.start()
-            except BaseException as error:  # reported after the join
-                errors.append(error)
-
-        threads = [threading.Thread(target=start_one, args=(r,)) for r in self.replicas]
+        """Spawn every replica from this thread, then wait for each; stop all if one fails."""
         try:
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
+            for replica in self.replicas:
+                replica.spawn()
+            for replica in self.replicas:
+                replica.wait_healthy()
         except BaseException:
-            for thread in threads:
-                thread.join()
             self.stop()
             raise
-        if errors:
-            self.stop()
-            raise errors[0]
         return self
 
     def stop(self) -> None:

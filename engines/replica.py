@@ -46,6 +46,16 @@ QUIET_ENV = {
     "PYTHONUNBUFFERED": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
+# Runs first in the child: asks Linux to SIGTERM it when its parent dies (PR_SET_PDEATHSIG,
+# kept across exec), then becomes the server. A test runner or `make run-real` killed with
+# SIGKILL thus leaves no replica behind. The parent is the thread that spawned the child, so
+# replicas are spawned from the thread that lives as long as they should (see VLLMFleet).
+_ORPHAN_GUARD = (
+    "import ctypes, os, signal, sys; "
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM); "
+    "os.getppid() == int(sys.argv[1]) or sys.exit('the parent has gone'); "
+    "os.execv(sys.argv[2], sys.argv[2:])"
+)
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
 _ERROR_LINE = re.compile(r"\b[A-Z][A-Za-z]*(Error|Exception): ")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
@@ -113,6 +123,7 @@ class VLLMReplica:
         self.env = dict(env or {})
         self.host = host
         self.port = port
+        self._fixed_port = port != 0
         self.startup_seconds = startup_seconds
         self.stop_seconds = stop_seconds
         self.log_path = log_path
@@ -136,8 +147,14 @@ class VLLMReplica:
         return self._process is not None and self._process.poll() is None
 
     def command(self) -> list[str]:
+        """The server's command line, behind the guard that ends it if this process dies."""
+        python = str(self.venv.python)
         command = [
-            str(self.venv.python),
+            python,
+            "-c",
+            _ORPHAN_GUARD,
+            str(os.getpid()),
+            python,
             "-m",
             "vllm.entrypoints.openai.api_server",
             "--model",
@@ -166,17 +183,29 @@ class VLLMReplica:
 
     def start(self) -> Self:
         """Start and wait until `/health` answers 200; raises with the log's tail if not."""
-        fixed = self.port != 0
-        for attempt in range(1 if fixed else 3):
-            if not fixed:
-                self.port = free_port(self.host)
-            self._spawn()
+        self.spawn()
+        return self.wait_healthy()
+
+    def spawn(self) -> None:
+        """Start the server (on a free port unless one was given) without waiting for it."""
+        if not self._fixed_port:
+            self.port = free_port(self.host)
+        self._spawn()
+
+    def wait_healthy(self) -> Self:
+        """Wait for `/health` 200; a port taken meanwhile is retried, any other failure raised.
+
+        Spawning and waiting are apart so that several replicas start at once from one thread.
+        """
+        for attempt in range(3):
             if self._wait_healthy():
                 return self
             tail = self.log_tail()
             self.stop()
-            if fixed or "address already in use" not in tail.lower() or attempt == 2:
+            retry = not self._fixed_port and "address already in use" in tail.lower()
+            if not retry or attempt == 2:
                 raise RuntimeError(f"vLLM replica did not become healthy:\n{tail}")
+            self.spawn()
         raise AssertionError("unreachable")
 
     def stop(self) -> int | None:
