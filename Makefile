@@ -1,11 +1,13 @@
 # Two entry points: `make run` starts the gateway in front of 4 emulated replicas,
 # `make test` runs lint, types and the whole test suite. Both create .venv on first use.
+# `make run-real` puts it in front of two real vLLM replicas (CPU build, tiny model), installing
+# vLLM into .engines/vllm on first use (minutes, ~3.5 GB): see docs/real-engines.md.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint install
+.PHONY: run run-real test lint install engines
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,11 +20,21 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/prefix-gateway serve --host 127.0.0.1 --port 8080 --emulate 4
 
+run-real: $(STAMP)
+	$(BIN)/python -m engines.fleet --port 8080
+
+# vLLM's CPU build in .engines/vllm, for run-real and the real_vllm tests (stamped: once).
+engines: $(STAMP)
+	$(BIN)/python -m engines.venv
+
 lint: $(STAMP)
-	$(BIN)/ruff check gateway tests loadtest
+	$(BIN)/ruff check gateway tests loadtest engines
 	$(BIN)/mypy gateway
+	$(BIN)/mypy --strict engines
 	$(BIN)/lint-imports
 
+# vLLM's CPU build is installed unless SKIP_REAL_VLLM=1, which also skips its tests.
 test: lint
 	scripts/test-tools
+	@if [ "$${SKIP_REAL_VLLM:-0}" != "1" ]; then $(MAKE) --no-print-directory engines; fi
 	$(BIN)/pytest

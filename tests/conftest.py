@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import openai
@@ -9,6 +10,26 @@ from gateway.emulator.replicas import EmulatedReplicas
 from tests.support import GatewayProcess
 
 MODEL = "emulated-model"
+SKIP_REAL_VLLM = "SKIP_REAL_VLLM"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--skip-real-vllm",
+        action="store_true",
+        help=f"skip the real_vllm tests (also: {SKIP_REAL_VLLM}=1); by default they run",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the tests against real vLLM replicas only when asked to."""
+    asked = config.getoption("--skip-real-vllm") or os.environ.get(SKIP_REAL_VLLM) == "1"
+    if not asked:
+        return
+    skip = pytest.mark.skip(reason=f"--skip-real-vllm or {SKIP_REAL_VLLM}=1")
+    for item in items:
+        if "real_vllm" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="module")

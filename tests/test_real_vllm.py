@@ -1,0 +1,359 @@
+"""End to end against real vLLM: two CPU replicas of a tiny model, the gateway in front.
+
+The replicas (vLLM's CPU build from .engines/vllm, installed on first use by engines.venv) are
+started once per session, pinned to different cores; the gateway runs as a real process
+(tests.support.GatewayProcess) and is driven with the official `openai` client. Replica 0
+serves `tiny-llama` and `tiny-llama-a`, replica 1 `tiny-llama` and `tiny-llama-b`: the gateway
+must learn those pools from their `/v1/models`.
+
+Assertions are about behaviour and order, never sub-second timings: CI runs on a busy 2-core
+machine. `pytest --skip-real-vllm` (or SKIP_REAL_VLLM=1) skips this module; by default it runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from engines.fleet import VLLMFleet, model_folder
+from engines.kv_events import DEFAULT_SEED, KVEventSubscriber, block_hashes, events_config
+from engines.replica import VLLMReplica
+from engines.tiny_model import ensure_model
+from engines.venv import VLLMVenv
+from tests.support import GatewayProcess, metric_value
+
+pytestmark = pytest.mark.real_vllm
+
+MODEL = "tiny-llama"
+ONLY = (f"{MODEL}-a", f"{MODEL}-b")  # the model each replica alone serves
+BLOCK = 32
+# Long enough to fill several blocks of 32 tokens with the tiny model's tokenizer.
+SYSTEM = (
+    "You are a patient assistant for a hardware shop. Answer questions about tools, "
+    "paint, timber and fixings. Keep answers short, name the aisle where the item is kept, "
+    "and never recommend a product the shop does not sell. "
+) * 2
+
+
+# fmt: off
+VOCABULARY = (
+    "the", "a", "and", "of", "to", "in", "on", "for", "with", "hammer", "drill", "screw", "nail",
+    "paint", "brush", "timber", "plank", "saw", "level", "tape", "glue", "sand", "bolt", "nut",
+    "washer", "hinge", "lock", "shelf", "bracket", "clamp", "chisel", "how", "what", "which",
+    "where", "why", "can", "should", "would", "big", "small", "long", "short", "red", "blue",
+)
+# fmt: on
+
+
+def text(words: int, seed: str) -> str:
+    """Deterministic English-looking text: the same seed gives the same words."""
+    vocabulary = VOCABULARY
+    rng = random.Random(seed)
+    return " ".join(rng.choice(vocabulary) for _ in range(words)) + "?"
+
+
+class RealFleet:
+    """The session's replicas, their KV-event endpoints and the gateway in front of them."""
+
+    def __init__(
+        self, replicas: list[VLLMReplica], endpoints: list[str], gateway: GatewayProcess
+    ) -> None:
+        self.replicas = replicas
+        self.endpoints = endpoints
+        self.gateway = gateway
+
+    def replica_named(self, backend: str) -> VLLMReplica:
+        """The replica an `x-gateway-backend` value names (the gateway names them host:port)."""
+        for replica in self.replicas:
+            if backend == f"{replica.host}:{replica.port}":
+                return replica
+        raise AssertionError(f"no replica is named {backend!r}: {self.urls}")
+
+    @property
+    def urls(self) -> list[str]:
+        return [replica.url for replica in self.replicas]
+
+
+def wait_until(check: Callable[[], bool], seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still not true after {seconds:.0f} s: {what}")
+        time.sleep(0.25)
+
+
+def gateway_models(gateway: GatewayProcess) -> set[str]:
+    try:
+        listing = httpx.get(gateway.url + "/v1/models", timeout=5).json()
+    except httpx.HTTPError:
+        return set()
+    return {entry["id"] for entry in listing.get("data", [])}
+
+
+@pytest.fixture(scope="session")
+def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealFleet]:
+    venv = VLLMVenv().ensure()
+    model = ensure_model(venv.python, model_folder())
+    sockets = tmp_path_factory.mktemp("kv-events")
+    endpoints = [f"ipc://{sockets}/replica-{index}.sock" for index in range(2)]
+    replicas = [
+        VLLMReplica(
+            model,
+            venv=venv,
+            served_model_names=(MODEL, ONLY[index]),
+            cpu_cores=str(index),
+            extra_args=("--kv-events-config", events_config(endpoints[index])),
+        )
+        for index in range(2)
+    ]
+    with VLLMFleet(replicas) as fleet, GatewayProcess(fleet.urls) as gateway:
+        wanted = {MODEL, *ONLY}
+        wait_until(lambda: gateway_models(gateway) >= wanted, 60, f"the gateway serves {wanted}")
+        yield RealFleet(fleet.replicas, endpoints, gateway)
+
+
+@pytest.fixture
+def client(real: RealFleet) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=real.gateway.url + "/v1", api_key="unused", max_retries=0, timeout=120
+    )
+
+
+def ask(
+    client: openai.OpenAI, messages: list[dict[str, str]], model: str = MODEL, **extra: Any
+) -> tuple[Any, str]:
+    """One non-streamed chat completion of 8 tokens; the reply and the replica that answered."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=model,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=8,
+        extra_body={"ignore_eos": True, **extra},
+    )
+    return raw.parse(), raw.headers["x-gateway-backend"]
+
+
+def cached(reply: Any) -> int:
+    details = reply.usage.prompt_tokens_details
+    return int(details.cached_tokens or 0) if details is not None else 0
+
+
+def test_models_list_has_every_served_name(client: openai.OpenAI) -> None:
+    assert {model.id for model in client.models.list()} >= {MODEL, *ONLY}
+
+
+def test_chat_completion(client: openai.OpenAI) -> None:
+    reply, backend = ask(client, [{"role": "user", "content": text(20, "chat")}])
+    assert reply.object == "chat.completion"
+    assert reply.model == MODEL
+    assert isinstance(reply.choices[0].message.content, str)
+    assert reply.choices[0].finish_reason == "length"  # ignore_eos: all 8 tokens
+    assert reply.usage.completion_tokens == 8
+    assert reply.usage.prompt_tokens > 20
+    assert backend
+
+
+def test_chat_stream_ends_with_a_usage_chunk(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": text(20, "stream")}],
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    with_choices = [chunk for chunk in chunks if chunk.choices]
+    assert with_choices, "no content chunks"
+    assert chunks[-1].choices == []  # the usage chunk comes last, with no choices
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 12
+    assert all(chunk.usage is None for chunk in chunks[:-1])
+    assert with_choices[-1].choices[0].finish_reason == "length"
+    content = "".join(chunk.choices[0].delta.content or "" for chunk in with_choices)
+    assert content
+
+
+def test_completion(client: openai.OpenAI) -> None:
+    reply = client.completions.create(
+        model=MODEL, prompt=text(30, "completion"), max_tokens=6, extra_body={"ignore_eos": True}
+    )
+    assert reply.object == "text_completion"
+    assert isinstance(reply.choices[0].text, str)
+    assert reply.usage is not None and reply.usage.completion_tokens == 6
+
+
+def test_unknown_model_is_a_clean_404(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+    assert raised.value.status_code == 404
+    body = raised.value.response.json()
+    assert "no-such-model" in json.dumps(body)
+
+
+def test_six_turn_conversation_stays_on_one_replica_and_hits_its_cache(
+    client: openai.OpenAI,
+) -> None:
+    messages = [{"role": "system", "content": SYSTEM}]
+    backends: list[str] = []
+    prompts: list[int] = []
+    hits: list[int] = []
+    for turn in range(6):
+        messages.append({"role": "user", "content": text(25, f"conversation-{turn}")})
+        reply, backend = ask(client, messages)
+        backends.append(backend)
+        prompts.append(reply.usage.prompt_tokens)
+        hits.append(cached(reply))
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    assert len(set(backends)) == 1, backends
+    assert all(hit > 0 for hit in hits[1:]), hits
+    for previous, hit in zip(prompts, hits[1:], strict=False):
+        # The previous turn's prompt is a prefix of this one's: all its full blocks are hit.
+        assert hit >= (previous - 1) // BLOCK * BLOCK, (prompts, hits)
+    assert all(hit % BLOCK == 0 for hit in hits)
+
+
+def test_cached_tokens_are_the_prompt_rounded_down_to_blocks(client: openai.OpenAI) -> None:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "rounding"}]
+    _, backend = ask(client, messages)
+    again, backend_again = ask(client, messages)
+    assert backend_again == backend
+    prompt = again.usage.prompt_tokens
+    assert cached(again) == (prompt - 1) // BLOCK * BLOCK
+
+
+def test_client_that_hangs_up_mid_stream_aborts_generation(real: RealFleet) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text(20, "hang-up")}],
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=120) as http,
+        http.stream("POST", real.gateway.url + "/v1/chat/completions", json=body) as reply,
+    ):
+        assert reply.status_code == 200
+        replica = real.replica_named(reply.headers["x-gateway-backend"])
+        generated_before = replica.metric("vllm:generation_tokens_total")
+        lines = reply.iter_lines()
+        received = [line for line in (next(lines) for _ in range(12)) if line.startswith("data:")]
+        assert received and "[DONE]" not in received[-1]
+        wait_until(
+            lambda: replica.metric("vllm:num_requests_running") >= 1,
+            60,
+            "the replica reports the stream's request running",
+        )
+    # The client has hung up: the replica must abort the request, not generate 3000 tokens.
+    wait_until(
+        lambda: replica.metric("vllm:num_requests_running") == 0,
+        60,
+        "vllm:num_requests_running back to 0",
+    )
+    # Not finished but aborted: far fewer than the 3000 tokens asked for were generated. (vLLM
+    # does not count requests aborted by a client in vllm:request_success_total{abort}.)
+    assert replica.metric("vllm:generation_tokens_total") - generated_before < 3000
+
+
+def test_gateway_metrics_count_upstream_cached_tokens(
+    real: RealFleet, client: openai.OpenAI
+) -> None:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "metrics"}]
+    ask(client, messages)
+    again, _ = ask(client, messages)
+    assert cached(again) > 0
+    total = metric_value(real.gateway.metrics(), "gateway_upstream_cached_tokens_total")
+    assert total >= cached(again)
+
+
+def test_per_model_pools_learned_from_served_model_names(
+    real: RealFleet, client: openai.OpenAI
+) -> None:
+    for index, model in enumerate(ONLY):
+        for attempt in range(3):
+            reply, backend = ask(
+                client, [{"role": "user", "content": text(10, f"pool-{model}-{attempt}")}], model
+            )
+            assert reply.model == MODEL  # vLLM's replies name its first --served-model-name
+            assert real.replica_named(backend) is real.replicas[index]
+    # The shared name is served by both: different system prompts spread over the two.
+    seen = set()
+    for attempt in range(16):
+        system = text(40, f"spread-{attempt}")
+        _, backend = ask(
+            client, [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]
+        )
+        seen.add(backend)
+    assert seen == {f"{r.host}:{r.port}" for r in real.replicas}
+
+
+def test_cache_salt_passes_through_and_isolates_the_prefix_cache(client: openai.OpenAI) -> None:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "salted"}]
+    first, backend = ask(client, messages, cache_salt="tenant-one")
+    same, backend_same = ask(client, messages, cache_salt="tenant-one")
+    other, _ = ask(client, messages, cache_salt="tenant-two")
+    assert cached(first) == 0
+    assert backend_same == backend and cached(same) > 0
+    assert cached(other) == 0  # another salt never reuses tenant-one's blocks
+
+
+def test_kv_events_carry_block_hashes_reproducible_from_token_ids(real: RealFleet) -> None:
+    replica = real.replicas[0]
+    rng = random.Random("kv-events")
+    prompt = [rng.randrange(100, 4000) for _ in range(3 * BLOCK + 5)]
+    with KVEventSubscriber(real.endpoints[0]) as subscriber:
+        time.sleep(1)  # a SUB socket misses what is published before it has connected
+        reply = httpx.post(
+            replica.url + "/v1/completions",
+            json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "ignore_eos": True},
+            timeout=120,
+        )
+        assert reply.status_code == 200, reply.text
+        # The replicas inherit this environment: PYTHONHASHSEED, when set, seeds their hashes.
+        expected = block_hashes(prompt, BLOCK, seed=os.environ.get("PYTHONHASHSEED", DEFAULT_SEED))
+        events = subscriber.wait_for(
+            lambda events: any(
+                e["type"] == "BlockStored" and e["block_hashes"] == expected for e in events
+            ),
+            60,
+        )
+    stored = next(e for e in events if e["type"] == "BlockStored" and e["block_hashes"] == expected)
+    assert stored["parent_block_hash"] is None
+    assert stored["token_ids"] == prompt[: 3 * BLOCK]
+    assert stored["block_size"] == BLOCK
+
+
+def test_kv_event_sources_names_each_replicas_publisher(real: RealFleet) -> None:
+    for replica, endpoint in zip(real.replicas, real.endpoints, strict=True):
+        sources = json.loads(replica.get("/kv_event_sources"))
+        assert sources["0"]["endpoint"] == endpoint  # keyed by data-parallel rank
+        assert sources["0"]["publisher"] == "zmq" and sources["0"]["topic"] == "kv-events"
+
+
+def test_replicas_report_their_block_size(real: RealFleet) -> None:
+    for replica in real.replicas:
+        assert replica.metric("vllm:cache_config_info", block_size=str(BLOCK)) == 1
+
+
+def test_responses_api_through_the_replica(real: RealFleet) -> None:
+    """Recorded, not the gateway's: vLLM's /v1/responses answers for this model."""
+    reply = httpx.post(
+        real.replicas[0].url + "/v1/responses",
+        json={"model": MODEL, "input": "hello there", "max_output_tokens": 4},
+        timeout=120,
+    )
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["object"] == "response"
+    assert body["usage"]["output_tokens"] == 4
+    assert "cached_tokens" in body["usage"]["input_tokens_details"]
