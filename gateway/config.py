@@ -112,10 +112,12 @@ class Settings:
     queue_timeout: float = _opt(5.0, "seconds a request may wait for a slot before a 429")
     max_header_bytes: int = _opt(32768, "largest request line plus headers accepted (431 beyond)")
     max_json_depth: int = _opt(64, "deepest nesting of arrays and objects in a request body")
-    max_json_elements: int = _opt(
-        200_000, "arrays and objects a request body may hold (counted before it is parsed)"
+    max_json_values: int = _opt(
+        300_000,
+        "JSON values a request body may hold, bounded before parsing by its commas and brackets",
     )
     max_messages: int = _opt(10_000, "messages a chat request may hold")
+    max_batch_prompts: int = _opt(2_048, "prompts a completions or embeddings batch may hold")
     max_session_key_bytes: int = _opt(512, "longest session key (x-session-id, prompt_cache_key)")
     max_prompt_tokens: int = _opt(
         262_144,
@@ -262,8 +264,9 @@ class Settings:
         if self.max_header_bytes < 1024 or self.max_json_depth < 2:
             raise ConfigError("max_header_bytes must be at least 1024, max_json_depth at least 2")
         limits = (
-            self.max_json_elements,
+            self.max_json_values,
             self.max_messages,
+            self.max_batch_prompts,
             self.max_session_key_bytes,
             self.max_prompt_tokens,
         )

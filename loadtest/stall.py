@@ -35,8 +35,6 @@ CLIENT_TIMEOUT = 30.0
 class Run:
     started: float = field(default_factory=time.monotonic)
     ttfts: list[tuple[float, float]] = field(default_factory=list)
-    served: dict[str, int] = field(default_factory=dict)
-    """Requests each backend answered."""
     """(when it was sent, seconds to its first byte) of every request that succeeded."""
     failures: list[str] = field(default_factory=list)
     cut: int = 0
@@ -72,8 +70,6 @@ def client(url: str, worker: int, run: Run, stop: threading.Event) -> None:
                     raise RuntimeError(f"{response.status_code}: {whole[-160:]}")
                 with run.lock:
                     run.ttfts.append((sent, (first or sent) - sent))
-                    backend = response.headers.get("x-gateway-backend", "")
-                    run.served[backend] = run.served.get(backend, 0) + 1
             except Exception as error:  # a failed request is what this measures
                 with run.lock:
                     run.failures.append(f"{type(error).__name__}: {error}")
@@ -121,8 +117,10 @@ def one_run(args: argparse.Namespace) -> dict[str, object]:
         for thread in clients:
             thread.start()
         time.sleep(args.stall_after)
-        with run.lock:  # the busiest replica stalls
-            stuck = max(run.served, key=lambda name: run.served[name])
+        # The replica with the most requests in flight stalls: one with none would hold up
+        # nobody, and the gateway could not tell (nor need to).
+        listing = httpx.get(gateway.url + "/admin/backends", timeout=5).json()["data"]
+        stuck = max(listing, key=lambda item: item["in_flight"])["name"]
         stuck_url = f"http://{stuck}"
         stall_at = time.monotonic()
         httpx.post(stuck_url + "/emulator/stall", json={"stalled": True})

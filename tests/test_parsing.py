@@ -55,7 +55,7 @@ def test_session_key_sources_are_kept_as_hashes() -> None:
 
 
 def test_limits_refuse_before_parsing() -> None:
-    limits = Limits(depth=8, containers=50, messages=3, session_key_bytes=10)
+    limits = Limits(depth=8, values=100, messages=3, prompts=4, session_key_bytes=10)
     many = [{"role": "user", "content": "q"}] * 4
     deep = {"model": "m", "prompt": "x", "extra": [[[[[[[[[1]]]]]]]]]}
     cases = [
@@ -64,7 +64,7 @@ def test_limits_refuse_before_parsing() -> None:
         (
             Endpoint.COMPLETIONS,
             orjson.dumps({"model": "m", "prompt": [[1]] * 60}),
-            "too_many_elements",
+            "too_many_values",
         ),
         (Endpoint.COMPLETIONS, orjson.dumps(deep), "too_deep"),
     ]

@@ -221,7 +221,7 @@ def test_a_body_of_nested_arrays_is_refused_before_it_is_parsed(
         assert deep.status_code == 400 and deep.json()["error"]["code"] == "too_deep"
         many = b'{"model":"m","prompt":[' + b",".join([b"[1]"] * 300_000) + b"]}"
         wide = httpx.post(gateway.url + "/v1/completions", content=many)
-        assert wide.status_code == 400 and wide.json()["error"]["code"] == "too_many_elements"
+        assert wide.status_code == 400 and wide.json()["error"]["code"] == "too_many_values"
         assert chat(gateway.url).status_code == 200
 
 

@@ -4,6 +4,7 @@ re-serialised (the bytes go upstream as the client sent them).
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -37,17 +38,21 @@ class Limits:
 
     depth: int = 64
     """Nesting of arrays and objects."""
-    containers: int = 200_000
-    """Arrays and objects (counted as bytes `[` and `{`, before the body is parsed)."""
+    values: int = 300_000
+    """JSON values, bounded before the body is parsed by its commas, `[` and `{` (every value
+    but a container's first follows a comma; commas inside strings only add)."""
     messages: int = 10_000
+    prompts: int = 2_048
+    """Prompts in one completions or embeddings batch."""
     session_key_bytes: int = 512
 
     @classmethod
     def of(cls, settings: Settings) -> Limits:
         return cls(
             settings.max_json_depth,
-            settings.max_json_elements,
+            settings.max_json_values,
             settings.max_messages,
+            settings.max_batch_prompts,
             settings.max_session_key_bytes,
         )
 
@@ -77,17 +82,23 @@ def parse_request(
     tenant: str | None = None,
 ) -> RoutingInput:
     """What routing needs of `body`; a `BadRequest` for anything malformed or past `limits`
-    (the containers are counted before the body is parsed, its depth before it is walked)."""
+    (its values are counted before it is parsed, its depth checked before it is walked)."""
     containers = body.count(b"[") + body.count(b"{")
-    if containers > limits.containers:
+    if containers + body.count(b",") > limits.values:
         raise BadRequest(
-            f"request body holds more than {limits.containers} arrays and objects",
-            code="too_many_elements",
+            f"request body holds more than {limits.values} values", code="too_many_values"
         )
+    # A parsed body holds no cycles: the collector, run again and again while millions of
+    # objects are made, would only slow the parse (and the event loop) down.
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    finally:
+        if collecting:
+            gc.enable()
     if not isinstance(payload, dict):
         raise BadRequest("request body must be a JSON object", code="invalid_type")
     if containers > limits.depth:  # fewer brackets than the limit cannot nest deeper
@@ -108,9 +119,11 @@ def parse_request(
     if endpoint is Endpoint.CHAT:
         canonical, distinct_from = _chat_canonical(payload, limits.messages)
     elif endpoint is Endpoint.COMPLETIONS:
-        canonical, distinct_from = _completion_canonical(payload.get("prompt"), "prompt"), 0
+        prompt = payload.get("prompt")
+        canonical, distinct_from = _completion_canonical(prompt, "prompt", limits.prompts), 0
     else:
-        canonical, distinct_from = _completion_canonical(payload.get("input"), "input"), 0
+        given = payload.get("input")
+        canonical, distinct_from = _completion_canonical(given, "input", limits.prompts), 0
 
     return RoutingInput(
         endpoint=endpoint,
@@ -217,10 +230,14 @@ def _chat_canonical(payload: dict[str, Any], max_messages: int) -> tuple[bytes, 
     return b"".join(parts), max(distinct_from, 0)
 
 
-def _completion_canonical(prompt: Any, name: str) -> bytes:
+def _completion_canonical(prompt: Any, name: str, max_prompts: int) -> bytes:
     if isinstance(prompt, str):
         return prompt.encode()
     if isinstance(prompt, list) and prompt:
+        if not isinstance(prompt[0], int) and len(prompt) > max_prompts:
+            raise BadRequest(
+                f"{name} holds more than {max_prompts} prompts", param=name, code="too_many_prompts"
+            )
         if all(isinstance(item, str) for item in prompt):
             return text_prompts(prompt)
         if all(isinstance(item, int) and not isinstance(item, bool) for item in prompt):
