@@ -72,7 +72,9 @@ class Settings:
         " stream, to find it cached instead of computing it again (0: never wait)",
     )
     default_model: str = _opt("", "model used when a request names none")
-    max_body_bytes: int = _opt(32 * 1024 * 1024, "largest request body accepted")
+    max_body_bytes: int = _opt(
+        8 * 1024 * 1024, "largest request body accepted (413 beyond; see docs/reliability.md)"
+    )
     connect_timeout: float = _opt(3.0, "seconds to connect to a replica")
     first_byte_timeout: float = _opt(
         600.0, "seconds from sending a request to a replica to its first body byte (prefill)"
@@ -111,6 +113,23 @@ class Settings:
     max_queue: int = _opt(512, "requests waiting for a slot at most; beyond, a 429")
     queue_timeout: float = _opt(5.0, "seconds a request may wait for a slot before a 429")
     max_header_bytes: int = _opt(32768, "largest request line plus headers accepted (431 beyond)")
+    max_headers: int = _opt(100, "most header lines in one request (431 beyond)")
+    head_timeout: float = _opt(
+        10.0,
+        "seconds from a request's first byte (or a new connection) to the end of its headers"
+        " (408 beyond)",
+    )
+    body_timeout: float = _opt(
+        30.0, "seconds from the end of a request's headers to the end of its body (408 beyond)"
+    )
+    max_pending_body_bytes: int = _opt(
+        256 * 1024 * 1024,
+        "bytes of request bodies held at once by requests not yet admitted: being read or"
+        " queued for a slot (429 beyond)",
+    )
+    max_connections: int = _opt(
+        4096, "client connections open at once; more are answered 503 and closed"
+    )
     max_json_depth: int = _opt(64, "deepest nesting of arrays and objects in a request body")
     max_json_values: int = _opt(
         300_000,
@@ -232,6 +251,8 @@ class Settings:
 
     def _validate_reliability(self) -> None:
         timeouts = (
+            self.head_timeout,
+            self.body_timeout,
             self.connect_timeout,
             self.first_byte_timeout,
             self.stream_idle_timeout,
@@ -246,9 +267,14 @@ class Settings:
             self.healthy_threshold,
             self.failure_threshold,
             self.max_concurrency,
+            self.max_connections,
+            self.max_headers,
         )
         if min(counts) < 1:
-            raise ConfigError("max_attempts, thresholds and max_concurrency must be at least 1")
+            raise ConfigError(
+                "max_attempts, thresholds, max_concurrency, max_connections and max_headers"
+                " must be at least 1"
+            )
         waits = (
             self.max_queue,
             self.queue_timeout,
@@ -274,6 +300,8 @@ class Settings:
             raise ConfigError("every max_* limit must be at least 1")
         if self.isolate_tenants and not self.api_key:
             raise ConfigError("isolate_tenants needs client API keys (--api-key): keys are tenants")
+        if self.max_pending_body_bytes < self.max_body_bytes:
+            raise ConfigError("max_pending_body_bytes must be at least max_body_bytes")
 
 
 def _env_name(f: dataclasses.Field[Any]) -> str:

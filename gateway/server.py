@@ -1,6 +1,7 @@
-"""Serving the gateway with uvicorn: request heads bounded by `--max-header-bytes` (431 past
-it) and the graceful shutdown of docs/reliability.md. Under `--workers` each worker also names
-itself in a header, publishes its gauges and stops when its supervisor is gone.
+"""Serving the gateway with uvicorn: every request head bounded from its first byte (bytes,
+header lines, time), a cap on connections, and the graceful shutdown of docs/reliability.md.
+Under `--workers` each worker also names itself in a header, publishes its gauges and stops
+when its supervisor is gone.
 """
 
 from __future__ import annotations
@@ -9,20 +10,24 @@ import asyncio
 import logging
 import math
 import os
+import resource
 import signal
 import socket
 import time
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.app import GatewayApp
 from gateway.config import Settings
 from gateway.control.gauges import publish_scrape_gauges
-from gateway.errors import BadRequest, GatewayError, HeadersTooLarge
+from gateway.errors import render_error
 from gateway.proxy.access_log import flush_access_log
+
+log = logging.getLogger("gateway.server")
 
 WORKER_HEADER = "x-gateway-worker"
 
@@ -36,6 +41,16 @@ class WorkerRole:
     listener: socket.socket
 
 
+@dataclass(frozen=True)
+class HeadLimits:
+    """What a connection may send before its request exists."""
+
+    max_bytes: int
+    max_headers: int
+    timeout: float
+    max_connections: int
+
+
 def configure_logging(level: str) -> None:
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -45,6 +60,12 @@ def configure_logging(level: str) -> None:
 
 def serve(app: GatewayApp, settings: Settings, worker: WorkerRole | None = None) -> None:
     """Serve until a signal has ended the shutdown; blocks."""
+    limits = HeadLimits(
+        settings.max_header_bytes,
+        settings.max_headers,
+        settings.head_timeout,
+        _connection_cap(settings),
+    )
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -52,12 +73,11 @@ def serve(app: GatewayApp, settings: Settings, worker: WorkerRole | None = None)
         log_level=settings.log_level,
         access_log=False,
         loop="auto",
-        http=_http_protocol(settings.max_header_bytes),
+        http=_http_protocol(limits, Refusals(app)),
         ws="none",
         lifespan="on",
         # Whole seconds in uvicorn's interface.
         timeout_graceful_shutdown=math.ceil(settings.shutdown_grace),
-        h11_max_incomplete_event_size=settings.max_header_bytes,
         # The proxied replica's own Date and Server headers pass through unchanged.
         server_header=False,
         date_header=False,
@@ -66,7 +86,7 @@ def serve(app: GatewayApp, settings: Settings, worker: WorkerRole | None = None)
         proxy_headers=bool(settings.trusted_proxies),
         forwarded_allow_ips=list(settings.trusted_proxies) or None,
     )
-    server = GatewayServer(config, app, settings.shutdown_delay, worker)
+    server = GatewayServer(config, app, settings.shutdown_delay, worker, settings.head_timeout)
     server.run(sockets=[worker.listener] if worker is not None else None)
 
 
@@ -77,8 +97,11 @@ class GatewayServer(uvicorn.Server):
         app: GatewayApp,
         shutdown_delay: float,
         worker: WorkerRole | None = None,
+        head_timeout: float = 10.0,
     ) -> None:
         super().__init__(config)
+        # uvicorn ticks every 0.1 s; heads are checked an eighth of their timeout apart.
+        self._head_ticks = max(1, min(10, round(head_timeout / 8 / 0.1)))
         self._app = app
         self._delay = shutdown_delay
         self._exit_at: float | None = None
@@ -98,11 +121,19 @@ class GatewayServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         flush_access_log()
+        if counter % self._head_ticks == 0:
+            self._expire_heads()
         if self._exit_at is not None and not self.should_exit and time.monotonic() >= self._exit_at:
             super().handle_exit(self._exit_signal, None)
         if self._worker is not None and counter % 10 == 0:
             self._worker_tick(self._worker)
         return await super().on_tick(counter)
+
+    def _expire_heads(self) -> None:
+        now = asyncio.get_running_loop().time()
+        for connection in tuple(self.server_state.connections):
+            if isinstance(connection, BoundedHttpToolsProtocol):
+                connection.expire_head(now)
 
     def _worker_tick(self, worker: WorkerRole) -> None:
         if os.getppid() != worker.supervisor_pid and not self._orphaned:
@@ -114,51 +145,172 @@ class GatewayServer(uvicorn.Server):
             publish_scrape_gauges(components)
 
 
-def _http_protocol(max_header_bytes: int) -> type[asyncio.Protocol] | str:
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-    except ImportError:  # no httptools: h11, bounded by h11_max_incomplete_event_size
-        return "h11"
+class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP/1.1 protocol with each request head bounded in bytes, lines and time.
 
-    class BoundedHttpToolsProtocol(HttpToolsProtocol):
-        _head_bytes = 0
-        _head_too_large = False
+    Head bytes are counted in `data_received`, before httptools buffers them (it keeps a
+    header line until it ends): a chunk that would take the head past its limit is fed only up
+    to it, and the request is refused if the head has not ended there. The time limit is
+    checked by the server's tick (`expire_head`), so a request costs no timer.
+    """
 
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            super().connection_made(CoalescingTransport(transport))  # type: ignore[arg-type]
+    limits: ClassVar[HeadLimits]
+    refusals: ClassVar[Refusals]
 
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self._head_bytes = 0
+    _in_head = True
+    """The next bytes belong to a request head."""
+    _head_bytes = 0
+    _head_lines = 0
+    _head_since = 0.0
+    """When the head under way began (loop time), 0 when none is."""
 
-        def on_url(self, url: bytes) -> None:
-            self._count(len(url))
-            super().on_url(url)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(CoalescingTransport(transport))  # type: ignore[arg-type]
+        if len(self.connections) > self.limits.max_connections:
+            self._refuse(
+                503,
+                "service_unavailable",
+                "too_many_connections",
+                "the gateway has as many connections open as it may; retry later",
+            )
+            return
+        self._head_since = self.loop.time()
 
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._count(len(name) + len(value))
-            super().on_header(name, value)
+    def data_received(self, data: bytes) -> None:
+        if self._in_head:
+            if not self._head_since:
+                self._head_since = self.loop.time()
+            room = self.limits.max_bytes - self._head_bytes
+            if len(data) > room:
+                self._past_limit(data, room)
+                return
+            self._head_bytes += len(data)
+        super().data_received(data)
 
-        def _count(self, size: int) -> None:
-            self._head_bytes += size
-            if self._head_bytes > max_header_bytes:
-                # Raised inside the parser: uvicorn answers through send_400_response.
-                self._head_too_large = True
-                raise ValueError("request head too large")
+    def _past_limit(self, data: bytes | memoryview, room: int) -> None:
+        """`data` takes the head past its limit unless the head ends in its first `room` bytes."""
+        view = memoryview(data)
+        self._head_bytes = self.limits.max_bytes
+        super().data_received(cast(bytes, view[:room]))
+        if self.transport.is_closing():
+            return
+        if self._in_head and self._head_bytes:  # still the same head: it did not end in time
+            self._refuse(
+                431,
+                "invalid_request_error",
+                "headers_too_large",
+                f"the request line and headers exceed {self.limits.max_bytes} bytes",
+            )
+            return
+        self.data_received(cast(bytes, view[room:]))
 
-        def send_400_response(self, msg: str) -> None:
-            error: GatewayError
-            if self._head_too_large:
-                error = HeadersTooLarge(
-                    f"the request line and headers exceed {max_header_bytes} bytes",
-                    code="headers_too_large",
-                )
-            else:
-                error = BadRequest("invalid HTTP request", code="invalid_http")
-            self.transport.write(_error_response(error))
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_lines += 1
+        if self._head_lines > self.limits.max_headers:
+            raise ValueError("too many header lines")  # the parser fails: send_400_response
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_since = 0.0
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._in_head = True
+        self._head_bytes = self._head_lines = 0
+
+    def expire_head(self, now: float) -> None:
+        """Close the connection if its head has taken longer than the head timeout."""
+        since = self._head_since
+        if not since or now - since <= self.limits.timeout:
+            return
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            return  # a response is still being written: a head pipelined behind it waits
+        self._head_since = 0.0
+        if not self._head_bytes:  # nothing was sent: nothing to answer
             self.transport.close()
+            return
+        self._refuse(
+            408,
+            "invalid_request_error",
+            "head_timeout",
+            f"the request line and headers did not arrive within {self.limits.timeout:g} s",
+        )
 
-    return BoundedHttpToolsProtocol
+    def send_400_response(self, msg: str) -> None:
+        if self._head_lines > self.limits.max_headers:
+            self._refuse(
+                431,
+                "invalid_request_error",
+                "too_many_headers",
+                f"the request has more than {self.limits.max_headers} header lines",
+            )
+        else:
+            self._refuse(400, "invalid_request_error", "invalid_http", "invalid HTTP request")
+
+    def _refuse(self, status: int, error_type: str, code: str, message: str) -> None:
+        """Answer in the OpenAI error shape and close the connection (only close it when a
+        response to an earlier request is still being written)."""
+        self._in_head = False
+        self._head_since = 0.0
+        if not self.transport.is_closing():
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete:
+                body = render_error(message, error_type, None, code)
+                self.transport.write(_error_response(status, body))
+            self.transport.close()
+        self.refusals.count(status, code)
+
+
+class Refusals:
+    """Counts what the protocol refuses in `gateway_rejected_requests_total`, once it exists."""
+
+    def __init__(self, app: GatewayApp) -> None:
+        self._app = app
+
+    def count(self, status: int, code: str) -> None:
+        components = self._app.components
+        if components is not None:
+            components.metrics.rejected.labels(str(status), code).inc()
+
+
+def _http_protocol(limits: HeadLimits, refusals: Refusals) -> type[BoundedHttpToolsProtocol]:
+    """The protocol class uvicorn makes per connection, bound to these limits."""
+    return type(
+        "BoundedHttpToolsProtocol",
+        (BoundedHttpToolsProtocol,),
+        {"limits": limits, "refusals": refusals},
+    )
+
+
+_FILES_RESERVE = 256
+"""Open files kept for everything but connections: listeners, logs, probes, discovery."""
+
+
+def _connection_cap(settings: Settings) -> int:
+    """`--max-connections`, within the open-file limit (raised towards its hard limit) less
+    what upstream and Redis connections need: without those, replicas would look down."""
+    others = settings.max_concurrency + settings.redis_max_connections + _FILES_RESERVE
+    needed = settings.max_connections + others
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        raised = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        if raised > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        cap = max(16, soft - others)
+        log.warning(
+            "the open-file limit (%d) leaves room for %d client connections, not the %d of"
+            " --max-connections; raise `ulimit -n`",
+            soft,
+            cap,
+            settings.max_connections,
+        )
+        return cap
+    return settings.max_connections
 
 
 class CoalescingTransport:
@@ -201,15 +353,19 @@ class CoalescingTransport:
         return getattr(self._transport, name)
 
 
-def _error_response(error: GatewayError) -> bytes:
-    body = error.body()
-    head: list[Any] = [
-        f"HTTP/1.1 {error.status} {_PHRASES.get(error.status, '')}\r\n".encode(),
-        b"content-type: application/json\r\n",
-        b"content-length: " + str(len(body)).encode() + b"\r\n",
-        b"connection: close\r\n\r\n",
-    ]
-    return b"".join(head) + body
+def _error_response(status: int, body: bytes) -> bytes:
+    head = (
+        f"HTTP/1.1 {status} {_PHRASES.get(status, '')}\r\n"
+        "content-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n"
+        "connection: close\r\n\r\n"
+    )
+    return head.encode() + body
 
 
-_PHRASES = {400: "Bad Request", 431: "Request Header Fields Too Large"}
+_PHRASES = {
+    400: "Bad Request",
+    408: "Request Timeout",
+    431: "Request Header Fields Too Large",
+    503: "Service Unavailable",
+}

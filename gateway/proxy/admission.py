@@ -1,6 +1,9 @@
 """Admission: at most `limit` requests proxied at once and `queue_limit` more waiting (FIFO, at
 most `queue_timeout` s); beyond that, refused at once. A finished request hands its slot to
 the oldest waiter. The fast path is one comparison and one increment.
+
+A request is admitted once its body is in, so that a slow client holds no slot; until then its
+body counts against `PendingBodies`, one budget for every request not yet admitted.
 """
 
 from __future__ import annotations
@@ -70,3 +73,28 @@ class Admission:
     def _discard(self, waiter: asyncio.Future[None]) -> None:
         with contextlib.suppress(ValueError):
             self._waiters.remove(waiter)
+
+
+class PendingBodies:
+    """The bytes of request bodies held by requests not yet admitted, all of them together."""
+
+    __slots__ = ("held", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def fits(self, size: int) -> bool:
+        """Whether `size` more bytes would stay within the budget now."""
+        return self.held + size <= self.limit
+
+    def take(self, size: int) -> bool:
+        """Count `size` bytes against the budget, unless they would pass it."""
+        held = self.held + size
+        if held > self.limit:
+            return False
+        self.held = held
+        return True
+
+    def release(self, size: int) -> None:
+        self.held -= size

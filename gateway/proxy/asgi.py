@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from gateway.errors import BadRequest, GatewayError, PayloadTooLarge
+from gateway.errors import BadRequest, GatewayError, Overloaded, PayloadTooLarge
+from gateway.proxy.admission import PendingBodies
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -23,22 +24,40 @@ def header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
     return None
 
 
-async def read_body(receive: Receive, limit: int) -> bytes:
+async def read_body(receive: Receive, limit: int, pending: PendingBodies) -> bytes:
+    """The whole body, at most `limit` bytes, each chunk counted against `pending` as it comes.
+
+    On success the body's bytes stay counted (the caller releases them once the request is
+    admitted); on any failure they are released here.
+    """
     chunks: list[bytes] = []
     size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise BadRequest("client disconnected before sending the body", code="disconnected")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(
-                f"request body exceeds the limit of {limit} bytes", code="body_too_large"
-            )
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    try:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise BadRequest("client disconnected before sending the body", code="disconnected")
+            chunk = message.get("body", b"")
+            if size + len(chunk) > limit:
+                raise PayloadTooLarge(
+                    f"request body exceeds the limit of {limit} bytes", code="body_too_large"
+                )
+            if not pending.take(len(chunk)):
+                raise too_many_pending_bodies()
+            size += len(chunk)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    except BaseException:
+        pending.release(size)
+        raise
+
+
+def too_many_pending_bodies() -> Overloaded:
+    return Overloaded(
+        "the gateway holds as many request bodies as it may while they arrive; retry later",
+        code="pending_bodies",
+    )
 
 
 async def send_error(

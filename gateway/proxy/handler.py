@@ -1,5 +1,6 @@
 """The proxy path: one lean ASGI handler for the OpenAI inference endpoints, which takes a
-request one way through (docs/architecture.md).
+request one way through (docs/architecture.md). The body is read before admission, so that a
+slow client holds no slot; a client's `x-request-id` is used only if it is a short token.
 """
 
 from __future__ import annotations
@@ -9,14 +10,17 @@ import contextlib
 import dataclasses
 import itertools
 import os
+import re
 import time
 import uuid
 
 from gateway.auth import TENANT
 from gateway.config import Settings
 from gateway.errors import (
+    BadRequest,
     GatewayError,
     Overloaded,
+    PayloadTooLarge,
     RequestTimeout,
     ShuttingDown,
     UpstreamTimeout,
@@ -30,8 +34,8 @@ from gateway.prompt.parsing import (
     session_hash,
 )
 from gateway.proxy.access_log import AccessLog
-from gateway.proxy.admission import Admission
-from gateway.proxy.asgi import Receive, Scope, Send, header, read_body
+from gateway.proxy.admission import Admission, PendingBodies
+from gateway.proxy.asgi import Receive, Scope, Send, header, read_body, too_many_pending_bodies
 from gateway.proxy.deadlines import DeadlineWatch, Exchange, Interrupted, Why
 from gateway.proxy.forwarder import Forwarder
 from gateway.proxy.reply import Headers, Reply
@@ -39,6 +43,9 @@ from gateway.routing.router import Router
 from gateway.routing.types import Decision
 
 _RETRY_AFTER = (b"retry-after", b"1")
+_CLOSE = (b"connection", b"close")
+"""On an answer given before the body was read whole: the rest of it is not waited for."""
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 class RequestIds:
@@ -69,8 +76,14 @@ class ProxyHandler:
         self._access_log = AccessLog(settings)
         self._request_ids = RequestIds()
         self._limits = Limits.of(settings)
+        self._pending = PendingBodies(settings.max_pending_body_bytes)
         self.deadlines = DeadlineWatch(
-            min(settings.first_byte_timeout, settings.stream_idle_timeout, settings.request_timeout)
+            min(
+                settings.body_timeout,
+                settings.first_byte_timeout,
+                settings.stream_idle_timeout,
+                settings.request_timeout,
+            )
         )
 
     def start(self) -> None:
@@ -81,27 +94,40 @@ class ProxyHandler:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers: list[tuple[bytes, bytes]] = scope["headers"]
-        request_id = header(headers, b"x-request-id") or self._request_ids.next()
+        request_id = _client_request_id(headers) or self._request_ids.next()
         reply = Reply(send)
-        admission = self._admission
-        if not admission.try_enter():
-            refused = await admission.enter()
-            if refused is not None:
-                error = Overloaded(
-                    "the gateway is at its concurrency limit and its queue is full; retry later"
-                    if refused == "overloaded"
-                    else "no capacity was freed in time; retry later",
-                    code=refused,
-                )
-                await self._reject(scope, request_id, error, reply, [_RETRY_AFTER])
-                return
         task = asyncio.current_task()
         assert task is not None
         exchange = Exchange(task, time.monotonic(), self._settings.request_timeout)
         self.deadlines.add(exchange)
+        pending = 0  # bytes of this request's body still counted against the pending budget
+        admission = self._admission
+        admitted = False
         try:
             with exchange.guard():
-                await self._handle(scope, receive, headers, request_id, exchange, reply)
+                try:
+                    body = await self._read_body(headers, receive, exchange)
+                except GatewayError as refused:
+                    extra = [_CLOSE, _RETRY_AFTER] if refused.status == 429 else [_CLOSE]
+                    await self._reject(scope, request_id, refused, reply, extra)
+                    return
+                pending = len(body)
+                if not admission.try_enter():
+                    cause = await admission.enter()
+                    if cause is not None:
+                        error = Overloaded(
+                            "the gateway is at its concurrency limit and its queue is full;"
+                            " retry later"
+                            if cause == "overloaded"
+                            else "no capacity was freed in time; retry later",
+                            code=cause,
+                        )
+                        await self._reject(scope, request_id, error, reply, [_RETRY_AFTER])
+                        return
+                admitted = True
+                self._pending.release(pending)
+                pending = 0
+                await self._handle(scope, receive, headers, body, request_id, exchange, reply)
         except Interrupted as stop:  # its time ran out before it was forwarded
             late = UpstreamTimeout(f"the request ran out of time ({stop.why.value})")
             await self._reject(scope, request_id, late, reply)
@@ -115,30 +141,52 @@ class ProxyHandler:
         finally:
             exchange.finish()
             self.deadlines.discard(exchange)
-            admission.leave()
+            if admitted:
+                admission.leave()
+            self._pending.release(pending)
+
+    async def _read_body(
+        self, headers: list[tuple[bytes, bytes]], receive: Receive, exchange: Exchange
+    ) -> bytes:
+        """The whole body within `--body-timeout`; one declared too large is refused unread."""
+        settings = self._settings
+        declared = header(headers, b"content-length")
+        if declared is not None:
+            try:
+                length = int(declared)
+            except ValueError:
+                raise BadRequest("invalid content-length", code="invalid_http") from None
+            if length > settings.max_body_bytes:
+                raise PayloadTooLarge(
+                    f"request body exceeds the limit of {settings.max_body_bytes} bytes",
+                    code="body_too_large",
+                )
+            if not self._pending.fits(length):
+                raise too_many_pending_bodies()
+        exchange.expect(Why.BODY, settings.body_timeout)
+        try:
+            with exchange.guard():
+                body = await read_body(receive, settings.max_body_bytes, self._pending)
+        except Interrupted as stop:
+            if stop.why is not Why.BODY:
+                raise
+            raise RequestTimeout(
+                "the request body did not arrive in time", code="body_timeout"
+            ) from None
+        exchange.due = exchange.deadline
+        return body
 
     async def _handle(
         self,
         scope: Scope,
         receive: Receive,
         headers: list[tuple[bytes, bytes]],
+        body: bytes,
         request_id: str,
         exchange: Exchange,
         reply: Reply,
     ) -> None:
-        settings = self._settings
         try:
-            exchange.expect(Why.BODY, settings.stream_idle_timeout)
-            try:
-                with exchange.guard():
-                    body = await read_body(receive, settings.max_body_bytes)
-            except Interrupted as stop:
-                if stop.why is not Why.BODY:
-                    raise
-                raise RequestTimeout(
-                    "the request body did not arrive in time", code="body_timeout"
-                ) from None
-            exchange.due = exchange.deadline
             request, issued = self._parse(scope["path"], headers, body, scope.get(TENANT))
             routed = await self._router.route(request)
         except GatewayError as error:
@@ -219,6 +267,14 @@ class ProxyHandler:
             cookie = f"{self._settings.sticky_cookie}={issued}"
             headers.append((b"set-cookie", f"{cookie}; Path=/; HttpOnly; SameSite=Lax".encode()))
         return headers
+
+
+def _client_request_id(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The client's `x-request-id` if it is a short token safe to log and forward, else None."""
+    given = header(headers, b"x-request-id")
+    if given is not None and _REQUEST_ID.fullmatch(given):
+        return given
+    return None
 
 
 def _cookie_value(headers: list[tuple[bytes, bytes]], name: str) -> str | None:

@@ -1,0 +1,356 @@
+"""Attacks on the request edge: what each costs the gateway, and whether it keeps serving.
+
+Two emulated replicas for the whole run and, for each attack, a fresh gateway with default
+settings in front of them (a memory peak is only honest on a fresh process). While an attack
+runs, a separate process polls `/health` and sends normal requests. One table row per attack:
+the gateway's peak resident memory above where it stood before (VmHWM, reset before the
+attack, less VmRSS), the longest `/health` round trip, and how many normal requests succeeded.
+
+    python loadtest/attacks.py
+    python loadtest/attacks.py --attacks header_flood,slow_heads
+
+An attack is an `Attack` in `ATTACKS`: a name, the words for what it sends, and a coroutine
+that runs it against the gateway and says what the gateway answered. One with no coroutine
+is a row still to be measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import multiprocessing
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gateway.config import Settings
+from gateway.emulator.replicas import EmulatedReplicas
+from tests.support import GatewayProcess
+
+MODEL = "emulated-model"
+MIB = 2**20
+DEFAULTS = Settings()
+LIMIT = f"{DEFAULTS.max_body_bytes / MIB:g} MiB"
+
+
+@dataclass(frozen=True)
+class Target:
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class Attack:
+    name: str
+    sends: str
+    """What the attack sends, in words."""
+    run: Callable[[Target], Awaitable[str]] | None
+    """Runs the attack; returns what the gateway answered, in words. None: not measured yet."""
+
+
+@dataclass(frozen=True)
+class Watched:
+    """What a watcher saw beside an attack."""
+
+    health_delay_ms: float
+    normal_ok: int
+    normal_sent: int
+
+
+# --- the attacks ---------------------------------------------------------------------------
+
+
+def _body_at_limit(items: bytes, filler: bytes) -> bytes:
+    """A chat body of exactly the default body limit: `items`, then `filler` repeated, in a
+    `metadata` array the gateway does not read (its parser still builds every element)."""
+    head = b'{"model":"' + MODEL.encode() + b'","max_tokens":1,'
+    head += b'"messages":[{"role":"user","content":"hi"}],"metadata":[' + items
+    count = (DEFAULTS.max_body_bytes - len(head) - 2 + 1) // len(filler)
+    body = head + (filler * count)[:-1] + b"]}"
+    return body + b" " * (DEFAULTS.max_body_bytes - len(body))
+
+
+def _arrays_then_strings() -> bytes:
+    """As many empty arrays as the element cap allows (the envelope holds 4), then strings."""
+    return _body_at_limit(b"[]," * (DEFAULTS.max_json_elements - 4), b'"a",')
+
+
+def _strings() -> bytes:
+    return _body_at_limit(b"", b'"a",')
+
+
+def _messages() -> bytes:
+    """As many messages as the message cap allows, sharing the body limit between them."""
+    head = b'{"model":"' + MODEL.encode() + b'","max_tokens":1,"messages":['
+    empty = b'{"role":"user","content":""},'
+    count = DEFAULTS.max_messages
+    content = (DEFAULTS.max_body_bytes - len(head) - 2 - count * len(empty)) // count
+    message = empty.replace(b'""', b'"' + b"m" * content + b'"')
+    body = head + (message * count)[:-1] + b"]}"
+    return body + b" " * (DEFAULTS.max_body_bytes - len(body))
+
+
+async def _post(target: Target, body: bytes) -> int:
+    reader, writer = await asyncio.open_connection(target.host, target.port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+    )
+    writer.write(body)
+    await writer.drain()
+    answer = await reader.read()
+    writer.close()
+    return int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.1 ") else 0
+
+
+def _largest_body(make: Callable[[], bytes]) -> Callable[[Target], Awaitable[str]]:
+    async def run(target: Target) -> str:
+        body = make()
+        statuses = Counter([await _post(target, body) for _ in range(3)])
+        return _tally(statuses)
+
+    return run
+
+
+async def _stream_header_line(target: Target) -> tuple[str, int]:
+    """A 64 MiB header line in 64 KiB pieces, until the gateway answers or closes."""
+    reader, writer = await asyncio.open_connection(target.host, target.port)
+    answer = asyncio.create_task(reader.read(64))
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-padding: ")
+    piece, sent = b"b" * 65536, 0
+    try:
+        while sent < 64 * MIB and not answer.done():
+            writer.write(piece)
+            await writer.drain()
+            sent += len(piece)
+    except ConnectionError:
+        pass
+    try:
+        head = await asyncio.wait_for(answer, 10)
+    except (TimeoutError, ConnectionError):
+        head = b""
+    writer.close()
+    return _status_of(head), sent
+
+
+async def header_flood(target: Target) -> str:
+    statuses: Counter[str] = Counter()
+    sent: list[int] = []
+    ends = time.monotonic() + 5
+
+    async def one_client() -> None:
+        while time.monotonic() < ends:
+            status, count = await _stream_header_line(target)
+            statuses[status] += 1
+            sent.append(count)
+
+    await asyncio.gather(*(one_client() for _ in range(32)))
+    return f"{_tally(statuses)}; at most {max(sent) / MIB:.1f} MiB sent on one connection"
+
+
+async def _hold(target: Target, first: bytes, drip: bytes, every: float, seconds: float) -> str:
+    """Send `first`, then `drip` every `every` seconds for `seconds`; what the gateway said."""
+    try:
+        reader, writer = await asyncio.open_connection(target.host, target.port)
+    except OSError:
+        return "not connected"
+    answer = asyncio.create_task(reader.read(4096))
+    writer.write(first)
+    ends = time.monotonic() + seconds
+    try:
+        while time.monotonic() < ends and not answer.done():
+            await asyncio.sleep(every)
+            writer.write(drip)
+            await writer.drain()
+    except ConnectionError:
+        pass
+    if not answer.done():
+        answer.cancel()
+        writer.close()
+        return "still open"
+    writer.close()
+    try:
+        head = answer.result()
+    except ConnectionError:
+        return "reset"
+    return _status_of(head)
+
+
+async def slow_heads(target: Target) -> str:
+    first = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-slow: "
+    seconds = DEFAULTS.head_timeout + 3
+    results = await asyncio.gather(*(_hold(target, first, b"s", 1.0, seconds) for _ in range(2000)))
+    return _tally(Counter(results))
+
+
+async def slow_bodies(target: Target) -> str:
+    first = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b'content-length: %d\r\n\r\n{"model":' % DEFAULTS.max_body_bytes
+    )
+    results = await asyncio.gather(*(_hold(target, first, b" ", 1.0, 8) for _ in range(500)))
+    return _tally(Counter(results))
+
+
+async def bodies_filling_the_budget(target: Target) -> str:
+    size = DEFAULTS.max_body_bytes - MIB
+    first = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % DEFAULTS.max_body_bytes
+    ) + b" " * size
+    results = await asyncio.gather(*(_hold(target, first, b" ", 1.0, 6) for _ in range(48)))
+    return _tally(Counter(results))
+
+
+ATTACKS = [
+    Attack("none", "normal requests only", None),
+    Attack(
+        "largest_body_arrays",
+        f'3 bodies of {LIMIT}: {DEFAULTS.max_json_elements:,} `[]`, then `"a"` elements',
+        _largest_body(_arrays_then_strings),
+    ),
+    Attack(
+        "largest_body_strings",
+        f'3 bodies of {LIMIT} of `"a"` elements',
+        _largest_body(_strings),
+    ),
+    Attack(
+        "largest_body_messages",
+        f"3 bodies of {LIMIT}: {DEFAULTS.max_messages:,} messages",
+        _largest_body(_messages),
+    ),
+    Attack("header_flood", "32 clients streaming 64 MiB header lines, for 5 s", header_flood),
+    Attack(
+        "slow_heads",
+        f"2,000 heads, a byte a second, for {DEFAULTS.head_timeout + 3:g} s",
+        slow_heads,
+    ),
+    Attack("slow_bodies", "500 bodies, a byte a second, for 8 s", slow_bodies),
+    Attack(
+        "bodies_filling_the_budget",
+        f"48 bodies sending {(DEFAULTS.max_body_bytes - MIB) / MIB:g} MiB, then a byte a second",
+        bodies_filling_the_budget,
+    ),
+    Attack("session_key_flood", "session-key floods (to be measured)", None),
+    Attack("long_prompt_redis", "a long prompt with Redis (to be measured)", None),
+]
+MEASURED_EMPTY = {"none"}
+"""Rows measured with no attack at all: the baseline of the others."""
+
+
+def _status_of(head: bytes) -> str:
+    return head.split(b" ", 2)[1].decode() if head.startswith(b"HTTP/1.1 ") else "reset"
+
+
+def _tally(counts: Counter[str] | Counter[int]) -> str:
+    return ", ".join(f"{key} ×{count:,}" for key, count in sorted(counts.items(), key=str))
+
+
+# --- watching the gateway ------------------------------------------------------------------
+
+
+def _watch(host: str, port: int, stop: Connection) -> None:
+    """In its own process: poll /health, send a normal request every 0.1 s, until told."""
+    longest = 0.0
+    normal = Counter[str]()
+    done = threading.Event()
+
+    def normal_requests() -> None:
+        body = orjson.dumps(
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        )
+        while not done.is_set():
+            try:
+                connection = http.client.HTTPConnection(host, port, timeout=60)
+                connection.request("POST", "/v1/chat/completions", body)
+                normal[str(connection.getresponse().status)] += 1
+                connection.close()
+            except (OSError, http.client.HTTPException):
+                normal["error"] += 1
+            done.wait(0.1)
+
+    sender = threading.Thread(target=normal_requests)
+    sender.start()
+    while not stop.poll(0.02):
+        began = time.perf_counter()
+        try:
+            connection = http.client.HTTPConnection(host, port, timeout=60)
+            connection.request("GET", "/health")
+            connection.getresponse().read()
+            connection.close()
+        except (OSError, http.client.HTTPException):
+            normal["health_error"] += 1
+        longest = max(longest, time.perf_counter() - began)
+    done.set()
+    sender.join()
+    stop.send(Watched(longest * 1000, normal["200"], sum(normal.values())))
+
+
+def _status_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status", encoding="ascii") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field}")
+
+
+async def measure(attack: Attack, replicas: list[str]) -> str:
+    with GatewayProcess(replicas, "--log-level", "warning") as gateway:
+        target = Target(gateway.host, gateway.port)
+        before = _status_kib(gateway.pid, "VmRSS")
+        with open(f"/proc/{gateway.pid}/clear_refs", "w", encoding="ascii") as refs:
+            refs.write("5")  # VmHWM starts again from VmRSS
+        ours, theirs = multiprocessing.get_context("spawn").Pipe()
+        watcher = multiprocessing.get_context("spawn").Process(
+            target=_watch, args=(gateway.host, gateway.port, theirs)
+        )
+        watcher.start()
+        if attack.run is None:
+            await asyncio.sleep(3)
+            answered = "—"
+        else:
+            answered = await attack.run(target)
+        ours.send("stop")
+        watched: Watched = ours.recv()
+        watcher.join()
+        growth = (_status_kib(gateway.pid, "VmHWM") - before) / 1024
+    return (
+        f"| {attack.name} | {attack.sends} | {answered} | {growth:,.0f} MiB "
+        f"| {watched.health_delay_ms:,.0f} ms | {watched.normal_ok}/{watched.normal_sent} |"
+    )
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--attacks", default=",".join(attack.name for attack in ATTACKS))
+    chosen = parser.parse_args().attacks.split(",")
+    unknown = set(chosen) - {attack.name for attack in ATTACKS}
+    if unknown:
+        parser.error(f"unknown attacks: {', '.join(sorted(unknown))}")
+    print(
+        "| attack | sent | gateway answered | peak RSS growth | longest /health"
+        " | normal requests ok |"
+    )
+    print("|---|---|---|---|---|---|")
+    with EmulatedReplicas(2, MODEL) as fleet:
+        for attack in ATTACKS:
+            if attack.name not in chosen:
+                continue
+            if attack.run is None and attack.name not in MEASURED_EMPTY:
+                print(f"| {attack.name} | {attack.sends} | — | — | — | — |", flush=True)
+                continue
+            print(await measure(attack, fleet.urls), flush=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
