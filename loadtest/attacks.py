@@ -70,23 +70,29 @@ class Watched:
 # --- the attacks ---------------------------------------------------------------------------
 
 
-def _body_at_limit(items: bytes, filler: bytes) -> bytes:
-    """A chat body of exactly the default body limit: `items`, then `filler` repeated, in a
+def _body_at_limit(containers: int) -> bytes:
+    """A chat body of exactly the default body limit, holding as many values as the gateway
+    accepts: `containers` empty arrays, then strings as short as the value cap allows, in a
     `metadata` array the gateway does not read (its parser still builds every element)."""
     head = b'{"model":"' + MODEL.encode() + b'","max_tokens":1,'
-    head += b'"messages":[{"role":"user","content":"hi"}],"metadata":[' + items
-    count = (DEFAULTS.max_body_bytes - len(head) - 2 + 1) // len(filler)
-    body = head + (filler * count)[:-1] + b"]}"
+    head += b'"messages":[{"role":"user","content":"hi"}],"metadata":['
+    # Commas and brackets of the envelope, then two per empty array (`[` and its comma).
+    budget = DEFAULTS.max_json_values - (head.count(b",") + head.count(b"[") + head.count(b"{"))
+    items = b"[]," * containers
+    strings = budget - 2 * containers - 1
+    room = DEFAULTS.max_body_bytes - len(head) - len(items) - 2
+    width = max(1, room // strings - 3)  # `"` + text + `",`
+    filler = b'"' + b"a" * width + b'",'
+    body = head + items + (filler * strings)[:-1] + b"]}"
     return body + b" " * (DEFAULTS.max_body_bytes - len(body))
 
 
 def _arrays_then_strings() -> bytes:
-    """As many empty arrays as the element cap allows (the envelope holds 4), then strings."""
-    return _body_at_limit(b"[]," * (DEFAULTS.max_json_elements - 4), b'"a",')
+    return _body_at_limit(DEFAULTS.max_json_values // 4)
 
 
 def _strings() -> bytes:
-    return _body_at_limit(b"", b'"a",')
+    return _body_at_limit(0)
 
 
 def _messages() -> bytes:
@@ -216,12 +222,13 @@ ATTACKS = [
     Attack("none", "normal requests only", None),
     Attack(
         "largest_body_arrays",
-        f'3 bodies of {LIMIT}: {DEFAULTS.max_json_elements:,} `[]`, then `"a"` elements',
+        f"3 bodies of {LIMIT}, {DEFAULTS.max_json_values:,} values:"
+        f" {DEFAULTS.max_json_values // 4:,} `[]`, then strings",
         _largest_body(_arrays_then_strings),
     ),
     Attack(
         "largest_body_strings",
-        f'3 bodies of {LIMIT} of `"a"` elements',
+        f"3 bodies of {LIMIT}, {DEFAULTS.max_json_values:,} string values",
         _largest_body(_strings),
     ),
     Attack(
