@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import http.client
 import multiprocessing
+import socket
 import sys
 import threading
 import time
@@ -35,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gateway.config import Settings
 from gateway.emulator.replicas import EmulatedReplicas
+from tests.redis_server import RedisServer
 from tests.support import GatewayProcess
 
 MODEL = "emulated-model"
@@ -56,6 +59,8 @@ class Attack:
     """What the attack sends, in words."""
     run: Callable[[Target], Awaitable[str]] | None
     """Runs the attack; returns what the gateway answered, in words. None: not measured yet."""
+    with_redis: bool = False
+    """The gateway shares its state through a Redis of its own, whose PING is timed too."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,7 @@ class Watched:
     health_delay_ms: float
     normal_ok: int
     normal_sent: int
+    redis_ping_ms: float | None = None
 
 
 # --- the attacks ---------------------------------------------------------------------------
@@ -218,6 +224,51 @@ async def bodies_filling_the_budget(target: Target) -> str:
     return _tally(Counter(results))
 
 
+async def _request(target: Target, head: bytes, body: bytes) -> str:
+    reader, writer = await asyncio.open_connection(target.host, target.port)
+    writer.write(head + b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)
+    await writer.drain()
+    answer = await reader.read(64)
+    writer.close()
+    return _status_of(answer)
+
+
+async def session_key_flood(target: Target) -> str:
+    body = orjson.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    )
+    keys = iter(range(20_000))
+    statuses = Counter[str]()
+
+    async def worker() -> None:
+        for number in keys:
+            key = f"{number:08d}".encode() * 64  # 512 characters, every one distinct
+            head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-session-id: " + key
+            statuses[await _request(target, head + b"\r\n", body)] += 1
+
+    await asyncio.gather(*(worker() for _ in range(32)))
+    huge = "k" * (20 * MIB)
+    for _ in range(6):
+        keyed = orjson.dumps({"model": MODEL, "messages": [], "prompt_cache_key": huge})
+        plain = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+        statuses[await _request(target, plain, keyed)] += 1
+    return _tally(statuses)
+
+
+async def long_prompts(target: Target) -> str:
+    words = " ".join(f"w{index % 9973}" for index in range(DEFAULTS.max_prompt_tokens))
+    statuses = Counter[str]()
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+    for number in range(4):
+        body = orjson.dumps({"model": MODEL, "prompt": f"{number} {words}", "max_tokens": 1})
+        statuses[await _request(target, head, body)] += 1
+    filler = b"x " * (DEFAULTS.max_body_bytes // 2 - 64)
+    for _ in range(3):
+        body = b'{"model":"' + MODEL.encode() + b'","max_tokens":1,"prompt":"' + filler + b'"}'
+        statuses[await _request(target, head, body)] += 1
+    return _tally(statuses)
+
+
 ATTACKS = [
     Attack("none", "normal requests only", None),
     Attack(
@@ -248,9 +299,21 @@ ATTACKS = [
         f"48 bodies sending {(DEFAULTS.max_body_bytes - MIB) / MIB:g} MiB, then a byte a second",
         bodies_filling_the_budget,
     ),
-    Attack("session_key_flood", "session-key floods (to be measured)", None),
-    Attack("long_prompt_redis", "a long prompt with Redis (to be measured)", None),
+    Attack(
+        "session_key_flood",
+        "20,000 requests with 20,000 session keys of 512 characters; 6 keys of 20 MiB",
+        session_key_flood,
+    ),
+    Attack(
+        "long_prompt_redis",
+        f"with Redis: 4 prompts at the hashing cap ({DEFAULTS.max_prompt_tokens:,} tokens),"
+        f" 3 of {LIMIT}",
+        long_prompts,
+        with_redis=True,
+    ),
 ]
+
+
 MEASURED_EMPTY = {"none"}
 """Rows measured with no attack at all: the baseline of the others."""
 
@@ -266,9 +329,11 @@ def _tally(counts: Counter[str] | Counter[int]) -> str:
 # --- watching the gateway ------------------------------------------------------------------
 
 
-def _watch(host: str, port: int, stop: Connection) -> None:
-    """In its own process: poll /health, send a normal request every 0.1 s, until told."""
+def _watch(host: str, port: int, stop: Connection, redis_port: int | None) -> None:
+    """In its own process: poll /health (and Redis), send a normal request every 0.1 s, until
+    told."""
     longest = 0.0
+    longest_ping: float | None = None
     normal = Counter[str]()
     done = threading.Event()
 
@@ -286,8 +351,22 @@ def _watch(host: str, port: int, stop: Connection) -> None:
                 normal["error"] += 1
             done.wait(0.1)
 
+    def pings() -> None:
+        nonlocal longest_ping
+        assert redis_port is not None
+        with socket.create_connection(("127.0.0.1", redis_port)) as connection:
+            while not done.is_set():
+                began = time.perf_counter()
+                connection.sendall(b"PING\r\n")
+                connection.recv(16)
+                longest_ping = max(longest_ping or 0.0, time.perf_counter() - began)
+                done.wait(0.01)
+
     sender = threading.Thread(target=normal_requests)
     sender.start()
+    pinger = threading.Thread(target=pings) if redis_port is not None else None
+    if pinger is not None:
+        pinger.start()
     while not stop.poll(0.02):
         began = time.perf_counter()
         try:
@@ -300,7 +379,10 @@ def _watch(host: str, port: int, stop: Connection) -> None:
         longest = max(longest, time.perf_counter() - began)
     done.set()
     sender.join()
-    stop.send(Watched(longest * 1000, normal["200"], sum(normal.values())))
+    if pinger is not None:
+        pinger.join()
+    ping_ms = None if longest_ping is None else longest_ping * 1000
+    stop.send(Watched(longest * 1000, normal["200"], sum(normal.values()), ping_ms))
 
 
 def _status_kib(pid: int, field: str) -> int:
@@ -312,14 +394,18 @@ def _status_kib(pid: int, field: str) -> int:
 
 
 async def measure(attack: Attack, replicas: list[str]) -> str:
-    with GatewayProcess(replicas, "--log-level", "warning") as gateway:
+    with contextlib.ExitStack() as stack:
+        redis = stack.enter_context(RedisServer()) if attack.with_redis else None
+        shared = ("--redis-url", redis.url) if redis is not None else ()
+        gateway = stack.enter_context(GatewayProcess(replicas, "--log-level", "warning", *shared))
         target = Target(gateway.host, gateway.port)
         before = _status_kib(gateway.pid, "VmRSS")
         with open(f"/proc/{gateway.pid}/clear_refs", "w", encoding="ascii") as refs:
             refs.write("5")  # VmHWM starts again from VmRSS
         ours, theirs = multiprocessing.get_context("spawn").Pipe()
         watcher = multiprocessing.get_context("spawn").Process(
-            target=_watch, args=(gateway.host, gateway.port, theirs)
+            target=_watch,
+            args=(gateway.host, gateway.port, theirs, redis.port if redis is not None else None),
         )
         watcher.start()
         if attack.run is None:
@@ -331,9 +417,11 @@ async def measure(attack: Attack, replicas: list[str]) -> str:
         watched: Watched = ours.recv()
         watcher.join()
         growth = (_status_kib(gateway.pid, "VmHWM") - before) / 1024
+    ping = "—" if watched.redis_ping_ms is None else f"{watched.redis_ping_ms:,.0f} ms"
     return (
         f"| {attack.name} | {attack.sends} | {answered} | {growth:,.0f} MiB "
-        f"| {watched.health_delay_ms:,.0f} ms | {watched.normal_ok}/{watched.normal_sent} |"
+        f"| {watched.health_delay_ms:,.0f} ms | {ping} "
+        f"| {watched.normal_ok}/{watched.normal_sent} |"
     )
 
 
@@ -346,15 +434,17 @@ async def main() -> None:
         parser.error(f"unknown attacks: {', '.join(sorted(unknown))}")
     print(
         "| attack | sent | gateway answered | peak RSS growth | longest /health"
-        " | normal requests ok |"
+        " | longest Redis PING | normal requests ok |"
     )
-    print("|---|---|---|---|---|---|")
-    with EmulatedReplicas(2, MODEL) as fleet:
+    print("|---|---|---|---|---|---|---|")
+    # Caches large enough that a prompt at the hashing cap is accepted (and then shared).
+    cache = str(2 * DEFAULTS.max_prompt_tokens // 16)
+    with EmulatedReplicas(2, MODEL, ["--cache-blocks", cache]) as fleet:
         for attack in ATTACKS:
             if attack.name not in chosen:
                 continue
             if attack.run is None and attack.name not in MEASURED_EMPTY:
-                print(f"| {attack.name} | {attack.sends} | — | — | — | — |", flush=True)
+                print(f"| {attack.name} | {attack.sends} | — | — | — | — | — |", flush=True)
                 continue
             print(await measure(attack, fleet.urls), flush=True)
 

@@ -92,6 +92,9 @@ class RedisPrefixIndex:
                 [prefix, chunk, backend, stamp, now - ttl, ttl + refresh, now, refresh],
             )
 
+    def share(self, model: str, backend: str, hashes: Sequence[int]) -> None:
+        return None  # what it records is shared already
+
     async def forget(self, model: str, backend: str, hashes: Sequence[int]) -> None:
         if not hashes:
             return
