@@ -142,6 +142,14 @@ class Settings:
         "give each client API key its own prefix-cache namespace: its own index entries, and"
         " vLLM's `cache_salt` added to its requests (needs --api-key)",
     )
+    upstream_ca_file: str = _opt(
+        "",
+        "PEM bundle of the certificate authorities trusted for https:// replicas, on requests and"
+        " probes alike (default: the system's)",
+    )
+    upstream_tls_verify: bool = _opt(
+        True, "verify https:// replicas' certificates and host names (off: any certificate passes)"
+    )
     shutdown_delay: float = _opt(
         0.0, "seconds to keep serving after SIGTERM with /ready false, before closing the listener"
     )
@@ -271,6 +279,8 @@ class Settings:
             raise ConfigError("every max_* limit must be at least 1")
         if self.isolate_tenants and not self.api_key:
             raise ConfigError("isolate_tenants needs client API keys (--api-key): keys are tenants")
+        if self.upstream_ca_file and not os.path.isfile(self.upstream_ca_file):
+            raise ConfigError(f"upstream_ca_file {self.upstream_ca_file!r} is not a file")
 
 
 def _env_name(f: dataclasses.Field[Any]) -> str:
