@@ -22,6 +22,7 @@ from gateway.proxy.access_log import configure_access_logger
 from gateway.proxy.admission import Admission
 from gateway.proxy.forwarder import Forwarder
 from gateway.proxy.handler import ProxyHandler
+from gateway.proxy.http1 import client_tls
 from gateway.proxy.prefills import Prefills
 from gateway.proxy.relay import Limits
 from gateway.proxy.upstream import Upstream
@@ -66,10 +67,15 @@ class Components:
         router = Router(
             settings, pool, index, sessions, build_policy(settings, random.Random()), metrics
         )
-        # Probes and model listings carry the replicas' key too (vLLM guards /v1/models).
+        # Requests and probes check replicas' certificates alike, and reach them directly (no
+        # proxy from the environment). Probes and model listings carry the replicas' key too
+        # (vLLM guards /v1/models).
+        tls = client_tls(settings.upstream_ca_file, settings.upstream_tls_verify)
         probes = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.health_timeout, connect=settings.connect_timeout),
             headers=_bearer(settings.upstream_api_key),
+            verify=tls,
+            trust_env=False,
         )
         health = Health(
             pool,
@@ -90,7 +96,11 @@ class Components:
         )
         stalls = StallWatch(pool, health, stall_rule, metrics, settings.block_tokens)
         upstream = Upstream(
-            settings.connect_timeout, settings.upstream_api_key, settings.forward_client_auth
+            settings.connect_timeout,
+            settings.upstream_api_key,
+            settings.forward_client_auth,
+            tls=tls,
+            on_resend=lambda reason: metrics.child(metrics.upstream_resends, reason).inc(),
         )
         limits = Limits(
             settings.first_byte_timeout, settings.stream_idle_timeout, settings.request_timeout

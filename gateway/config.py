@@ -163,6 +163,14 @@ class Settings:
         "give each client API key its own prefix-cache namespace: its own index entries, and"
         " vLLM's `cache_salt` added to its requests (needs --api-key)",
     )
+    upstream_ca_file: str = _opt(
+        "",
+        "PEM bundle of the certificate authorities trusted for https:// replicas, on requests and"
+        " probes alike (default: the system's)",
+    )
+    upstream_tls_verify: bool = _opt(
+        True, "verify https:// replicas' certificates and host names (off: any certificate passes)"
+    )
     shutdown_delay: float = _opt(
         0.0, "seconds to keep serving after SIGTERM with /ready false, before closing the listener"
     )
@@ -302,6 +310,8 @@ class Settings:
             raise ConfigError("isolate_tenants needs client API keys (--api-key): keys are tenants")
         if self.max_pending_body_bytes < self.max_body_bytes:
             raise ConfigError("max_pending_body_bytes must be at least max_body_bytes")
+        if self.upstream_ca_file and not os.path.isfile(self.upstream_ca_file):
+            raise ConfigError(f"upstream_ca_file {self.upstream_ca_file!r} is not a file")
 
 
 def _env_name(f: dataclasses.Field[Any]) -> str:

@@ -225,6 +225,13 @@ class Metrics:
             ["cause"],
             registry=r,
         )
+        self.upstream_resends = Counter(
+            "gateway_upstream_resends",
+            "Requests sent again on a new connection to the same backend because the kept-alive"
+            " one closed before the backend could have read them, by reason.",
+            ["reason"],
+            registry=r,
+        )
         self.upstream_errors = Counter(
             "gateway_upstream_errors",
             "Upstream failures, by backend and cause.",

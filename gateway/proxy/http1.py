@@ -1,219 +1,69 @@
 """A lean HTTP/1.1 client for the request path: pooled keep-alive connections to replicas.
 
-Each request is one socket write (head and body together); the response is parsed by
-httptools as it arrives and its body handed on chunk by chunk, with no buffering beyond what
-the reader has not taken yet (reading pauses past a high-water mark). It does only what the
+Each request is one socket write (head and body together); the response is parsed as it
+arrives and its body handed on chunk by chunk (`http1_connection.py`). It does only what the
 proxy needs — POST a body, read a response, keep the connection for the next request — at a
 fraction of a general client's CPU per request (see docs/benchmarks.md).
+
+A request is sent again, once, on a new connection only when the replica cannot have read it:
+it went out on a reused connection that the replica closed before any byte of the response,
+and either the write itself failed or the replica's host had not acknowledged all of it (TCP's
+own count, read on Linux for plain connections). A kept-alive connection that sent anything or
+closed while idle is dropped when taken, before a request is written on it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
-from collections import deque
-from collections.abc import Iterable
-from typing import cast
+from collections.abc import Callable, Iterable
 from urllib.parse import urlsplit
 
-import httptools
+from gateway.proxy.http1_connection import (
+    Connection,
+    Headers,
+    HTTPClientError,
+    Origin,
+    Response,
+)
 
-_HIGH_WATER = 1 << 20
-
-Origin = tuple[str, int, bool]
-"""Host, port, and whether the connection uses TLS."""
-
-
-class HTTPClientError(Exception):
-    """A request that failed; `cause` is a short label for metrics."""
-
-    def __init__(self, cause: str, message: str) -> None:
-        super().__init__(message)
-        self.cause = cause
+__all__ = ["ConnectionPool", "HTTPClientError", "Headers", "Origin", "Response", "client_tls"]
 
 
-class Headers:
-    """Case-insensitive look-up over a response's raw header list."""
-
-    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
-        self._raw = raw
-
-    def get(self, name: str, default: str | None = None) -> str | None:
-        wanted = name.lower().encode("latin-1")
-        for key, value in self._raw:
-            if key.lower() == wanted:
-                return value.decode("latin-1")
-        return default
-
-
-class Response:
-    def __init__(self, connection: _Connection) -> None:
-        self._connection = connection
-        self.status = 0
-        self.raw_headers: list[tuple[bytes, bytes]] = []
-        self.keep_alive = False
-        self.started = connection.loop.create_future()
-        self._chunks: deque[bytes] = deque()
-        self._buffered = 0
-        self._waiter: asyncio.Future[None] | None = None
-        self.complete = False
-        self._error: HTTPClientError | None = None
-
-    @property
-    def headers(self) -> Headers:
-        return Headers(self.raw_headers)
-
-    @property
-    def content(self) -> Response:
-        """The body as a stream (`readany`), as aiohttp's responses offer it."""
-        return self
-
-    async def read(self) -> bytes:
-        parts = []
-        while chunk := await self.readany():
-            parts.append(chunk)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-
-    async def readany(self) -> bytes:
-        """The next chunk of the body as soon as there is one; b"" once it has ended."""
-        while True:
-            if self._chunks:
-                chunk = self._chunks.popleft()
-                self._buffered -= len(chunk)
-                if self._buffered < _HIGH_WATER:
-                    self._connection.resume()
-                return chunk
-            if self._error is not None:
-                raise self._error
-            if self.complete:
-                return b""
-            self._waiter = self._connection.loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-
-    def release(self) -> None:
-        """Give the connection back for reuse, or close it if the response is not finished."""
-        self._connection.finish(self)
-
-    # Called by the connection.
-    def feed(self, chunk: bytes) -> None:
-        self._chunks.append(chunk)
-        self._buffered += len(chunk)
-        if self._buffered >= _HIGH_WATER:
-            self._connection.pause()
-        self._wake()
-
-    def end(self) -> None:
-        self.complete = True
-        self._wake()
-
-    def fail(self, error: HTTPClientError) -> None:
-        if self.complete:
-            return
-        self._error = error
-        if not self.started.done():
-            self.started.set_exception(error)
-        self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-
-class _Connection(asyncio.Protocol):
-    def __init__(self, pool: ConnectionPool, key: Origin) -> None:
-        self.pool = pool
-        self.key = key
-        self.loop = asyncio.get_running_loop()
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        self.response: Response | None = None
-        self.closed = False
-        self._paused = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports are not subclasses of asyncio.Transport, but behave as one.
-        self.transport = cast(asyncio.Transport, transport)
-
-    def send(self, data: bytes) -> Response:
-        assert self.transport is not None
-        self.response = Response(self)
-        self.transport.write(data)
-        return self.response
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            if self.response is not None:
-                self.response.fail(HTTPClientError("protocol", f"bad upstream response: {exc}"))
-            self.close()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if self.response is not None and not self.response.complete:
-            self.response.fail(HTTPClientError("closed", "upstream closed the connection"))
-
-    # httptools callbacks
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if self.response is not None:
-            self.response.raw_headers.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        response = self.response
-        if response is not None:
-            response.status = self.parser.get_status_code()
-            response.keep_alive = self.parser.should_keep_alive()
-            if not response.started.done():
-                response.started.set_result(None)
-
-    def on_body(self, body: bytes) -> None:
-        if self.response is not None:
-            self.response.feed(body)
-
-    def on_message_complete(self) -> None:
-        if self.response is not None:
-            self.response.end()
-
-    # Flow control and lifetime
-    def pause(self) -> None:
-        if not self._paused and self.transport is not None:
-            self._paused = True
-            self.transport.pause_reading()
-
-    def resume(self) -> None:
-        if self._paused and self.transport is not None:
-            self._paused = False
-            self.transport.resume_reading()
-
-    def finish(self, response: Response) -> None:
-        if response is not self.response:
-            return
-        self.response = None
-        if response.complete and response.keep_alive and not self.closed:
-            self.resume()
-            self.pool.put_back(self)
-        else:
-            self.close()
-
-    def close(self) -> None:
-        self.closed = True
-        if self.transport is not None:
-            self.transport.close()
+def client_tls(ca_file: str = "", verify: bool = True) -> ssl.SSLContext:
+    """How replicas' certificates are checked: against `ca_file` (PEM), or the system's CAs;
+    not at all without `verify`."""
+    context = ssl.create_default_context(cafile=ca_file or None)
+    if not verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
 
 
 class ConnectionPool:
     """Idle keep-alive connections per (host, port), reused most recent first."""
 
-    def __init__(self, connect_timeout: float, max_idle_per_host: int = 256) -> None:
+    def __init__(
+        self,
+        connect_timeout: float,
+        max_idle_per_host: int = 256,
+        *,
+        tls: ssl.SSLContext | None = None,
+        on_resend: Callable[[str], None] | None = None,
+        max_head_bytes: int = 64 * 1024,
+        max_headers: int = 100,
+    ) -> None:
+        """`tls`: for https:// origins (default: `client_tls()`); `on_resend(reason)`: told of
+        each request sent again; `max_head_bytes`, `max_headers`: a response head's limits."""
         self._connect_timeout = connect_timeout
         self._max_idle = max_idle_per_host
-        self._idle: dict[Origin, list[_Connection]] = {}
+        self._idle: dict[Origin, list[Connection]] = {}
         self._heads: dict[str, tuple[Origin, bytes]] = {}
-        self._tls: ssl.SSLContext | None = None
+        self._tls = tls
+        self._on_resend = on_resend
+        self._max_head_bytes = max_head_bytes
+        self._max_headers = max_headers
 
     async def post(
         self,
@@ -235,29 +85,39 @@ class ConnectionPool:
                 body,
             ]
         )
+        resend = None
         connection = self._take(key)
         if connection is not None:
             try:
                 return await self._exchange(connection, request)
-            except HTTPClientError as error:
-                # A kept-alive connection the replica closed meanwhile: once more on a new one.
-                if error.cause != "closed":
+            except HTTPClientError:
+                resend = connection.resend
+                if resend is None:
                     raise
         connection = await self._connect(key)
+        if resend is not None and self._on_resend is not None:
+            self._on_resend(resend)
         return await self._exchange(connection, request)
 
-    def put_back(self, connection: _Connection) -> None:
+    def put_back(self, connection: Connection) -> None:
         idle = self._idle.setdefault(connection.key, [])
         if len(idle) < self._max_idle:
             idle.append(connection)
+            connection.idle = True
         else:
             connection.close()
 
+    def forget(self, connection: Connection) -> None:
+        """Drop an idle connection that closed or spoke out of turn."""
+        with contextlib.suppress(KeyError, ValueError):
+            self._idle[connection.key].remove(connection)
+
     def close(self) -> None:
-        for idle in self._idle.values():
+        every, self._idle = self._idle, {}
+        for idle in every.values():
             for connection in idle:
+                connection.idle = False
                 connection.close()
-        self._idle.clear()
 
     def _origin(self, url: str) -> tuple[Origin, bytes]:
         cached = self._heads.get(url)
@@ -272,34 +132,40 @@ class ConnectionPool:
             cached = self._heads[url] = ((parts.hostname, port, tls), head)
         return cached
 
-    def _take(self, key: Origin) -> _Connection | None:
+    def _take(self, key: Origin) -> Connection | None:
         idle = self._idle.get(key)
         while idle:
             connection = idle.pop()
-            if not connection.closed:
+            connection.idle = False
+            if connection.usable():
                 return connection
+            connection.close()
         return None
 
-    async def _connect(self, key: Origin) -> _Connection:
+    async def _connect(self, key: Origin) -> Connection:
         loop = asyncio.get_running_loop()
         host, port, tls = key
         context = None
         if tls:
-            context = self._tls = self._tls or ssl.create_default_context()
+            context = self._tls = self._tls or client_tls()
         try:
             async with asyncio.timeout(self._connect_timeout):
                 transport, protocol = await loop.create_connection(
-                    lambda: _Connection(self, key), host, port, ssl=context
+                    lambda: Connection(self, key, self._max_head_bytes, self._max_headers),
+                    host,
+                    port,
+                    ssl=context,
                 )
         except TimeoutError as exc:
             raise HTTPClientError("connect_timeout", f"connecting to {key} timed out") from exc
         except OSError as exc:
-            raise HTTPClientError("connect", f"cannot connect to {key}: {exc.strerror}") from exc
+            reason = exc.strerror or exc
+            raise HTTPClientError("connect", f"cannot connect to {key}: {reason}") from exc
         # uvloop may deliver connection_made after create_connection has returned.
         protocol.connection_made(transport)
         return protocol
 
-    async def _exchange(self, connection: _Connection, request: bytes) -> Response:
+    async def _exchange(self, connection: Connection, request: bytes) -> Response:
         response = connection.send(request)
         try:
             await response.started

@@ -11,7 +11,8 @@ Client credentials stop here: the `Authorization` header a replica sees is the g
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import ssl
+from collections.abc import Callable, Iterable
 
 from gateway.errors import GatewayError, UpstreamFailed, UpstreamTimeout
 from gateway.proxy.http1 import ConnectionPool, HTTPClientError, Response
@@ -32,9 +33,8 @@ HOP_BY_HOP = frozenset(
         b"proxy-connection",
         b"host",
         b"content-length",
-        # The gateway has read the whole body before it forwards a request: passed on, a
-        # client's `Expect: 100-continue` made the replica answer `100 Continue` first, which
-        # the request path would take for the response.
+        # The gateway has read the whole body before it forwards a request: a client's
+        # `Expect: 100-continue` would only make the replica wait for nothing.
         b"expect",
     }
 )
@@ -80,8 +80,15 @@ class Upstream:
         connect_timeout: float,
         upstream_api_key: str = "",
         forward_client_auth: bool = False,
+        *,
+        tls: ssl.SSLContext | None = None,
+        on_resend: Callable[[str], None] | None = None,
     ) -> None:
+        """`tls`: how replicas' certificates are checked; `on_resend(reason)`: told of each
+        request the pool sent again on a new connection."""
         self._connect_timeout = connect_timeout
+        self._tls = tls
+        self._on_resend = on_resend
         self._dropped = HOP_BY_HOP if forward_client_auth else HOP_BY_HOP | {b"authorization"}
         self._added: list[tuple[bytes, bytes]] = []
         if upstream_api_key:
@@ -89,7 +96,7 @@ class Upstream:
         self._pool: ConnectionPool | None = None
 
     async def start(self) -> None:
-        self._pool = ConnectionPool(self._connect_timeout)
+        self._pool = ConnectionPool(self._connect_timeout, tls=self._tls, on_resend=self._on_resend)
 
     async def close(self) -> None:
         if self._pool is not None:
