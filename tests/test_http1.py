@@ -272,7 +272,7 @@ class ThreadServer:
             threading.Thread(target=self._serve, args=(connection, index), daemon=True).start()
 
     def _serve(self, connection: socket.socket, index: int) -> None:
-        with connection:
+        with connection, contextlib.suppress(ConnectionError):  # a client may hang up first
             self._handle(connection, index)
 
     def close(self) -> None:

@@ -82,6 +82,7 @@ class EngineLoadScraper:
         self._fleet: dict[str, int] = {}
         self._fleet_at_scrape: dict[str, int] = {}
         self._engine_others: dict[str, int] = {}
+        self._last_others: dict[str, int] = {}
         self._generated: dict[str, float] = {}
         self._scraped_at: dict[str, float] = {}
 
@@ -115,7 +116,11 @@ class EngineLoadScraper:
         if engine is None:
             self._engine_others.pop(name, None)
         else:
-            self._engine_others[name] = others_load(engine, own)
+            # The lower of this scrape's count and the last one's: a request of ours that ended
+            # just as the engine was read still counts there, once; load from elsewhere stays.
+            others = others_load(engine, own)
+            self._engine_others[name] = min(others, self._last_others.get(name, 0))
+            self._last_others[name] = others
             if engine.kv_cache_usage is not None:
                 self.kv_cache_usage[name] = engine.kv_cache_usage
             if engine.generated is not None:
@@ -133,6 +138,7 @@ class EngineLoadScraper:
             self.kv_cache_usage,
             self._fleet_at_scrape,
             self._engine_others,
+            self._last_others,
             self._generated,
             self._scraped_at,
         ):
