@@ -37,8 +37,11 @@ def test_a_replica_is_stalled_only_when_it_waits_long_and_produces_nothing() -> 
     # Something produced lately: busy, not stuck; silent since then for long: stuck.
     assert RULE.verdict(104.0, waiting, progressed_at=101.5, speed=speed) is None
     assert RULE.verdict(105.0, waiting, progressed_at=101.5, speed=speed) is not None
-    # Nobody waiting for a first byte: nothing to judge.
-    assert RULE.verdict(104.0, {Waiting(100.0, first_byte_at=1.0)}, 90.0, speed) is None
+    # Nothing on it: nothing to judge; a stream of ours gone silent is judged too.
+    assert RULE.verdict(104.0, set(), progressed_at=90.0, speed=speed) is None
+    streaming = {Waiting(100.0, first_byte_at=1.0)}
+    assert RULE.verdict(104.0, streaming, progressed_at=101.5, speed=speed) is None
+    assert RULE.verdict(105.0, streaming, progressed_at=101.5, speed=speed) is not None
 
 
 def test_without_a_stream_to_show_progress_the_engine_counter_gets_its_lag() -> None:

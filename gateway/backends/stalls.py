@@ -2,11 +2,12 @@
 
 A replica whose HTTP server still answers `/health` while its engine is stuck (a hung kernel
 or collective, an engine loop that died) is found from progress, not from probes: it is
-stalled when requests wait on it for a first byte and it has produced nothing at all (no byte
-of any response, no token in its engine's counter) for much longer than the fleet's recent
-prefill speed explains for the work queued ahead of the oldest of them (`factor` times that,
-and at least `min_seconds`). A long prefill is not a stall: it is expected to take long, and
-other requests' tokens keep coming meanwhile.
+stalled when requests are on it (waiting for a first byte, or streaming) and it has produced
+nothing at all (no byte of any response, no token in its engine's counter) for longer than
+`min_seconds`, and, when requests wait for a first byte, much longer than the fleet's recent
+prefill speed explains for the work queued ahead of the oldest of them (`factor` times that).
+A long prefill is not a stall: it is expected to take long, and other requests' tokens keep
+coming meanwhile.
 
 A stalled replica leaves routing at once; its requests without a first byte move to other
 replicas, its streams end with an SSE error. Only an inference probe (a one-token completion)
@@ -66,13 +67,15 @@ class StallRule:
         self, now: float, work: set[Work], progressed_at: float, speed: PrefillSpeed
     ) -> str | None:
         """Why the replica doing `work` is stalled, or None."""
-        waiting = [item for item in work if not item.first_byte_at]
-        if not waiting:
+        if not work:
             return None
-        oldest = min(waiting, key=lambda item: item.sent_at)
-        # Silent since its last progress, or since the oldest request waits if that is later.
-        silent = now - max(progressed_at, oldest.sent_at)
-        limit = max(self.min_seconds, self.factor * speed.expected(oldest.blocks_ahead))
+        waiting = [item for item in work if not item.first_byte_at]
+        # Silent since its last progress, or since its oldest work was sent if that is later.
+        silent = now - max(progressed_at, min(item.sent_at for item in work))
+        limit = self.min_seconds
+        if waiting:
+            ahead = min(waiting, key=lambda item: item.sent_at).blocks_ahead
+            limit = max(limit, self.factor * speed.expected(ahead))
         if len(waiting) == len(work):  # no stream here to show progress as it happens
             limit += self.scrape_lag
         if silent <= limit:
