@@ -117,7 +117,7 @@ class Router:
         self.sessions = sessions
         self.policy = policy
         self.metrics = metrics
-        self.traffic = Traffic(clock, settings.min_match_blocks)
+        self.traffic = Traffic(clock, settings)
         self.recent = self.traffic.recent
         self._routed = 0
         self.conversations = ConversationTracker(
