@@ -52,7 +52,32 @@ class Settings:
     affinity_tokens: int = _opt(256, "tokens hashed into the affinity key of the hash ring")
     min_match_tokens: int = _opt(64, "shortest indexed prefix match worth routing on")
     recent_cap: float = _opt(
-        1.1, "under load, pass over a replica with more than this times the mean recent requests"
+        1.1,
+        "under load (as many requests in flight as replicas), pass over a replica whose recent"
+        " requests exceed this times the mean",
+    )
+    recent_slack: float = _opt(
+        2.0,
+        "recent requests above the mean a replica may always have before it counts as running"
+        " hot: a burst's first few requests are not yet a trend",
+    )
+    recent_half_life: float = _opt(
+        30.0,
+        "seconds in which a recent request counts half as much, for replicas' recent requests"
+        " and shared prompts' share of them alike",
+    )
+    owner_margin_blocks: int = _opt(
+        4,
+        "prefix blocks by which one replica's match must exceed every other's for it to keep"
+        " the request past the load bound",
+    )
+    ring_choices: int = _opt(
+        2,
+        "replicas within the bound a new or spilled prefix may take on the hash ring: the"
+        " first N clockwise from its key (a request with a session key takes the first)",
+    )
+    shared_prompts_max: int = _opt(
+        1 << 16, "shared system prompts whose share of recent requests is counted at most"
     )
     affinity_ttl: float = _opt(600.0, "seconds an index entry or sticky session lives unused")
     index_max_blocks: int = _opt(2_000_000, "prefix blocks the in-memory index keeps at most")
@@ -243,6 +268,7 @@ class Settings:
             raise ConfigError("workers must be at least 1")
         if self.load_factor < 1.0:
             raise ConfigError("load_factor must be at least 1.0")
+        self._validate_policy()
         if self.block_tokens < 1 or self.chars_per_token <= 0:
             raise ConfigError("block_tokens and chars_per_token must be positive")
         if not (self.backend or self.backend_dns or self.k8s_service) and self.emulate <= 0:
@@ -256,6 +282,17 @@ class Settings:
             raise ConfigError("redis_timeout must be positive, redis_max_connections at least 2")
         self._validate_reliability()
         return self
+
+    def _validate_policy(self) -> None:
+        if self.recent_cap < 1.0 or self.recent_slack < 0 or self.recent_half_life <= 0:
+            raise ConfigError(
+                "recent_cap must be at least 1.0, recent_slack not negative and"
+                " recent_half_life positive"
+            )
+        if min(self.owner_margin_blocks, self.ring_choices, self.shared_prompts_max) < 1:
+            raise ConfigError(
+                "owner_margin_blocks, ring_choices and shared_prompts_max must be at least 1"
+            )
 
     def _validate_reliability(self) -> None:
         timeouts = (

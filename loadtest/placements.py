@@ -36,6 +36,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from gateway.config import Settings
 from gateway.emulator.config import EmulatorConfig
 from gateway.emulator.timing import TimeModel
 from gateway.replay.command import SYNTHETIC_CACHE_TOKENS
@@ -73,7 +74,7 @@ class PinnedRag:
         self._rag = {r.hashes[0] for r in trace.requests if r.shape == "rag"}
         self._replicas = replicas
         self._rag_only = rag_only
-        self._policy = PrefixPolicy()
+        self._policy = PrefixPolicy(Settings())
 
     def choose(self, state: RoutingState) -> Decision:
         if state.hashes[0] in self._rag:

@@ -36,7 +36,14 @@ def test_repeated_backend_flags() -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [["--backend", "a:1", "--policy", "fastest"], [], ["--backend", "a:1", "--port", "x"]],
+    [
+        ["--backend", "a:1", "--policy", "fastest"],
+        [],
+        ["--backend", "a:1", "--port", "x"],
+        ["--backend", "a:1", "--ring-choices", "0"],
+        ["--backend", "a:1", "--recent-half-life", "0"],
+        ["--backend", "a:1", "--recent-cap", "0.5"],
+    ],
 )
 def test_bad_settings_fail_at_start(argv: list[str]) -> None:
     with pytest.raises(ConfigError):

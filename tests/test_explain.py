@@ -86,7 +86,7 @@ def test_explain_predicts_the_next_turn_without_recording_it(admin: GatewayProce
     assert explained.status_code == 200, explained.text
     decision = explained.json()
     assert decision["backend"] == first.headers["x-gateway-backend"]
-    assert decision["route"] == "prefix" and "deepest" in decision["reason"]
+    assert decision["route"] == "owner" and "clearly more" in decision["reason"]
     assert decision["matched_tokens"] >= 400
     assert decision["conversation"] == {
         "continuity": "extends",
@@ -120,7 +120,7 @@ def test_an_unseen_prompt_stays_unseen_after_explain(admin: GatewayProcess) -> N
     body = {"model": MODEL, "messages": [{"role": "user", "content": words(300, "xn")}]}
     assert explain(admin, body).json()["route"] == "hash"
     assert chat(admin, {**body, "max_tokens": 2}).headers["x-gateway-route"] == "hash"
-    assert explain(admin, body).json()["route"] == "prefix"
+    assert explain(admin, body).json()["route"] == "owner"
 
 
 def test_explain_shows_the_session_and_a_cache_break(admin: GatewayProcess) -> None:

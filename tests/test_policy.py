@@ -8,15 +8,17 @@ import random
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.backends.pool import Backend, BackendPool
 from gateway.clock import ManualClock
 from gateway.config import POLICY_NAMES, ConfigError, Settings
 from gateway.prompt.hashing import key_hash
 from gateway.routing.policies import POLICIES, Route, RoutingState, build_policy
-from gateway.routing.policy import PrefixPolicy
-from gateway.routing.ring import HashRing
-from gateway.routing.traffic import PromptShares, RecentTraffic, Traffic
+from gateway.routing.policy import Allowance, PrefixPolicy, eligible
+from gateway.routing.ring import HashRing, load_bound
+from gateway.routing.traffic import RecentTraffic, Traffic
 
 A, B, C, D = "a:1", "b:1", "c:1", "d:1"
 FOUR = (A, B, C, D)
@@ -42,56 +44,89 @@ def state(
     )
 
 
-policy = PrefixPolicy(load_factor=1.25, load_floor=2, min_match_blocks=4, clear_margin_blocks=4)
+SETTINGS = Settings()  # load factor 1.25, floor 2, minimum match 4 blocks, owner margin 4
+policy = PrefixPolicy(SETTINGS)
+RING = HashRing(FOUR)
+BUSY = {A: 3, B: 3, C: 3, D: 3}  # 12 in flight: bound ceil(1.25 * 13 / 4) = 5, under load
 
-CASES = [
-    # (description, state, expected backend or None for "any", expected route)
+
+def first_clockwise(key: int, names: tuple[str, ...]) -> str:
+    return min(names, key=lambda name: RING.distance(key, name))
+
+
+# (description, state, expected backend or None for "any", expected route)
+RULES = [
     ("session keeps its backend", state(sticky=C, matched={A: 30}), C, Route.SESSION),
     (
-        "session over the bound yields to the prefix",
+        "session over the bound yields to the next rules",
         state(sticky=C, loads={C: 5}, matched={A: 30}),
         A,
-        Route.PREFIX,
+        Route.OWNER,
     ),
     (
         "sticky backend that is gone is ignored",
         state(sticky="gone:1", matched={B: 20}),
         B,
-        Route.PREFIX,
+        Route.OWNER,
     ),
-    ("deepest holder wins", state(matched={A: 10, B: 30}), B, Route.PREFIX),
-    ("a match below the minimum is not worth it", state(matched={A: 3}), None, Route.HASH),
     (
         "clear owner keeps its request past the plain bound",
         state(loads={A: 3, B: 1, C: 1, D: 1}, matched={A: 38, B: 4}),
         A,
-        Route.PREFIX,
+        Route.OWNER,
     ),
     (
-        "clear owner far over even the loose bound spills",
+        "clear owner far over even the looser bound spills",
         state(loads={A: 30, B: 0, C: 0, D: 0}, matched={A: 38}),
         None,
         Route.OVERFLOW,
     ),
+    ("deepest holder wins without a clear owner", state(matched={A: 10, B: 12}), B, Route.PREFIX),
     (
-        "tie goes to the least loaded holder",
-        state(loads={A: 1, B: 0}, matched={A: 10, B: 10}),
-        B,
-        Route.PREFIX,
+        "holders all at the bound: the ring past the match",
+        state(loads={A: 5, B: 5}, matched={A: 10, B: 10}),
+        None,
+        Route.OVERFLOW,
     ),
+    ("a match below the minimum is not worth it", state(matched={A: 3}), None, Route.HASH),
+    ("no match: the ring on the affinity key", state(), None, Route.HASH),
     (
-        "tie at equal load goes to the least used recently",
-        state(matched={A: 10, B: 10, C: 10}, recent={A: 5.0, B: 1.0, C: 3.0}),
-        B,
-        Route.PREFIX,
+        "every backend within the bound runs hot",
+        state(loads={A: 3, B: 3}, recent={C: 20.0, D: 20.0}),
+        None,
+        Route.FALLBACK,
+    ),
+]
+
+# One case per step of the tie-break order, among holders of the same 10 blocks.
+TIED = {A: 10, B: 10, C: 10}
+TIE_BREAKS = [
+    (
+        "least pending prefill first, before load",
+        dataclasses.replace(
+            state(loads=BUSY | {A: 4}, matched=TIED), pending_prefill={B: 40, C: 8}
+        ),
+        A,
+    ),
+    ("then the least load", state(loads=BUSY | {B: 2}, matched=TIED), B),
+    (
+        "loads the floor admits anyway compare equal",
+        state(loads={A: 1, B: 0, C: 1}, matched=TIED, recent={A: 1.0, B: 4.0, C: 3.0}),
+        A,
+    ),
+    ("then the fewest recent requests", state(matched=TIED, recent={A: 5.0, B: 1.0, C: 3.0}), B),
+    (
+        "then clockwise from the block after the tied depth",
+        state(matched=TIED),
+        first_clockwise(HASHES[10], (A, B, C)),
     ),
 ]
 
 
 @pytest.mark.parametrize(
-    ("description", "given", "backend", "route"), CASES, ids=[case[0] for case in CASES]
+    ("description", "given", "backend", "route"), RULES, ids=[case[0] for case in RULES]
 )
-def test_prefix_policy_table(
+def test_each_rule_has_its_route(
     description: str, given: RoutingState, backend: str | None, route: Route
 ) -> None:
     decision = policy.choose(given)
@@ -101,6 +136,14 @@ def test_prefix_policy_table(
     assert decision.backend in given.candidates
 
 
+@pytest.mark.parametrize(
+    ("description", "given", "backend"), TIE_BREAKS, ids=[case[0] for case in TIE_BREAKS]
+)
+def test_ties_follow_one_order(description: str, given: RoutingState, backend: str) -> None:
+    decision = policy.choose(given)
+    assert (decision.backend, decision.route) == (backend, Route.PREFIX), description
+
+
 def test_hash_branch_is_stable_and_spreads_keys() -> None:
     chosen = Counter(policy.choose(state(key=key_hash(str(key)))).backend for key in range(4000))
     assert set(chosen) == set(FOUR)
@@ -108,10 +151,10 @@ def test_hash_branch_is_stable_and_spreads_keys() -> None:
     assert policy.choose(state(key=99)).backend == policy.choose(state(key=99)).backend
 
 
-def test_hash_branch_overflows_past_a_full_backend() -> None:
+def test_the_hash_rule_passes_over_a_full_backend() -> None:
     first = policy.choose(state(key=7)).backend
     spilled = policy.choose(state(key=7, loads={first: 2}))
-    assert spilled.route is Route.OVERFLOW
+    assert spilled.route is Route.HASH
     assert spilled.backend != first
 
 
@@ -184,19 +227,19 @@ def shared_prompt_state(
 
 def test_a_cold_shared_prompt_stays_with_its_only_holder_past_the_plain_bound() -> None:
     # One customer's system prompt among many: a small share of the traffic, held by A alone.
-    traffic = Traffic(ManualClock(), min_shared_blocks=4)
+    traffic = Traffic(ManualClock(), SETTINGS)
     for other in range(40):
         shared_prompt_state(traffic, dict.fromkeys(FOUR, 1), {}, prompt=other + 100)
     loads = {A: 4, B: 1, C: 1, D: 1}  # 7 in flight: plain bound ceil(1.25 * 8 / 4) = 3
     decision = policy.choose(shared_prompt_state(traffic, loads, {A: 36}, prompt=7))
     assert decision.load_bound == 3
-    assert (decision.backend, decision.route) == (A, Route.PREFIX)
+    assert (decision.backend, decision.route) == (A, Route.OWNER)
 
 
 def test_a_hot_shared_prompt_spreads_at_the_plain_bound() -> None:
     # The same shape, but every request carries this one system prompt: more than one
     # replica's share, so its holder keeps only what the plain bound allows.
-    traffic = Traffic(ManualClock(), min_shared_blocks=4)
+    traffic = Traffic(ManualClock(), SETTINGS)
     for _ in range(40):
         shared_prompt_state(traffic, dict.fromkeys(FOUR, 1), {A: 36}, prompt=7)
     loads = {A: 4, B: 1, C: 1, D: 1}
@@ -205,15 +248,19 @@ def test_a_hot_shared_prompt_spreads_at_the_plain_bound() -> None:
     assert decision.route is Route.OVERFLOW
 
 
-def test_prompt_shares_decay_per_request() -> None:
-    shares = PromptShares(window=10)
-    assert shares.add(1) == 1.0
+def test_prompt_shares_decay_with_the_recent_half_life() -> None:
+    clock = ManualClock()
+    traffic = Traffic(clock, Settings(recent_half_life=10.0))
+    first, second = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]  # two 5-block shared prompts
+    assert traffic.prompt_share(first, 5, count=True) == 1.0
     for _ in range(30):
-        shares.add(2)
-    assert shares.add(1) < 0.15  # one in the last 32 requests, decayed over a 10-request window
-    assert shares.add(2) > 0.5
-    assert shares.peek(1) == pytest.approx(shares.add(1))
-    assert shares.peek(3) == pytest.approx(shares.add(3))
+        traffic.prompt_share(second, 5, count=True)
+    assert traffic.prompt_share(first, 5, count=False) == pytest.approx(2 / 32)
+    clock.advance(100.0)  # ten half-lives: what came before weighs 1/1024
+    seen = traffic.prompt_share(first, 5, count=False)
+    assert seen > 0.9
+    assert traffic.prompt_share(first, 5, count=True) == pytest.approx(seen)
+    assert traffic.prompt_share([1, 2], 2, count=True) == 0.0  # shorter than the minimum match
 
 
 def two_choices(key: int) -> tuple[str, str]:
@@ -250,6 +297,19 @@ def test_an_overflow_copy_goes_where_its_prefill_starts_sooner() -> None:
         assert (decision.backend, decision.route) == (idle, Route.OVERFLOW)
 
 
+def test_the_policy_takes_its_knobs_from_settings() -> None:
+    first, second = two_choices(777)
+    busier_first = state(recent=dict.fromkeys(FOUR, 1.0) | {first: 9.0}, key=777)
+    assert policy.choose(busier_first).backend == second
+    one_choice = Settings(backend=("x",), ring_choices=1)
+    assert build_policy(one_choice).choose(busier_first).backend == first
+    owner_case = state(loads={A: 3, B: 1, C: 1, D: 1}, matched={A: 38, B: 4})
+    assert policy.choose(owner_case).route is Route.OWNER
+    wide_margin = Settings(backend=("x",), owner_margin_blocks=35)  # A holds 34 more than B
+    decision = build_policy(wide_margin).choose(owner_case)
+    assert (decision.backend, decision.route) == (B, Route.PREFIX)
+
+
 def test_a_new_session_takes_its_first_ring_backend_whatever_the_traffic() -> None:
     # Concurrent first requests of one session (or through several gateways) must agree.
     first, _ = two_choices(777)
@@ -261,7 +321,7 @@ def test_a_new_session_takes_its_first_ring_backend_whatever_the_traffic() -> No
 def test_the_router_state_decides_as_plain_snapshots_do() -> None:
     # The router shows the policy live views and running sums instead of per-request copies.
     clock = ManualClock(100.0)
-    traffic = RecentTraffic(clock)
+    traffic = RecentTraffic(clock, SETTINGS.recent_half_life)
     pool = BackendPool()
     for name in FOUR:
         pool.add(Backend(name, f"http://{name}", frozenset({"m"}), healthy=True))
@@ -289,7 +349,7 @@ def test_the_router_state_decides_as_plain_snapshots_do() -> None:
         copied = RoutingState(FOUR, loads, HASHES, matched, key, recent=traffic.snapshot(FOUR))
         assert group.total_load == sum(loads.values())
         assert traffic.sum_over(group.members) == pytest.approx(sum(copied.recent.values()))
-        assert PrefixPolicy().choose(live) == PrefixPolicy().choose(copied)
+        assert PrefixPolicy(SETTINGS).choose(live) == PrefixPolicy(SETTINGS).choose(copied)
 
 
 def test_the_load_tally_follows_leases_scrapes_and_health() -> None:
@@ -315,7 +375,7 @@ def test_the_load_tally_follows_leases_scrapes_and_health() -> None:
 
 def test_a_busy_owner_of_a_cold_shared_prompt_shares_it() -> None:
     # As in the cold case, but A has drawn far more than its share of recent requests.
-    traffic = Traffic(ManualClock(), min_shared_blocks=4)
+    traffic = Traffic(ManualClock(), SETTINGS)
     for other in range(40):
         shared_prompt_state(traffic, dict.fromkeys(FOUR, 1), {}, prompt=other + 100)
     loads = {A: 4, B: 1, C: 1, D: 1}
@@ -325,3 +385,93 @@ def test_a_busy_owner_of_a_cold_shared_prompt_shares_it() -> None:
     assert policy.choose(calm).backend == A
     busy = dataclasses.replace(calm, recent=dict.fromkeys(FOUR, 10.0) | {A: 16.0})
     assert policy.choose(busy).backend != A
+
+
+def test_a_conversation_owner_is_not_capped_by_its_recent_requests() -> None:
+    # A's 30 blocks past the first user message are this request's own history: A keeps it
+    # however busy it has been lately; a shared prompt's owner would yield (test above).
+    recent = dict.fromkeys(FOUR, 10.0) | {A: 40.0}
+    decision = policy.choose(state(loads=BUSY, matched={A: 30}, recent=recent))
+    assert (decision.backend, decision.route) == (A, Route.OWNER)
+
+
+def plain_allowance(given: RoutingState) -> Allowance:
+    """The documented plain allowance: B, and under load the hot cap."""
+    count = len(given.candidates)
+    total = given.summed_load()
+    bound = load_bound(total, count, SETTINGS.load_factor, SETTINGS.load_floor)
+    if total < count or not given.recent:
+        return Allowance(bound)
+    mean = sum(given.recent.get(name, 0.0) for name in given.candidates) / count
+    return Allowance(bound, max(SETTINGS.recent_cap * mean, mean + SETTINGS.recent_slack))
+
+
+loads_strategy = st.fixed_dictionaries({name: st.integers(0, 9) for name in FOUR})
+depths = st.dictionaries(st.sampled_from(FOUR), st.integers(0, 40), max_size=4)
+recents = st.dictionaries(st.sampled_from(FOUR), st.floats(0.0, 30.0), max_size=4)
+pendings = st.dictionaries(st.sampled_from(FOUR), st.integers(0, 200), max_size=4)
+
+
+@given(
+    loads=loads_strategy,
+    matched=depths,
+    recent=recents,
+    pending=pendings,
+    sticky=st.sampled_from([None, *FOUR]),
+    private_from=st.integers(0, 40),
+    shared_share=st.floats(0.0, 1.0),
+    keyed=st.booleans(),
+    key=st.integers(0, (1 << 64) - 1),
+)
+@settings(max_examples=400, deadline=None)
+def test_every_choice_keeps_to_its_rule(
+    loads: dict[str, int],
+    matched: dict[str, int],
+    recent: dict[str, float],
+    pending: dict[str, int],
+    sticky: str | None,
+    private_from: int,
+    shared_share: float,
+    keyed: bool,
+    key: int,
+) -> None:
+    given_state = RoutingState(
+        FOUR,
+        loads,
+        HASHES,
+        matched,
+        key,
+        private_from=private_from,
+        sticky=sticky,
+        keyed=keyed,
+        recent=recent,
+        shared_share=shared_share,
+        pending_prefill=pending,
+    )
+    decision = policy.choose(given_state)
+    plain = plain_allowance(given_state)
+    bound_only = Allowance(plain.load_bound)
+    assert decision.backend in FOUR
+    assert decision.load_bound == plain.load_bound
+    assert PrefixPolicy(SETTINGS).choose(given_state) == decision  # nothing but the state
+    if decision.route in (Route.PREFIX, Route.OVERFLOW, Route.HASH):
+        assert eligible(given_state, decision.backend, plain)
+    elif decision.route is Route.FALLBACK:
+        assert not any(eligible(given_state, name, plain) for name in FOUR)
+        assert eligible(given_state, decision.backend, bound_only)
+    elif decision.route is Route.SESSION:
+        assert decision.backend == sticky
+        assert eligible(given_state, decision.backend, bound_only)
+    else:
+        assert decision.route is Route.OWNER
+        others = [depth for name, depth in matched.items() if name != decision.backend]
+        assert matched[decision.backend] - max(others, default=0) >= SETTINGS.owner_margin_blocks
+        most = math.ceil(plain.load_bound * 2 * SETTINGS.load_factor)  # the stretch at s = 1
+        assert eligible(given_state, decision.backend, Allowance(most))
+    if decision.route is Route.PREFIX:
+        deeper = [
+            name
+            for name, depth in matched.items()
+            if depth > matched[decision.backend] and eligible(given_state, name, plain)
+        ]
+        assert matched[decision.backend] >= SETTINGS.min_match_blocks and not deeper

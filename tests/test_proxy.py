@@ -19,7 +19,7 @@ def test_chat_carries_the_routing_headers(client: openai.OpenAI) -> None:
     )
     reply = raw.parse()
     assert reply.choices[0].message.content
-    assert raw.headers["x-gateway-route"] in ("hash", "prefix", "overflow")
+    assert raw.headers["x-gateway-route"] in ("hash", "owner", "prefix", "overflow")
     assert raw.headers["x-gateway-backend"].startswith("127.0.0.1:")
     assert raw.headers["x-request-id"]
 

@@ -124,7 +124,7 @@ def test_turns_spread_over_gateways_stay_on_the_first_turns_replica(shared: Flee
         routes = converse_in_rotation(shared.gateways, f"rf{conversation}", conversation)
         # Each later turn reached a gateway that had never seen the conversation: only the
         # shared index can have told it where the history is.
-        assert routes[1:] == ["prefix"] * 5
+        assert routes[1:] == ["owner"] * 5
 
 
 def test_a_session_bound_on_one_gateway_sticks_on_the_others(shared: Fleet) -> None:
@@ -286,4 +286,4 @@ def test_killing_redis_under_load_fails_no_request_and_sharing_resumes(shared: F
     assert total("gateway_redis_fallbacks_total", operation="match") > 0
     wait_until(lambda: total("gateway_redis_up") == GATEWAYS)
     # Sharing is back: a conversation begun now is continued by gateways that never saw it.
-    assert converse_in_rotation(gateways, "after")[1:] == ["prefix"] * 5
+    assert converse_in_rotation(gateways, "after")[1:] == ["owner"] * 5

@@ -75,3 +75,11 @@ def test_keys_spread_evenly() -> None:
     ring = HashRing(NAMES[:4])
     owners = Counter(ring.owner(key) for key in range(0, 2**64, 2**64 // 40000))
     assert max(owners.values()) / min(owners.values()) < 1.4
+
+
+@given(st.integers(min_value=0, max_value=(1 << 64) - 1), st.integers(min_value=1, max_value=16))
+@settings(max_examples=100)
+def test_distance_orders_backends_as_the_walk_meets_them(key: int, backends: int) -> None:
+    ring = HashRing(NAMES[:backends])
+    assert sorted(ring.names, key=lambda name: ring.distance(key, name)) == list(ring.walk(key))
+    assert ring.distance(key, "not-on-the-ring") > max(ring.distance(key, n) for n in ring.names)

@@ -18,20 +18,35 @@ from gateway.routing.policies import Route
 from gateway.routing.router import Explanation
 
 _REASONS = {
-    Route.SESSION: "the session key's backend {backend} is healthy and within the load bound",
-    Route.PREFIX: (
-        "{backend} holds the deepest worthwhile prefix match ({matched} tokens) among the "
-        "backends it may be given to"
+    Route.SESSION: "the session key's backend {backend} is a candidate within the load bound",
+    Route.OWNER: (
+        "{backend} holds clearly more of the prompt than any other backend ({matched} tokens "
+        "matched) and is within the looser bound that share earns it; a shared system prompt "
+        "stays only while it is cold and {backend} not busy with recent requests"
     ),
-    Route.HASH: (
-        "no prefix match worth routing on (below {min_match} tokens): {backend} owns the "
-        "affinity key on the ring and is within the load bound"
+    Route.PREFIX: (
+        "{backend} holds the deepest prefix match worth routing on ({matched} tokens) among "
+        "the backends within the load bound and not running hot; equal depths go to the least "
+        "pending prefill, then the least load, then the fewest recent requests, then the ring"
     ),
     Route.OVERFLOW: (
-        "the preferred backend is at the load bound: {backend} is the next one within it "
-        "({matched} tokens matched there)"
+        "where the request belongs is full: for policy prefix, every backend holding its "
+        "prefix is at the load bound or running hot, and {backend} is the first by pending "
+        "prefill, load and recent requests of the first backends within both on the ring from "
+        "the block after the match; for consistent_hash, {backend} is the next backend within "
+        "the load bound on the ring from the affinity key ({matched} tokens matched there)"
     ),
-    Route.FALLBACK: "every candidate is at the load bound: {backend} is the least loaded",
+    Route.HASH: (
+        "no prefix match worth routing on (below {min_match} tokens): {backend} comes from "
+        "the ring on the affinity key; for policy prefix, the first by pending prefill, load "
+        "and recent requests of the first backends within the load bound and not running hot "
+        "there, for consistent_hash the key's own backend"
+    ),
+    Route.FALLBACK: (
+        "no backend may take the request by the other rules (for policy prefix: every backend "
+        "within the load bound is running hot): {backend} is the first within the load bound "
+        "on the ring from the request's key, or the least loaded if none is"
+    ),
     Route.RETRY: "{backend} is the next candidate after a failed attempt",
     Route.LEAST_LOADED: "policy least_loaded: {backend} has the fewest requests in flight",
     Route.ROUND_ROBIN: "policy round_robin: {backend} is next in turn",

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from gateway.clock import Clock
+from gateway.config import Settings
 from gateway.replay.traces import TraceRequest
 from gateway.routing.policies import Decision, Policy, RoutingState
 from gateway.routing.traffic import Traffic
@@ -37,12 +38,12 @@ class PolicyRouter:
         policy: Policy,
         index: PrefixIndex,
         clock: Clock,
-        min_shared_blocks: int,
+        settings: Settings,
     ) -> None:
         self._names = list(names)
         self._policy = policy
         self._index = index
-        self._traffic = Traffic(clock, min_shared_blocks)
+        self._traffic = Traffic(clock, settings)
         self._routed = 0
         self._pending = dict.fromkeys(self._names, 0)
 

@@ -119,7 +119,7 @@ async def _run(
     else:
         index = InMemoryPrefixIndex(settings.affinity_ttl, settings.index_max_blocks, clock)
         chosen = experiment or build_policy(settings, random.Random(config.seed))
-        router = PolicyRouter(names, chosen, index, clock, settings.min_match_blocks)
+        router = PolicyRouter(names, chosen, index, clock, settings)
     served = await _simulate(trace, router, replicas, clock, settings)
     return RunResult(policy, tuple(names), served)
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import random
 
-from gateway.routing.ring import load_bound, within_bound
-from gateway.routing.rings import RingCache
+from gateway.routing.ring import RingCache, load_bound, within_bound
 from gateway.routing.types import Decision, Route, RoutingState
 
 

@@ -18,12 +18,7 @@ from gateway.routing.types import Decision, Policy, Route, RoutingState
 PolicyFactory = Callable[[Settings, random.Random], Policy]
 
 POLICIES: dict[str, PolicyFactory] = {
-    "prefix": lambda settings, rng: PrefixPolicy(
-        load_factor=settings.load_factor,
-        load_floor=settings.load_floor,
-        min_match_blocks=settings.min_match_blocks,
-        recent_cap=settings.recent_cap,
-    ),
+    "prefix": lambda settings, rng: PrefixPolicy(settings),
     "consistent_hash": lambda settings, rng: ConsistentHashPolicy(
         settings.load_factor, settings.load_floor
     ),

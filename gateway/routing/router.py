@@ -113,7 +113,7 @@ class Router:
         self.sessions = sessions
         self.policy = policy
         self.metrics = metrics
-        self.traffic = Traffic(clock, settings.min_match_blocks)
+        self.traffic = Traffic(clock, settings)
         self.conversations = ConversationTracker(
             settings.affinity_ttl, settings.conversations_max, clock
         )

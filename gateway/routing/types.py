@@ -13,6 +13,7 @@ class Route(Enum):
     """Why a backend was chosen: the metric label, the response header and what tests check."""
 
     SESSION = "session"
+    OWNER = "owner"
     PREFIX = "prefix"
     HASH = "hash"
     OVERFLOW = "overflow"
