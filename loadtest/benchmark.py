@@ -35,10 +35,10 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.config import POLICY_NAMES
 from gateway.emulator import block_hashes
 from gateway.emulator.prompts import chat_prompt_ids
 from gateway.emulator.replicas import EmulatedReplicas
+from gateway.routing.policies import POLICIES
 from gateway.workloads import SHAPES, Session, build_workload
 from loadtest.peers import PEERS, start_peer
 from tests.support import GatewayProcess
@@ -335,8 +335,8 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(SHAPES))
     parser.add_argument(
         "--policies",
-        default=",".join(POLICY_NAMES),
-        help=f"our policies and peer routers: {', '.join([*POLICY_NAMES, *PEERS])}",
+        default=",".join(POLICIES),
+        help=f"our policies and peer routers: {', '.join([*POLICIES, *PEERS])}",
     )
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=16)

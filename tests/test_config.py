@@ -37,7 +37,6 @@ def test_repeated_backend_flags() -> None:
 @pytest.mark.parametrize(
     "argv",
     [
-        ["--backend", "a:1", "--policy", "fastest"],
         [],
         ["--backend", "a:1", "--port", "x"],
         ["--backend", "a:1", "--ring-choices", "0"],

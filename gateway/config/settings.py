@@ -1,22 +1,12 @@
-"""Settings: one typed object built once from CLI flags, `GATEWAY_*` variables and a YAML file.
-
-Precedence, highest first: command-line flag, environment variable, YAML file, default.
-Every field `foo_bar` is the flag `--foo-bar` and the variable `GATEWAY_FOO_BAR`.
-"""
+"""Settings: one typed object, validated once at start-up; every field `foo_bar` is the flag
+`--foo-bar`, the variable `GATEWAY_FOO_BAR` and the YAML key `foo_bar` (`sources.py`).
+The policy's name is checked where policies are registered (`gateway.routing.policies`)."""
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import os
-import typing
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import yaml
-
-POLICY_NAMES = ("prefix", "consistent_hash", "least_loaded", "round_robin", "random")
 
 
 class ConfigError(ValueError):
@@ -39,7 +29,11 @@ class Settings:
     backend: tuple[str, ...] = _opt(
         (), "replica URL, or MODEL=URL for a per-model pool; repeat for several", env="BACKENDS"
     )
-    policy: str = _opt("prefix", f"routing policy: {', '.join(POLICY_NAMES)}")
+    policy: str = _opt(
+        "prefix",
+        "routing policy: prefix, or a baseline kept for comparison (consistent_hash,"
+        " least_loaded, round_robin, random; see docs/routing.md)",
+    )
     emulate: int = _opt(0, "also start N emulated replicas and route to them")
     emulate_model: str = _opt("emulated-model", "model name served by emulated replicas")
     emulate_args: str = _opt(
@@ -260,10 +254,6 @@ class Settings:
         return max(1, self.min_match_tokens // self.block_tokens)
 
     def validate(self) -> Settings:
-        if self.policy not in POLICY_NAMES:
-            raise ConfigError(
-                f"unknown policy {self.policy!r}; choose one of {', '.join(POLICY_NAMES)}"
-            )
         if self.workers < 1:
             raise ConfigError("workers must be at least 1")
         if self.load_factor < 1.0:
@@ -349,83 +339,3 @@ class Settings:
             raise ConfigError("max_pending_body_bytes must be at least max_body_bytes")
         if self.upstream_ca_file and not os.path.isfile(self.upstream_ca_file):
             raise ConfigError(f"upstream_ca_file {self.upstream_ca_file!r} is not a file")
-
-
-def _env_name(f: dataclasses.Field[Any]) -> str:
-    return "GATEWAY_" + str(f.metadata.get("env", f.name.upper()))
-
-
-def _field_type(f: dataclasses.Field[Any]) -> Any:
-    hints = typing.get_type_hints(Settings)
-    return hints[f.name]
-
-
-def _coerce(f: dataclasses.Field[Any], raw: Any) -> Any:
-    kind = _field_type(f)
-    if typing.get_origin(kind) is tuple:
-        if isinstance(raw, str):
-            return tuple(part.strip() for part in raw.split(",") if part.strip())
-        if isinstance(raw, Sequence):
-            return tuple(str(part) for part in raw)
-        raise ConfigError(f"{f.name} must be a list")
-    if kind is bool:
-        if isinstance(raw, bool):
-            return raw
-        text = str(raw).strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off", ""):
-            return False
-        raise ConfigError(f"{f.name} must be true or false, not {raw!r}")
-    try:
-        return kind(raw)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{f.name}: cannot read {raw!r} as {kind.__name__}") from exc
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML file of settings (keys as the flags, with _)")
-    for f in dataclasses.fields(Settings):
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f"{f.metadata['help']} (env {_env_name(f)}; default {f.default!r})"
-        kind = _field_type(f)
-        if typing.get_origin(kind) is tuple:
-            parser.add_argument(flag, action="append", default=None, help=help_text)
-        elif kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
-        else:
-            parser.add_argument(flag, default=None, help=help_text)
-
-
-def load_settings(
-    args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
-) -> Settings:
-    environ = os.environ if environ is None else environ
-    given = vars(args) if args is not None else {}
-    from_file: dict[str, Any] = {}
-    config_path = given.get("config") or environ.get("GATEWAY_CONFIG")
-    if config_path:
-        with open(config_path, encoding="utf-8") as handle:
-            loaded = yaml.safe_load(handle) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{config_path}: expected a mapping of settings")
-        known = {f.name for f in dataclasses.fields(Settings)}
-        unknown = set(loaded) - known
-        if unknown:
-            raise ConfigError(f"{config_path}: unknown settings {sorted(unknown)}")
-        from_file = loaded
-    values: dict[str, Any] = {}
-    for f in dataclasses.fields(Settings):
-        if given.get(f.name) is not None:
-            raw = given[f.name]
-            if isinstance(raw, list):
-                raw = [part for item in raw for part in str(item).split(",") if part]
-            values[f.name] = _coerce(f, raw)
-        elif _env_name(f) in environ:
-            values[f.name] = _coerce(f, environ[_env_name(f)])
-        elif f.name in from_file:
-            values[f.name] = _coerce(f, from_file[f.name])
-    return Settings(**values).validate()
-
-
-__all__ = ["POLICY_NAMES", "ConfigError", "Settings", "add_arguments", "load_settings"]
