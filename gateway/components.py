@@ -67,6 +67,7 @@ class Components:
         router = Router(
             settings, pool, index, sessions, build_policy(settings, random.Random()), metrics
         )
+        pool.removed.append(router.traffic.recent.forget)
         # Requests and probes check replicas' certificates alike, and reach them directly (no
         # proxy from the environment). Probes and model listings carry the replicas' key too
         # (vLLM guards /v1/models).

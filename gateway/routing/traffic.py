@@ -9,6 +9,7 @@ virtual time).
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Generic, TypeVar
 
@@ -30,7 +31,9 @@ class DecayingCounts(Generic[K]):
         self._clock = clock
         self._rate = math.log(2) / half_life
         self._max_keys = max_keys
-        self._counts: dict[K, tuple[float, float]] = {}
+        # Ordered by last count, oldest first: dropping the oldest stays O(1) (a plain dict's
+        # first entry, deleted again and again, makes each next look-up walk the dead slots).
+        self._counts: OrderedDict[K, tuple[float, float]] = OrderedDict()
         self._total = (0.0, 0.0)
 
     def get(self, key: K, default: float = 0.0) -> float:
@@ -52,8 +55,18 @@ class DecayingCounts(Generic[K]):
         counts[key] = (value, now)
         self._total = (self._decayed(self._total, now) + 1.0, now)
         if self._max_keys is not None and len(counts) > self._max_keys:
-            del counts[next(iter(counts))]
+            counts.popitem(last=False)
         return value
+
+    def forget(self, key: K) -> None:
+        """Drop `key` (a backend that left), and its count from the sum."""
+        entry = self._counts.pop(key, None)
+        if entry is not None:
+            now = self._clock()
+            self._total = (
+                max(0.0, self._decayed(self._total, now) - self._decayed(entry, now)),
+                now,
+            )
 
     def _decayed(self, entry: tuple[float, float], now: float) -> float:
         value, stamp = entry
