@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import math
 import random
@@ -144,7 +145,7 @@ class RedisLink:
         # Open a few connections now rather than on the first requests' deadlines.
         with contextlib.suppress(RedisError, *_LINK_ERRORS):
             async with asyncio.timeout(patience):
-                await asyncio.gather(*(self.client.ping() for _ in range(_WARM_CONNECTIONS)))
+                await asyncio.gather(*(self._ping_once() for _ in range(_WARM_CONNECTIONS)))
 
     async def call(
         self, operation: str, work: Callable[[], Awaitable[T]], timeout: float | None = None
@@ -211,10 +212,16 @@ class RedisLink:
             self._lost_write_at = time.monotonic()
             self.fell_back(operation)
 
+    async def _ping_once(self) -> None:
+        # redis-py types its commands for both clients (`Awaitable[bool] | bool`).
+        reply = self.client.ping()
+        if inspect.isawaitable(reply):
+            await reply
+
     async def _ping(self, timeout: float | None = None) -> bool:
         try:
             async with asyncio.timeout(timeout or self.timeout):
-                await self.client.ping()
+                await self._ping_once()
                 for script in self._scripts:
                     await self.client.script_load(script)
         except _REFUSED as error:
