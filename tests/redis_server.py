@@ -47,7 +47,7 @@ def ping(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:
 class RedisServer:
     """`redis-server --port P --save '' --appendonly no`; `kill` and `start` keep the port."""
 
-    def __init__(self, *extra: str, port: int = 0, startup_seconds: float = 10.0) -> None:
+    def __init__(self, *extra: str, port: int = 0, startup_seconds: float = 30.0) -> None:
         self.port = port or free_port()
         self.extra = tuple(extra)
         self._startup_seconds = startup_seconds
