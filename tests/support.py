@@ -10,9 +10,19 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import httpx
+
 from gateway.processes import ChildProcess, free_port, metric_value
 
-__all__ = ["GatewayProcess", "eventually", "free_port", "metric_value", "run_script", "wait_until"]
+__all__ = [
+    "GatewayProcess",
+    "eventually",
+    "free_port",
+    "metric_value",
+    "run_script",
+    "stall",
+    "wait_until",
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 # Long enough for a busy 2-core machine: a condition that holds is met far sooner; one that
@@ -29,6 +39,12 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {seconds:g} s: {what}")
         time.sleep(every)
+
+
+def stall(replica: ChildProcess, stalled: bool) -> None:
+    """Make an emulated replica hold (or release) every token, as a hung engine would."""
+    answer = httpx.post(replica.url + "/emulator/stall", json={"stalled": stalled}, timeout=30)
+    assert answer.json() == {"stalled": stalled}
 
 
 async def eventually(

@@ -57,9 +57,7 @@ async def hold_streams(gateway: GatewayProcess, fleet: EmulatedReplicas) -> list
                 while not (await anext(lines)).startswith("data: {"):
                     pass
                 routes.append(response.headers["x-gateway-route"])
-            running = [
-                replica.metric("vllm:num_requests_running") for replica in fleet.replicas
-            ]
+            running = [replica.metric("vllm:num_requests_running") for replica in fleet.replicas]
             assert sum(running) == CONCURRENT
             bound = load_bound(CONCURRENT - 1, REPLICAS, FACTOR, FLOOR)
             assert max(running) <= bound, (running, bound)

@@ -20,11 +20,10 @@ import openai
 import orjson
 import pytest
 
-from gateway.emulator import EmulatorProcess
 from gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
 from tests.fault_servers import FaultServer
-from tests.support import GatewayProcess, metric_value, wait_until
+from tests.support import GatewayProcess, metric_value, stall, wait_until
 from tests.test_feedback_pruning import admitted
 from tests.words import words
 
@@ -53,12 +52,6 @@ def streamed_cached_tokens(client: openai.OpenAI, system: str, question: str) ->
         if chunk.usage is not None and chunk.usage.prompt_tokens_details is not None:
             cached = chunk.usage.prompt_tokens_details.cached_tokens or 0
     return cached
-
-
-def stall(replica: EmulatorProcess, stalled: bool) -> None:
-    """Hold (or release) every first token: a prefill stays in progress until released."""
-    answer = httpx.post(replica.url + "/emulator/stall", json={"stalled": stalled}, timeout=30)
-    assert answer.json() == {"stalled": stalled}
 
 
 def two_requests_in_one_prefill(

@@ -8,11 +8,10 @@ import httpx
 import openai
 import pytest
 
-from gateway.emulator import EmulatorProcess
 from gateway.emulator.replicas import EmulatedReplicas
 from gateway.processes import free_port
 from tests.conftest import MODEL
-from tests.support import GatewayProcess, metric_value, wait_until
+from tests.support import GatewayProcess, metric_value, stall, wait_until
 from tests.words import words
 
 
@@ -61,11 +60,6 @@ def test_models_and_embeddings(client: openai.OpenAI) -> None:
     assert [model.id for model in client.models.list()] == [MODEL]
     vectors = client.embeddings.create(model=MODEL, input=["one", "two"])
     assert len(vectors.data) == 2 and vectors.data[0].embedding
-
-
-def stall(replica: EmulatorProcess, stalled: bool) -> None:
-    answer = httpx.post(replica.url + "/emulator/stall", json={"stalled": stalled}, timeout=30)
-    assert answer.json() == {"stalled": stalled}
 
 
 def test_stream_chunks_are_relayed_while_the_replica_still_generates() -> None:

@@ -200,14 +200,13 @@ class Engine:
         arrival: float,
     ) -> None:
         reason = "abort"
-        if run is not None:
-            if run.produced == run.max_tokens:
-                reason = "length"
-                # Like vLLM, the last generated token's KV is never computed.
-                held = [*prompt_ids, *token_ids(run.generated[:-1])]
-                self.cache.publish(lease, block_hashes(held, self.cache.block_size, hashes))
-                if self._observer is not None:
-                    self._observer.finished(self._clock() - arrival)
+        if run is not None and run.produced == run.max_tokens:
+            reason = "length"
+            # Like vLLM, the last generated token's KV is never computed.
+            held = [*prompt_ids, *token_ids(run.generated[:-1])]
+            self.cache.publish(lease, block_hashes(held, self.cache.block_size, hashes))
+            if self._observer is not None:
+                self._observer.finished(self._clock() - arrival)
         self.stats.finished[reason] += 1
         self._release(lease)
 
