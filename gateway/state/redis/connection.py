@@ -85,7 +85,8 @@ def open_client(url: str, timeout: float, max_connections: int) -> RedisClient:
         # One immediate retry replaces a pooled connection that died with a restarted server.
         retry=Retry(NoBackoff(), 1),
     )
-    return Redis(connection_pool=pool)
+    # The client owns the pool, so closing the client closes its connections too.
+    return Redis.from_pool(pool)
 
 
 class RedisLink:
