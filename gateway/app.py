@@ -19,6 +19,7 @@ from gateway.config import Settings
 from gateway.control.app import build_control_app
 from gateway.errors import GatewayError, LoopDetected, MethodNotAllowed
 from gateway.prompt.parsing import ENDPOINTS
+from gateway.prompt.responses import response_target
 from gateway.proxy.asgi import ASGIApp, Receive, Scope, Send, send_error, send_json
 from gateway.proxy.upstream import passed_through
 
@@ -54,7 +55,9 @@ class GatewayApp:
                     return
                 if self._isolate_tenants:
                     scope[TENANT] = tenant_of(key)
-            if path in ENDPOINTS:
+            target = None if path in ENDPOINTS else response_target(path)
+            if path in ENDPOINTS or target is not None:
+                allowed = b"POST" if target is None or target[1] else b"GET, DELETE"
                 if passed_through(scope["headers"]):
                     loop = LoopDetected(
                         "this request already passed through the gateway: a backend points back"
@@ -62,11 +65,12 @@ class GatewayApp:
                         code="loop_detected",
                     )
                     await self._refuse(loop, send, [])
-                elif scope["method"] == "POST":
+                elif scope["method"].encode() in allowed.split(b", "):
                     await self.components.proxy(scope, receive, send)
                 else:
-                    wrong = MethodNotAllowed(f"use POST for {path}", code="http_405")
-                    await send_error(send, wrong, [(b"allow", b"POST")])
+                    use = allowed.decode().replace(", ", " or ")
+                    wrong = MethodNotAllowed(f"use {use} for {path}", code="http_405")
+                    await send_error(send, wrong, [(b"allow", allowed)])
             elif path == "/ready" and self.shutting_down:
                 body = orjson.dumps({"ready": False, "shutting_down": True})
                 await send_json(send, 503, body)

@@ -18,6 +18,7 @@ from gateway.metrics import Metrics
 from gateway.prompt.canonical import message_segment
 from gateway.prompt.hashing import chain_hashes, extend_hashes, key_hash
 from gateway.prompt.parsing import Endpoint, RoutingInput
+from gateway.routing.baselines import LeastLoadedInTurnPolicy
 from gateway.routing.conversations import (
     AffinityMiss,
     ConversationTracker,
@@ -27,11 +28,12 @@ from gateway.routing.conversations import (
     miss_cause,
 )
 from gateway.routing.feedback import CacheFeedback
+from gateway.routing.responses import ResponseHolders, not_found
 from gateway.routing.ring import load_bound, within_bound
 from gateway.routing.traffic import Traffic
 from gateway.routing.types import Decision, Outcome, Policy, Route, RoutingState
 from gateway.state.index import PrefixIndex
-from gateway.state.sessions import SessionStore
+from gateway.state.sessions import InMemorySessionStore, SessionStore
 
 
 @dataclass(slots=True, eq=False)
@@ -52,6 +54,8 @@ class Routed:
     """The request's place in its conversation (chat, or any request with a session key)."""
     accepted_by: set[str] = field(default_factory=set)
     """Backends that accepted the request (answered 2xx): its prompt is theirs for good."""
+    pinned: bool = False
+    """Only `backend` can answer (it holds the response the request names): no failover."""
 
     def accepted(self, backend: str) -> None:
         """`backend` answered 2xx: the other gateways learn where the prompt is."""
@@ -66,6 +70,8 @@ class Routed:
 
     def fallback(self, tried: Collection[str]) -> tuple[Backend, Decision] | None:
         """The policy's next choice (route `retry`) among the backends not yet `tried`."""
+        if self.pinned:
+            return None
         left = [
             backend
             for backend in self.serving.backends
@@ -107,11 +113,19 @@ class Router:
         policy: Policy,
         metrics: Metrics,
         clock: Clock = monotonic,
+        responses: SessionStore | None = None,
     ) -> None:
+        """`responses`: where the replica of each stored response is kept (by default in
+        memory, like sessions)."""
         self.pool = pool
         self.index = index
         self.sessions = sessions
         self.policy = policy
+        self.responses = ResponseHolders(
+            pool,
+            responses or InMemorySessionStore(settings.affinity_ttl, settings.session_max, clock),
+        )
+        self._by_model = LeastLoadedInTurnPolicy()
         self.metrics = metrics
         self.traffic = Traffic(clock, settings)
         self.conversations = ConversationTracker(
@@ -128,6 +142,12 @@ class Router:
     async def route(self, request: RoutingInput) -> Routed:
         """Decide where `request` goes and record it there."""
         began = time.perf_counter()
+        previous = request.previous_response_id
+        if previous is not None:
+            holder = await self.responses.holder(previous, request.tenant, "previous_response_id")
+            if holder is not None:
+                self._decision_seconds.observe(time.perf_counter() - began)
+                return self.pinned(request, holder)
         routed = await self.decide(request, count=True)
         self._decision_seconds.observe(time.perf_counter() - began)
         self._routed += 1
@@ -142,10 +162,32 @@ class Router:
         await self._record(request, backend, routed.chain)
         return routed
 
+    async def route_to_holder(self, request: RoutingInput, response_id: str) -> Routed:
+        """`request` (about a stored response) to the replica holding `response_id`; a 404
+        when no gateway saw it produced, or its replica is gone."""
+        holder = await self.responses.holder(response_id, request.tenant, "response_id")
+        if holder is None:
+            raise not_found(response_id, "response_id")
+        return self.pinned(request, holder)
+
+    def pinned(self, request: RoutingInput, backend: Backend) -> Routed:
+        """`request` to `backend` whatever its load: it holds what the request names. The
+        prompt it computes starts with the stored conversation, which the gateway never saw
+        whole: nothing of it is recorded in the index."""
+        serving = ModelPool([backend])
+        state = RoutingState(candidates=serving.names, loads=serving.loads)
+        decision = Decision(backend.name, Route.PREVIOUS_RESPONSE)
+        return Routed(
+            request, [], decision, backend, serving, state, None, self.policy, self.index,
+            pinned=True,
+        )
+
     async def decide(self, request: RoutingInput, count: bool = False) -> Routed:
         """The policy's decision for `request` now; with `count` it counts in its shared
         prompt's traffic (routed, not explained). Records nothing else."""
         serving = self.serving(request.model)
+        if not request.endpoint.by_prefix:
+            return self._least_loaded(request, serving)
         chain = chain_hashes(
             request.canonical, self._block_chars, _seed(request), limit=self._max_blocks
         )
@@ -182,15 +224,29 @@ class Router:
             request, chain, decision, backend, serving, state, sticky, self.policy, self.index
         )
 
+    def _least_loaded(self, request: RoutingInput, serving: ModelPool) -> Routed:
+        state = RoutingState(
+            candidates=serving.names, loads=serving.loads, sequence=self._routed
+        )
+        decision = self._by_model.choose(state)
+        backend = serving.by_name[decision.backend]
+        return Routed(
+            request, [], decision, backend, serving, state, None, self._by_model, self.index
+        )
+
     async def explain(self, request: RoutingInput) -> Explanation:
         """The decision `route` would make for `request` now, recording nothing."""
         routed = await self.decide(request)
-        prompt = fingerprint(request.canonical) if request.endpoint is Endpoint.CHAT else None
+        prompt = fingerprint(request.canonical) if request.endpoint in _CONVERSATIONS else None
         return Explanation(routed, self.conversations.peek(request.session_key, prompt))
 
     async def learn(self, routed: Routed, outcome: Outcome) -> None:
         """Take in what came back: failover, the answer's blocks, cached tokens, affinity."""
         request = routed.request
+        if routed.pinned or not request.endpoint.by_prefix:
+            if len(outcome.tried) > 1:
+                self.metrics.child(self.metrics.failovers, request.model).inc()
+            return
         served = outcome.decision.backend
         first = routed.backend.name
         if first not in routed.accepted_by and request.endpoint is not Endpoint.EMBEDDINGS:
@@ -261,6 +317,8 @@ class Router:
         return key if request.tenant is None else key ^ key_hash(request.tenant)
 
     async def _record(self, request: RoutingInput, backend: str, chain: list[int]) -> None:
+        if not request.endpoint.by_prefix:
+            return
         if request.endpoint is not Endpoint.EMBEDDINGS:
             await self.index.record(request.model, backend, chain)
         if request.session_key is not None:
@@ -269,7 +327,7 @@ class Router:
     def _follow(self, routed: Routed) -> Turn | None:
         """Place the request in its conversation; count a cache break when it has one."""
         request = routed.request
-        is_chat = request.endpoint is Endpoint.CHAT
+        is_chat = request.endpoint in _CONVERSATIONS
         if not is_chat and request.session_key is None:
             return None
         prompt = fingerprint(request.canonical) if is_chat else None
@@ -290,7 +348,7 @@ class Router:
 
     def _with_answer(self, routed: Routed, segment: bytes) -> list[int]:
         """The chain of the prompt and its answer, which a chat's next turn extends."""
-        if routed.request.endpoint is not Endpoint.CHAT or not segment:
+        if routed.request.endpoint not in _CONVERSATIONS or not segment:
             return routed.chain
         history = routed.request.canonical + segment
         chain = extend_hashes(
@@ -320,6 +378,10 @@ class Router:
         if turn.previous_backend in outcome.tried:
             miss = AffinityMiss.FAILOVER
         self.metrics.child(self.metrics.affinity_misses, model, miss.value).inc()
+
+
+_CONVERSATIONS = frozenset({Endpoint.CHAT, Endpoint.RESPONSES})
+"""Endpoints whose prompts are messages, each turn extending the last with its answer."""
 
 
 def _seed(request: RoutingInput) -> int:

@@ -88,12 +88,24 @@ class FallbackPrefixIndex:
 
 
 class FallbackSessionStore:
+    """Sessions, or (`name="response"`) the replicas of stored responses, whose `put` waits
+    for Redis with `awaited_puts`: a client may name a response at another gateway as soon as
+    it has it."""
+
     def __init__(
-        self, local: InMemorySessionStore, shared: RedisSessionStore, link: RedisLink
+        self,
+        local: InMemorySessionStore,
+        shared: RedisSessionStore,
+        link: RedisLink,
+        name: str = "session",
+        awaited_puts: bool = False,
     ) -> None:
         self.local = local
         self.shared = shared
         self._link = link
+        self._get = f"{name}_get"
+        self._put = f"{name}_put"
+        self._awaited_puts = awaited_puts
 
     def __len__(self) -> int:
         return len(self.local)
@@ -101,12 +113,18 @@ class FallbackSessionStore:
     async def get(self, key: str) -> str | None:
         local = await self.local.get(key)
         try:
-            shared = await self._link.call("session_get", lambda: self.shared.get(key))
+            shared = await self._link.call(self._get, lambda: self.shared.get(key))
         except RedisUnavailable:
-            self._link.fell_back("session_get")
+            self._link.fell_back(self._get)
             return local
         return shared if shared is not None else local
 
     async def put(self, key: str, backend: str) -> None:
         await self.local.put(key, backend)
-        self._link.submit("session_put", lambda: self.shared.put(key, backend))
+        if not self._awaited_puts:
+            self._link.submit(self._put, lambda: self.shared.put(key, backend))
+            return
+        try:
+            await self._link.call(self._put, lambda: self.shared.put(key, backend))
+        except RedisUnavailable:
+            self._link.fell_back(self._put)
