@@ -30,10 +30,13 @@ WEATHER_TOOL = {
 
 def create(client: openai.OpenAI, **fields: Any) -> tuple[Any, str, str]:
     """One response: the parsed object, the replica that answered and the gateway's route."""
-    raw = client.responses.with_raw_response.create(
-        model=MODEL, max_output_tokens=6, **fields
-    )
+    raw = client.responses.with_raw_response.create(model=MODEL, max_output_tokens=6, **fields)
     return raw.parse(), raw.headers["x-gateway-backend"], raw.headers["x-gateway-route"]
+
+
+def completed(events: Any) -> Any:
+    """The response a stream of events completed with."""
+    return next(event for event in events if event.type == "response.completed").response
 
 
 def test_plain_response(client: openai.OpenAI) -> None:
@@ -97,7 +100,7 @@ def test_a_streamed_follow_up_also_reaches_the_replica_that_stored_its_predecess
         model=MODEL, input="what glue for timber?", max_output_tokens=4, stream=True
     )
     first = raw.headers["x-gateway-backend"]
-    previous = [event for event in raw.parse() if event.type == "response.completed"][0].response
+    previous = completed(raw.parse())
     for turn in range(2):
         raw = client.responses.with_raw_response.create(
             model=MODEL,
@@ -107,7 +110,7 @@ def test_a_streamed_follow_up_also_reaches_the_replica_that_stored_its_predecess
             stream=True,
         )
         assert raw.headers["x-gateway-backend"] == first
-        previous = [e for e in raw.parse() if e.type == "response.completed"][0].response
+        previous = completed(raw.parse())
 
 
 def test_tools_a_function_call_and_its_output_as_a_follow_up(client: openai.OpenAI) -> None:
@@ -137,9 +140,7 @@ def test_a_conversation_resent_whole_extends_its_prefix_on_one_replica(
     history: list[dict[str, Any]] = [{"role": "user", "content": "which drill for brick walls?"}]
     backends = set()
     for turn in range(4):
-        response, backend, _ = create(
-            client, instructions=INSTRUCTIONS, input=history, store=False
-        )
+        response, backend, _ = create(client, instructions=INSTRUCTIONS, input=history, store=False)
         backends.add(backend)
         history += [item.model_dump(exclude_none=True) for item in response.output]
         history.append({"role": "user", "content": f"and for turn {turn}?"})
