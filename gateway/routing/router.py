@@ -121,10 +121,9 @@ class Router:
         self.index = index
         self.sessions = sessions
         self.policy = policy
-        self.responses = ResponseHolders(
-            pool,
-            responses or InMemorySessionStore(settings.affinity_ttl, settings.session_max, clock),
-        )
+        if responses is None:
+            responses = InMemorySessionStore(settings.affinity_ttl, settings.session_max, clock)
+        self.responses = ResponseHolders(pool, responses)
         self._by_model = LeastLoadedInTurnPolicy()
         self.metrics = metrics
         self.traffic = Traffic(clock, settings)
