@@ -305,6 +305,39 @@ def test_a_body_over_the_limit_gets_413(edge: GatewayProcess) -> None:
     traffic.assert_served()
 
 
+def test_the_responses_paths_and_model_only_endpoints_keep_the_bounds(
+    edge: GatewayProcess,
+) -> None:
+    long_id = "r" * 129
+    with NormalTraffic(edge) as traffic:
+        too_large = {
+            (method, path): httpx.request(
+                method, edge.url + path, content=b"x" * (MAX_BODY + 1), timeout=30
+            ).json()["error"]["code"]
+            for method, path in (
+                ("POST", "/v1/responses"),
+                ("GET", "/v1/responses/resp_1"),
+                ("DELETE", "/v1/responses/resp_1"),
+                ("POST", "/v1/responses/resp_1/cancel"),
+                ("POST", "/tokenize"),
+            )
+        }
+        by_long_id = httpx.get(edge.url + "/v1/responses/" + long_id)
+        follow_up = {"model": MODEL, "input": "hi", "previous_response_id": long_id}
+        long_previous = httpx.post(edge.url + "/v1/responses", json=follow_up)
+        many = b'{"model":"m","input":[' + b",".join([b"{}"] * 10_001) + b"]}"
+        many_items = httpx.post(edge.url + "/v1/responses", content=many)
+        nested = b'{"model":"m","input":' + b"[" * 300 + b"]" * 300 + b"}"
+        deep = httpx.post(edge.url + "/v1/responses", content=nested)
+    assert set(too_large.values()) == {"body_too_large"}, too_large
+    assert by_long_id.status_code == 400 and long_previous.status_code == 400
+    assert by_long_id.json()["error"]["code"] == "invalid_response_id"
+    assert long_previous.json()["error"]["param"] == "previous_response_id"
+    assert many_items.status_code == 400 and many_items.json()["error"]["code"] == "too_many_items"
+    assert deep.status_code == 400 and deep.json()["error"]["code"] == "too_deep"
+    traffic.assert_served()
+
+
 def test_connections_past_the_cap_get_503_and_idle_ones_are_closed(
     fleet: EmulatedReplicas,
 ) -> None:
