@@ -29,6 +29,7 @@ from engines.replica import VLLMReplica
 from engines.tiny_model import ensure_model
 from engines.venv import VLLMVenv
 from tests.support import GatewayProcess, metric_value
+from tests.test_responses import WEATHER_TOOL
 
 pytestmark = pytest.mark.real_vllm
 
@@ -359,14 +360,6 @@ def test_responses_api_through_the_replica(real: RealFleet) -> None:
     assert body["object"] == "response"
     assert body["usage"]["output_tokens"] == 4
     assert "cached_tokens" in body["usage"]["input_tokens_details"]
-
-
-WEATHER_TOOL = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-}
 
 
 def respond(client: openai.OpenAI, **fields: Any) -> tuple[Any, str, str]:

@@ -26,7 +26,7 @@ from gateway.proxy.relay import Limits, Relay, Relayed, Remember
 from gateway.proxy.reply import Headers, Reply
 from gateway.proxy.rewrite import request_usage, with_cache_salt
 from gateway.proxy.upstream import Upstream, UpstreamError, failure, response_headers
-from gateway.routing.router import Routed
+from gateway.routing.routed import Routed
 from gateway.routing.types import Decision, Outcome
 
 _RETRY_STATUSES = frozenset({429, 502, 503, 504})

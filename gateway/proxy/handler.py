@@ -43,7 +43,8 @@ from gateway.proxy.deadlines import DeadlineWatch, Exchange, Interrupted, Why
 from gateway.proxy.forwarder import Forwarder
 from gateway.proxy.relay import Remember
 from gateway.proxy.reply import Headers, Reply
-from gateway.routing.router import Routed, Router
+from gateway.routing.routed import Routed
+from gateway.routing.router import Router
 from gateway.routing.types import Decision
 
 _RETRY_AFTER = (b"retry-after", b"1")

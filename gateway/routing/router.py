@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Collection
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 from gateway.backends.pool import Backend, BackendPool, ModelPool
 from gateway.clock import Clock, monotonic
@@ -30,69 +29,11 @@ from gateway.routing.conversations import (
 from gateway.routing.feedback import CacheFeedback
 from gateway.routing.responses import ResponseHolders, not_found
 from gateway.routing.ring import load_bound, within_bound
+from gateway.routing.routed import Routed
 from gateway.routing.traffic import Traffic
 from gateway.routing.types import Decision, Outcome, Policy, Route, RoutingState
 from gateway.state.index import PrefixIndex
 from gateway.state.sessions import InMemorySessionStore, SessionStore
-
-
-@dataclass(slots=True, eq=False)
-class Routed:
-    """A request, where the policy sent it, and what the policy saw to decide."""
-
-    request: RoutingInput
-    chain: list[int]
-    """The prompt's block hashes."""
-    decision: Decision
-    backend: Backend
-    serving: ModelPool
-    state: RoutingState
-    sticky: str | None
-    policy: Policy = field(repr=False)
-    index: PrefixIndex = field(repr=False)
-    turn: Turn | None = None
-    """The request's place in its conversation (chat, or any request with a session key)."""
-    accepted_by: set[str] = field(default_factory=set)
-    """Backends that accepted the request (answered 2xx): its prompt is theirs for good."""
-    pinned: bool = False
-    """Only `backend` can answer (it holds the response the request names): no failover."""
-
-    def accepted(self, backend: str) -> None:
-        """`backend` answered 2xx: the other gateways learn where the prompt is."""
-        if backend not in self.accepted_by:
-            self.accepted_by.add(backend)
-            if self.request.endpoint is not Endpoint.EMBEDDINGS:
-                self.index.share(self.request.model, backend, self.chain)
-
-    @property
-    def affinity_key(self) -> int:
-        return self.state.affinity_key
-
-    def fallback(self, tried: Collection[str]) -> tuple[Backend, Decision] | None:
-        """The policy's next choice (route `retry`) among the backends not yet `tried`."""
-        if self.pinned:
-            return None
-        left = [
-            backend
-            for backend in self.serving.backends
-            if backend.name not in tried and backend.healthy and not backend.draining
-        ]
-        if not left:
-            return None
-        serving = ModelPool(left)
-        state = replace(
-            self.state,
-            candidates=serving.names,
-            members=serving.members,
-            loads=serving.loads,
-            total_load=serving.total_load,
-            recent_total=None,
-            pending_prefill=serving.pending_prefill,
-            sticky=None,
-        )
-        choice = self.policy.choose(state)
-        retry = Decision(choice.backend, Route.RETRY, choice.matched_blocks, choice.load_bound)
-        return serving.by_name[choice.backend], retry
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +118,15 @@ class Router:
         state = RoutingState(candidates=serving.names, loads=serving.loads)
         decision = Decision(backend.name, Route.PREVIOUS_RESPONSE)
         return Routed(
-            request, [], decision, backend, serving, state, None, self.policy, self.index,
+            request,
+            [],
+            decision,
+            backend,
+            serving,
+            state,
+            None,
+            self.policy,
+            self.index,
             pinned=True,
         )
 
@@ -224,9 +173,7 @@ class Router:
         )
 
     def _least_loaded(self, request: RoutingInput, serving: ModelPool) -> Routed:
-        state = RoutingState(
-            candidates=serving.names, loads=serving.loads, sequence=self._routed
-        )
+        state = RoutingState(candidates=serving.names, loads=serving.loads, sequence=self._routed)
         decision = self._by_model.choose(state)
         backend = serving.by_name[decision.backend]
         return Routed(
@@ -243,6 +190,7 @@ class Router:
         """Take in what came back: failover, the answer's blocks, cached tokens, affinity."""
         request = routed.request
         if routed.pinned or not request.endpoint.by_prefix:
+            self._observed(outcome, request.model)
             if len(outcome.tried) > 1:
                 self.metrics.child(self.metrics.failovers, request.model).inc()
             return
@@ -269,10 +217,7 @@ class Router:
         metrics.child(metrics.matched_tokens_predicted, model).inc(
             outcome.decision.matched_blocks * settings.block_tokens
         )
-        if outcome.prompt_tokens is not None:
-            metrics.child(metrics.upstream_prompt_tokens, model, served).inc(outcome.prompt_tokens)
-        if outcome.cached_tokens is not None:
-            metrics.child(metrics.upstream_cached_tokens, model, served).inc(outcome.cached_tokens)
+        self._observed(outcome, model)
         segment = message_segment("assistant", outcome.answer) if outcome.answer else b""
         chain = self._with_answer(routed, segment)
         if self.feedback is not None:
@@ -282,6 +227,16 @@ class Router:
         if chain is not routed.chain:
             await self.index.record(model, served, chain)
             self.index.share(model, served, chain)
+
+    def _observed(self, outcome: Outcome, model: str) -> None:
+        """Count the prompt and cached tokens the replica reported for an answered request."""
+        if outcome.status != 200:
+            return
+        metrics, served = self.metrics, outcome.decision.backend
+        if outcome.prompt_tokens is not None:
+            metrics.child(metrics.upstream_prompt_tokens, model, served).inc(outcome.prompt_tokens)
+        if outcome.cached_tokens is not None:
+            metrics.child(metrics.upstream_cached_tokens, model, served).inc(outcome.cached_tokens)
 
     def load_bounds(self) -> dict[str, int]:
         """The bound a new request meets at each serving backend now (largest over its models)."""
