@@ -377,10 +377,11 @@ def respond(client: openai.OpenAI, **fields: Any) -> tuple[Any, str, str]:
 
 
 def test_responses_through_the_gateway_and_a_chain_on_the_storing_replica(
-    client: openai.OpenAI,
+    client: openai.OpenAI, real: RealFleet
 ) -> None:
     """Plain, streamed and with tools; then five follow-ups by previous_response_id, each on
-    the replica that stored its predecessor (only it can answer), hitting its cache."""
+    the replica that stored its predecessor (only it can answer), hitting its cache; then the
+    stored response's own routes at that replica."""
     plain, _, _ = respond(client, input=text(12, "responses plain"))
     assert plain.object == "response" and plain.usage.output_tokens >= 1
     streamed, _, _ = respond(client, input=text(12, "responses streamed"), stream=True)
@@ -397,3 +398,14 @@ def test_responses_through_the_gateway_and_a_chain_on_the_storing_replica(
         assert response.previous_response_id == previous
         # At least the instructions' full blocks were cached where the chain is stored.
         assert response.usage.input_tokens_details.cached_tokens >= BLOCK
+    assert client.responses.retrieve(response.id).id == response.id
+    url = f"{real.gateway.url}/v1/responses/{response.id}"
+    answers = {method: httpx.request(method, url, timeout=60) for method in ("GET", "DELETE")}
+    answers["cancel"] = httpx.post(url + "/cancel", timeout=60)
+    assert {method: answer.headers["x-gateway-backend"] for method, answer in answers.items()} == {
+        "GET": first,
+        "DELETE": first,
+        "cancel": first,
+    }
+    # vLLM 0.32 has no DELETE for responses, and cancels only background ones.
+    assert [answers[name].status_code for name in ("GET", "DELETE", "cancel")] == [200, 405, 400]
