@@ -47,7 +47,8 @@ class GatewayApp:
         if kind == "http":
             assert self.components is not None and self._control is not None
             path = scope["path"]
-            if self._api_keys and path.startswith(PROTECTED_PREFIX):
+            # The engines' endpoints outside /v1/ (`/tokenize`...) need a client key too.
+            if self._api_keys and (path.startswith(PROTECTED_PREFIX) or path in ENDPOINTS):
                 try:
                     key = self._api_keys.check(scope["headers"])
                 except GatewayError as refused:

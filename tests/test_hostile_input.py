@@ -610,6 +610,27 @@ def test_tenants_neither_hit_nor_probe_each_others_prefixes(fleet: EmulatedRepli
         assert cached[2] == 0  # and never another's, even on the same replica
 
 
+def test_a_tenants_stored_responses_are_its_own(fleet: EmulatedReplicas) -> None:
+    with GatewayProcess(
+        fleet.urls, "--api-key", "tenant-a", "--api-key", "tenant-b", "--isolate-tenants"
+    ) as gateway:
+        as_a = openai.OpenAI(base_url=gateway.url + "/v1", api_key="tenant-a", max_retries=0)
+        as_b = openai.OpenAI(base_url=gateway.url + "/v1", api_key="tenant-b", max_retries=0)
+        stored = as_a.responses.create(model=MODEL, input="a secret", max_output_tokens=2)
+        assert as_a.responses.retrieve(stored.id).id == stored.id
+        with pytest.raises(openai.NotFoundError):
+            as_b.responses.retrieve(stored.id)
+        with pytest.raises(openai.NotFoundError):
+            as_b.responses.create(
+                model=MODEL, input="more", previous_response_id=stored.id, max_output_tokens=2
+            )
+        # The engines' endpoints outside /v1/ need a key as well.
+        body = {"model": MODEL, "prompt": "x"}
+        assert httpx.post(gateway.url + "/tokenize", json=body).status_code == 401
+        keyed = {"authorization": "Bearer tenant-b"}
+        assert httpx.post(gateway.url + "/tokenize", json=body, headers=keyed).status_code == 200
+
+
 def test_tenant_isolation_needs_client_keys() -> None:
     with pytest.raises(ConfigError):
         Settings(backend=("x",), isolate_tenants=True).validate()

@@ -182,13 +182,15 @@ def test_ids_the_gateway_never_saw_or_cannot_take(gateway: GatewayProcess) -> No
     assert httpx.get(gateway.url + "/v1/responses/resp_1/input_items").status_code == 404
 
 
-def test_a_follow_up_the_gateway_cannot_place_goes_where_prefix_routing_sends_it(
+def test_a_follow_up_naming_a_response_no_gateway_saw_gets_vllms_404_from_the_gateway(
     client: openai.OpenAI,
 ) -> None:
-    """An id no gateway saw produced: the replica chosen answers, as vLLM does, 404."""
     with pytest.raises(openai.NotFoundError) as missing:
         create(client, previous_response_id="resp_never_seen", input="hello")
-    assert "resp_never_seen" in str(missing.value)
+    error = missing.value.body
+    assert isinstance(error, dict) and error["param"] == "previous_response_id"
+    assert error["message"] == "Response with id 'resp_never_seen' not found."
+    assert "x-gateway-backend" not in missing.value.response.headers
 
 
 @pytest.fixture

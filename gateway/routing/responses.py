@@ -23,8 +23,8 @@ class ResponseHolders:
 
     async def holder(self, response_id: str, tenant: str | None, param: str) -> Backend | None:
         """The replica holding `response_id`, whatever its load or health; None when no
-        gateway saw it produced (or it was forgotten); a 404 naming `param` when that replica
-        has left the pool, since no other one can answer for it."""
+        gateway saw it produced for `tenant` (or it expired); a 404 naming `param` when that
+        replica has left the pool, since no other one can answer for it."""
         name = await self._store.get(response_key(response_id, tenant))
         if name is None:
             return None
@@ -41,7 +41,7 @@ class ResponseHolders:
 
 
 def not_found(response_id: str, param: str) -> NotFound:
-    """What vLLM answers for a response it does not hold, for one no gateway has seen."""
+    """vLLM's answer for a response it does not hold, for one no gateway saw produced."""
     return NotFound(
         f"Response with id '{response_id}' not found.", param=param, code="response_not_found"
     )

@@ -82,12 +82,12 @@ class Router:
     async def route(self, request: RoutingInput) -> Routed:
         """Decide where `request` goes and record it there."""
         began = time.perf_counter()
-        previous = request.previous_response_id
-        if previous is not None:
-            holder = await self.responses.holder(previous, request.tenant, "previous_response_id")
-            if holder is not None:
-                self._decision_seconds.observe(time.perf_counter() - began)
-                return self.pinned(request, holder)
+        if request.previous_response_id is not None:
+            routed = await self.route_to_holder(
+                request, request.previous_response_id, "previous_response_id"
+            )
+            self._decision_seconds.observe(time.perf_counter() - began)
+            return routed
         routed = await self.decide(request, count=True)
         self._decision_seconds.observe(time.perf_counter() - began)
         self._routed += 1
@@ -102,12 +102,15 @@ class Router:
         await self._record(request, backend, routed.chain)
         return routed
 
-    async def route_to_holder(self, request: RoutingInput, response_id: str) -> Routed:
-        """`request` (about a stored response) to the replica holding `response_id`; a 404
-        when no gateway saw it produced, or its replica is gone."""
-        holder = await self.responses.holder(response_id, request.tenant, "response_id")
+    async def route_to_holder(
+        self, request: RoutingInput, response_id: str, param: str = "response_id"
+    ) -> Routed:
+        """`request` (naming a stored response in `param`) to the replica holding
+        `response_id`; a 404 when no gateway saw it produced for this tenant (no replica is
+        tried: one might hold another tenant's), or its replica is gone."""
+        holder = await self.responses.holder(response_id, request.tenant, param)
         if holder is None:
-            raise not_found(response_id, "response_id")
+            raise not_found(response_id, param)
         return self.pinned(request, holder)
 
     def pinned(self, request: RoutingInput, backend: Backend) -> Routed:
