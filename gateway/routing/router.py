@@ -185,7 +185,11 @@ class Router:
 
     async def explain(self, request: RoutingInput) -> Explanation:
         """The decision `route` would make for `request` now, recording nothing."""
-        routed = await self.decide(request)
+        previous = request.previous_response_id
+        if previous is not None:
+            routed = await self.route_to_holder(request, previous, "previous_response_id")
+        else:
+            routed = await self.decide(request)
         prompt = fingerprint(request.canonical) if request.endpoint in _CONVERSATIONS else None
         return Explanation(routed, self.conversations.peek(request.session_key, prompt))
 
