@@ -72,11 +72,16 @@ class Relay:
             return Relayed(0, failure=self._first_byte_missed(stop))
         exchange.finish()
         self._first_byte(attempt)
-        seen = observe_body(payload) if status == 200 else Observation()
-        if remember is not None and seen.response_id is not None:
-            await remember(seen.response_id, attempt.backend.name)
+        seen = None
+        if remember is not None and status == 200:
+            # Read before the client has the body: its response id must be known first.
+            seen = observe_body(payload)
+            if seen.response_id is not None:
+                await remember(seen.response_id, attempt.backend.name)
         await reply.whole(status, headers, payload)
         self._ended(attempt)
+        if seen is None:
+            seen = observe_body(payload) if status == 200 else Observation()
         seen.sent_at = attempt.started
         return Relayed(status, seen)
 
