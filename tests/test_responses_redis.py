@@ -1,6 +1,7 @@
 """Stored responses across gateways: two gateways share one real redis-server (started here)
 in front of four emulated replicas; a chain of follow-ups alternating between the gateways
-must reach, at each step, the replica that stored its predecessor.
+must reach, at each step, the replica that stored its predecessor. With Redis gone, a gateway
+keeps the chains it saw.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 from gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
 from tests.redis_server import PATIENT, RedisServer
-from tests.support import GatewayProcess
+from tests.support import GatewayProcess, metric_value
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +81,19 @@ def test_response_replicas_are_kept_in_redis_as_hashes_with_a_ttl(
     assert keys and all(response.id not in key for key in keys)
     assert all(0 < int(redis.cli("pttl", key)) <= 600_000 for key in keys)
     assert not any(response.id in value for value in redis.cli("mget", *keys).split())
+
+
+def test_with_redis_gone_a_gateway_keeps_its_own_chains(fleet: EmulatedReplicas) -> None:
+    with RedisServer() as lost, GatewayProcess(fleet.urls, "--redis-url", lost.url) as gateway:
+        (client,) = clients([gateway])
+        before, first = create(client, False, input="where are the screws?")
+        lost.kill()
+        _, backend = create(client, False, previous_response_id=before.id, input="and?")
+        assert backend == first
+        started, second = create(client, True, input="where are the bolts?")
+        _, backend = create(client, False, previous_response_id=started.id, input="and?")
+        assert backend == second
+        fallbacks = metric_value(
+            gateway.metrics(), "gateway_redis_fallbacks_total", operation="response_put"
+        )
+        assert fallbacks >= 2
