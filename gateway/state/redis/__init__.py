@@ -50,7 +50,7 @@ def connect(
         link,
         FallbackPrefixIndex(index, shared_index, link, settings.affinity_ttl),
         FallbackSessionStore(sessions, shared_sessions, link),
-        FallbackSessionStore(responses, shared_responses, link, "response", awaited_puts=True),
+        FallbackSessionStore(responses, shared_responses, link, "response", patient=True),
         keys,
     )
 

@@ -88,9 +88,10 @@ class FallbackPrefixIndex:
 
 
 class FallbackSessionStore:
-    """Sessions, or (`name="response"`) the replicas of stored responses, whose `put` waits
-    for Redis with `awaited_puts`: a client may name a response at another gateway as soon as
-    it has it."""
+    """Sessions, or (`name="response"`) the replicas of stored responses, which are `patient`:
+    a miss there fails the request rather than slowing it, so a lookup waits for Redis up to
+    a write's deadline and a `put` is awaited (a client may name a response at another gateway
+    as soon as it has it)."""
 
     def __init__(
         self,
@@ -98,14 +99,14 @@ class FallbackSessionStore:
         shared: RedisSessionStore,
         link: RedisLink,
         name: str = "session",
-        awaited_puts: bool = False,
+        patient: bool = False,
     ) -> None:
         self.local = local
         self.shared = shared
         self._link = link
         self._get = f"{name}_get"
         self._put = f"{name}_put"
-        self._awaited_puts = awaited_puts
+        self._patient = patient
 
     def __len__(self) -> int:
         return len(self.local)
@@ -113,7 +114,8 @@ class FallbackSessionStore:
     async def get(self, key: str) -> str | None:
         local = await self.local.get(key)
         try:
-            shared = await self._link.call(self._get, lambda: self.shared.get(key))
+            deadline = self._link.write_timeout if self._patient else None
+            shared = await self._link.call(self._get, lambda: self.shared.get(key), deadline)
         except RedisUnavailable:
             self._link.fell_back(self._get)
             return local
@@ -121,10 +123,7 @@ class FallbackSessionStore:
 
     async def put(self, key: str, backend: str) -> None:
         await self.local.put(key, backend)
-        if not self._awaited_puts:
+        if self._patient:
+            await self._link.write(self._put, lambda: self.shared.put(key, backend))
+        else:
             self._link.submit(self._put, lambda: self.shared.put(key, backend))
-            return
-        try:
-            await self._link.call(self._put, lambda: self.shared.put(key, backend))
-        except RedisUnavailable:
-            self._link.fell_back(self._put)
