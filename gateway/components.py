@@ -58,14 +58,24 @@ class Components:
         pool.removed.append(metrics.forget_backend)
         local_index = InMemoryPrefixIndex(settings.affinity_ttl, settings.index_max_blocks)
         local_sessions = InMemorySessionStore(settings.affinity_ttl, settings.session_max)
+        local_responses = InMemorySessionStore(settings.affinity_ttl, settings.session_max)
         index: PrefixIndex = local_index
         sessions: SessionStore = local_sessions
+        responses: SessionStore = local_responses
         shared = None
         if settings.redis_url:
-            shared = redis_store.connect(settings, metrics, local_index, local_sessions)
-            index, sessions = shared.index, shared.sessions
+            shared = redis_store.connect(
+                settings, metrics, local_index, local_sessions, local_responses
+            )
+            index, sessions, responses = shared.index, shared.sessions, shared.responses
         router = Router(
-            settings, pool, index, sessions, build_policy(settings, random.Random()), metrics
+            settings,
+            pool,
+            index,
+            sessions,
+            build_policy(settings, random.Random()),
+            metrics,
+            responses=responses,
         )
         pool.removed.append(router.traffic.recent.forget)
         # Requests and probes check replicas' certificates alike, and reach them directly (no

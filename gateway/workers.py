@@ -79,8 +79,9 @@ def run_workers(settings: Settings, directory: MetricsDirectory) -> int:
         values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
     if not settings.redis_url:
         log.warning(
-            "%d workers without --redis-url: each keeps its own prefix index and sessions, so"
-            " prefix and session affinity hold only within a worker",
+            "%d workers without --redis-url: each keeps its own prefix index, sessions and"
+            " stored responses' replicas, so prefix and session affinity hold only within a"
+            " worker, and a previous_response_id only at the worker that saw it produced",
             settings.workers,
         )
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET

@@ -29,6 +29,7 @@ from engines.replica import VLLMReplica
 from engines.tiny_model import ensure_model
 from engines.venv import VLLMVenv
 from tests.support import GatewayProcess, metric_value
+from tests.test_responses import WEATHER_TOOL
 
 pytestmark = pytest.mark.real_vllm
 
@@ -111,6 +112,8 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealFleet]:
             served_model_names=(MODEL, ONLY[index]),
             cpu_cores=str(index),
             extra_args=("--kv-events-config", events_config(endpoints[index])),
+            # Stored responses (vLLM ignores `store` without it): previous_response_id works.
+            env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"},
         )
         for index in range(2)
     ]
@@ -357,3 +360,52 @@ def test_responses_api_through_the_replica(real: RealFleet) -> None:
     assert body["object"] == "response"
     assert body["usage"]["output_tokens"] == 4
     assert "cached_tokens" in body["usage"]["input_tokens_details"]
+
+
+def respond(client: openai.OpenAI, **fields: Any) -> tuple[Any, str, str]:
+    """One response of at most 4 tokens: the object, its replica and the gateway's route."""
+    raw = client.responses.with_raw_response.create(
+        model=MODEL, instructions=SYSTEM, max_output_tokens=4, **fields
+    )
+    headers = raw.headers
+    parsed = raw.parse()
+    if fields.get("stream"):
+        events = list(parsed)
+        assert events[0].type == "response.created" and events[-1].type == "response.completed"
+        parsed = events[-1].response
+    return parsed, headers["x-gateway-backend"], headers["x-gateway-route"]
+
+
+def test_responses_through_the_gateway_and_a_chain_on_the_storing_replica(
+    client: openai.OpenAI, real: RealFleet
+) -> None:
+    """Plain, streamed and with tools; then five follow-ups by previous_response_id, each on
+    the replica that stored its predecessor (only it can answer), hitting its cache; then the
+    stored response's own routes at that replica."""
+    plain, _, _ = respond(client, input=text(12, "responses plain"))
+    assert plain.object == "response" and plain.usage.output_tokens >= 1
+    streamed, _, _ = respond(client, input=text(12, "responses streamed"), stream=True)
+    assert streamed.usage is not None and streamed.usage.input_tokens > 0
+    tooled, _, _ = respond(client, input=text(12, "responses tools"), tools=[WEATHER_TOOL])
+    assert tooled.status in ("completed", "incomplete")
+    response, first, _ = respond(client, input=text(12, "responses chain"))
+    for turn in range(5):
+        previous = response.id
+        response, backend, route = respond(
+            client, previous_response_id=previous, input=text(6, f"turn {turn}"), stream=turn == 2
+        )
+        assert (backend, route) == (first, "previous_response"), turn
+        assert response.previous_response_id == previous
+        # At least the instructions' full blocks were cached where the chain is stored.
+        assert response.usage.input_tokens_details.cached_tokens >= BLOCK
+    assert client.responses.retrieve(response.id).id == response.id
+    url = f"{real.gateway.url}/v1/responses/{response.id}"
+    answers = {method: httpx.request(method, url, timeout=60) for method in ("GET", "DELETE")}
+    answers["cancel"] = httpx.post(url + "/cancel", timeout=60)
+    assert {method: answer.headers["x-gateway-backend"] for method, answer in answers.items()} == {
+        "GET": first,
+        "DELETE": first,
+        "cancel": first,
+    }
+    # vLLM 0.32 has no DELETE for responses, and cancels only background ones.
+    assert [answers[name].status_code for name in ("GET", "DELETE", "cancel")] == [200, 405, 400]

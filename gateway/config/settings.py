@@ -75,7 +75,9 @@ class Settings:
     )
     affinity_ttl: float = _opt(600.0, "seconds an index entry or sticky session lives unused")
     index_max_blocks: int = _opt(2_000_000, "prefix blocks the in-memory index keeps at most")
-    session_max: int = _opt(1_000_000, "sticky sessions the in-memory store keeps at most")
+    session_max: int = _opt(
+        1_000_000, "sticky sessions (and stored responses' replicas) kept at most in memory"
+    )
     session_from_user: bool = _opt(False, "use the request's `user` field as a session key")
     cache_feedback: bool = _opt(
         True,

@@ -48,7 +48,14 @@ _REASONS = {
         "on the ring from the request's key, or the least loaded if none is"
     ),
     Route.RETRY: "{backend} is the next candidate after a failed attempt",
-    Route.LEAST_LOADED: "policy least_loaded: {backend} has the fewest requests in flight",
+    Route.LEAST_LOADED: (
+        "policy least_loaded, or an endpoint routed by model alone: {backend} has the fewest"
+        " requests in flight"
+    ),
+    Route.PREVIOUS_RESPONSE: (
+        "{backend} stored the response the request names in previous_response_id: only it can"
+        " answer"
+    ),
     Route.ROUND_ROBIN: "policy round_robin: {backend} is next in turn",
     Route.RANDOM: "policy random: {backend} was drawn",
 }
@@ -103,6 +110,9 @@ def _endpoint(given: str | None, body: bytes) -> Endpoint:
         for field, endpoint in (
             ("messages", Endpoint.CHAT),
             ("prompt", Endpoint.COMPLETIONS),
+            # Only the Responses API has these beside `input`.
+            ("instructions", Endpoint.RESPONSES),
+            ("previous_response_id", Endpoint.RESPONSES),
             ("input", Endpoint.EMBEDDINGS),
         ):
             if field in payload:

@@ -21,14 +21,43 @@ from gateway.prompt.canonical import (
     tools_block,
 )
 from gateway.prompt.hashing import key_hash
+from gateway.prompt.responses import checked_response_id, responses_canonical
 
 
 class Endpoint(Enum):
+    """The POST endpoints of the proxy path (docs/endpoints.md says how each is routed)."""
+
     CHAT = "/v1/chat/completions"
     COMPLETIONS = "/v1/completions"
     EMBEDDINGS = "/v1/embeddings"
+    RESPONSES = "/v1/responses"
+    # Routed by model alone: what they carry is not a prompt an engine caches for later.
+    TOKENIZE = "/tokenize"
+    DETOKENIZE = "/detokenize"
+    SCORE = "/score"
+    SCORE_V1 = "/v1/score"
+    RERANK = "/rerank"
+    RERANK_V1 = "/v1/rerank"
+    RERANK_V2 = "/v2/rerank"
+    POOLING = "/pooling"
+    CLASSIFY = "/classify"
+    EMBED_V2 = "/v2/embed"
+
+    @property
+    def by_prefix(self) -> bool:
+        """Routed by its prompt's prefix (else by model alone, to the least loaded replica)."""
+        return self in _BY_PREFIX
+
+    @property
+    def generates(self) -> bool:
+        """Generates text: a stream's usage and a tenant's `cache_salt` apply to it."""
+        return self in _GENERATES
 
 
+_BY_PREFIX = frozenset(
+    {Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.EMBEDDINGS, Endpoint.RESPONSES}
+)
+_GENERATES = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES})
 ENDPOINTS = {endpoint.value: endpoint for endpoint in Endpoint}
 
 
@@ -70,6 +99,9 @@ class RoutingInput:
     wants_usage: bool
     tenant: str | None = None
     """Whose cache namespace the request is in, under tenant isolation."""
+    previous_response_id: str | None = None
+    """A Responses request's `previous_response_id`: only the replica that stored it can
+    answer."""
 
 
 def parse_request(
@@ -116,14 +148,22 @@ def parse_request(
         raise BadRequest("stream_options must be an object", param="stream_options")
     wants_usage = bool(options and options.get("include_usage"))
 
+    previous = None
     if endpoint is Endpoint.CHAT:
         canonical, distinct_from = _chat_canonical(payload, limits.messages)
     elif endpoint is Endpoint.COMPLETIONS:
         prompt = payload.get("prompt")
         canonical, distinct_from = _completion_canonical(prompt, "prompt", limits.prompts), 0
-    else:
+    elif endpoint is Endpoint.EMBEDDINGS:
         given = payload.get("input")
         canonical, distinct_from = _completion_canonical(given, "input", limits.prompts), 0
+    elif endpoint is Endpoint.RESPONSES:
+        canonical, distinct_from = responses_canonical(payload, limits.messages)
+        given_previous = payload.get("previous_response_id")
+        if given_previous is not None:
+            previous = checked_response_id(given_previous, "previous_response_id")
+    else:
+        canonical, distinct_from = b"", 0
 
     return RoutingInput(
         endpoint=endpoint,
@@ -134,6 +174,7 @@ def parse_request(
         stream=bool(stream),
         wants_usage=wants_usage,
         tenant=tenant,
+        previous_response_id=previous,
     )
 
 

@@ -14,7 +14,7 @@ import orjson
 
 from gateway.config import Settings
 from gateway.errors import GatewayError
-from gateway.routing.router import Routed
+from gateway.routing.routed import Routed
 from gateway.routing.types import Outcome
 
 LOGGER = "gateway.access"

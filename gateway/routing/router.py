@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Collection
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 from gateway.backends.pool import Backend, BackendPool, ModelPool
 from gateway.clock import Clock, monotonic
@@ -18,6 +17,7 @@ from gateway.metrics import Metrics
 from gateway.prompt.canonical import message_segment
 from gateway.prompt.hashing import chain_hashes, extend_hashes, key_hash
 from gateway.prompt.parsing import Endpoint, RoutingInput
+from gateway.routing.baselines import LeastLoadedInTurnPolicy
 from gateway.routing.conversations import (
     AffinityMiss,
     ConversationTracker,
@@ -27,66 +27,13 @@ from gateway.routing.conversations import (
     miss_cause,
 )
 from gateway.routing.feedback import CacheFeedback
+from gateway.routing.responses import ResponseHolders, not_found
 from gateway.routing.ring import load_bound, within_bound
+from gateway.routing.routed import Routed
 from gateway.routing.traffic import Traffic
 from gateway.routing.types import Decision, Outcome, Policy, Route, RoutingState
 from gateway.state.index import PrefixIndex
-from gateway.state.sessions import SessionStore
-
-
-@dataclass(slots=True, eq=False)
-class Routed:
-    """A request, where the policy sent it, and what the policy saw to decide."""
-
-    request: RoutingInput
-    chain: list[int]
-    """The prompt's block hashes."""
-    decision: Decision
-    backend: Backend
-    serving: ModelPool
-    state: RoutingState
-    sticky: str | None
-    policy: Policy = field(repr=False)
-    index: PrefixIndex = field(repr=False)
-    turn: Turn | None = None
-    """The request's place in its conversation (chat, or any request with a session key)."""
-    accepted_by: set[str] = field(default_factory=set)
-    """Backends that accepted the request (answered 2xx): its prompt is theirs for good."""
-
-    def accepted(self, backend: str) -> None:
-        """`backend` answered 2xx: the other gateways learn where the prompt is."""
-        if backend not in self.accepted_by:
-            self.accepted_by.add(backend)
-            if self.request.endpoint is not Endpoint.EMBEDDINGS:
-                self.index.share(self.request.model, backend, self.chain)
-
-    @property
-    def affinity_key(self) -> int:
-        return self.state.affinity_key
-
-    def fallback(self, tried: Collection[str]) -> tuple[Backend, Decision] | None:
-        """The policy's next choice (route `retry`) among the backends not yet `tried`."""
-        left = [
-            backend
-            for backend in self.serving.backends
-            if backend.name not in tried and backend.healthy and not backend.draining
-        ]
-        if not left:
-            return None
-        serving = ModelPool(left)
-        state = replace(
-            self.state,
-            candidates=serving.names,
-            members=serving.members,
-            loads=serving.loads,
-            total_load=serving.total_load,
-            recent_total=None,
-            pending_prefill=serving.pending_prefill,
-            sticky=None,
-        )
-        choice = self.policy.choose(state)
-        retry = Decision(choice.backend, Route.RETRY, choice.matched_blocks, choice.load_bound)
-        return serving.by_name[choice.backend], retry
+from gateway.state.sessions import InMemorySessionStore, SessionStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,11 +54,18 @@ class Router:
         policy: Policy,
         metrics: Metrics,
         clock: Clock = monotonic,
+        responses: SessionStore | None = None,
     ) -> None:
+        """`responses`: where the replica of each stored response is kept (by default in
+        memory, like sessions)."""
         self.pool = pool
         self.index = index
         self.sessions = sessions
         self.policy = policy
+        if responses is None:
+            responses = InMemorySessionStore(settings.affinity_ttl, settings.session_max, clock)
+        self.responses = ResponseHolders(pool, responses)
+        self._by_model = LeastLoadedInTurnPolicy()
         self.metrics = metrics
         self.traffic = Traffic(clock, settings)
         self.conversations = ConversationTracker(
@@ -128,6 +82,12 @@ class Router:
     async def route(self, request: RoutingInput) -> Routed:
         """Decide where `request` goes and record it there."""
         began = time.perf_counter()
+        if request.previous_response_id is not None:
+            routed = await self.route_to_holder(
+                request, request.previous_response_id, "previous_response_id"
+            )
+            self._decision_seconds.observe(time.perf_counter() - began)
+            return routed
         routed = await self.decide(request, count=True)
         self._decision_seconds.observe(time.perf_counter() - began)
         self._routed += 1
@@ -142,10 +102,43 @@ class Router:
         await self._record(request, backend, routed.chain)
         return routed
 
+    async def route_to_holder(
+        self, request: RoutingInput, response_id: str, param: str = "response_id"
+    ) -> Routed:
+        """`request` (naming a stored response in `param`) to the replica holding
+        `response_id`; a 404 when no gateway saw it produced for this tenant (no replica is
+        tried: one might hold another tenant's), or its replica is gone."""
+        holder = await self.responses.holder(response_id, request.tenant, param)
+        if holder is None:
+            raise not_found(response_id, param)
+        return self.pinned(request, holder)
+
+    def pinned(self, request: RoutingInput, backend: Backend) -> Routed:
+        """`request` to `backend` whatever its load: it holds what the request names. The
+        prompt it computes starts with the stored conversation, which the gateway never saw
+        whole: nothing of it is recorded in the index."""
+        serving = ModelPool([backend])
+        state = RoutingState(candidates=serving.names, loads=serving.loads)
+        decision = Decision(backend.name, Route.PREVIOUS_RESPONSE)
+        return Routed(
+            request,
+            [],
+            decision,
+            backend,
+            serving,
+            state,
+            None,
+            self.policy,
+            self.index,
+            pinned=True,
+        )
+
     async def decide(self, request: RoutingInput, count: bool = False) -> Routed:
         """The policy's decision for `request` now; with `count` it counts in its shared
         prompt's traffic (routed, not explained). Records nothing else."""
         serving = self.serving(request.model)
+        if not request.endpoint.by_prefix:
+            return self._least_loaded(request, serving)
         chain = chain_hashes(
             request.canonical, self._block_chars, _seed(request), limit=self._max_blocks
         )
@@ -182,15 +175,32 @@ class Router:
             request, chain, decision, backend, serving, state, sticky, self.policy, self.index
         )
 
+    def _least_loaded(self, request: RoutingInput, serving: ModelPool) -> Routed:
+        state = RoutingState(candidates=serving.names, loads=serving.loads, sequence=self._routed)
+        decision = self._by_model.choose(state)
+        backend = serving.by_name[decision.backend]
+        return Routed(
+            request, [], decision, backend, serving, state, None, self._by_model, self.index
+        )
+
     async def explain(self, request: RoutingInput) -> Explanation:
         """The decision `route` would make for `request` now, recording nothing."""
-        routed = await self.decide(request)
-        prompt = fingerprint(request.canonical) if request.endpoint is Endpoint.CHAT else None
+        previous = request.previous_response_id
+        if previous is not None:
+            routed = await self.route_to_holder(request, previous, "previous_response_id")
+        else:
+            routed = await self.decide(request)
+        prompt = fingerprint(request.canonical) if request.endpoint in _CONVERSATIONS else None
         return Explanation(routed, self.conversations.peek(request.session_key, prompt))
 
     async def learn(self, routed: Routed, outcome: Outcome) -> None:
         """Take in what came back: failover, the answer's blocks, cached tokens, affinity."""
         request = routed.request
+        if routed.pinned or not request.endpoint.by_prefix:
+            self._observed(outcome, request.model)
+            if len(outcome.tried) > 1:
+                self.metrics.child(self.metrics.failovers, request.model).inc()
+            return
         served = outcome.decision.backend
         first = routed.backend.name
         if first not in routed.accepted_by and request.endpoint is not Endpoint.EMBEDDINGS:
@@ -214,10 +224,7 @@ class Router:
         metrics.child(metrics.matched_tokens_predicted, model).inc(
             outcome.decision.matched_blocks * settings.block_tokens
         )
-        if outcome.prompt_tokens is not None:
-            metrics.child(metrics.upstream_prompt_tokens, model, served).inc(outcome.prompt_tokens)
-        if outcome.cached_tokens is not None:
-            metrics.child(metrics.upstream_cached_tokens, model, served).inc(outcome.cached_tokens)
+        self._observed(outcome, model)
         segment = message_segment("assistant", outcome.answer) if outcome.answer else b""
         chain = self._with_answer(routed, segment)
         if self.feedback is not None:
@@ -227,6 +234,16 @@ class Router:
         if chain is not routed.chain:
             await self.index.record(model, served, chain)
             self.index.share(model, served, chain)
+
+    def _observed(self, outcome: Outcome, model: str) -> None:
+        """Count the prompt and cached tokens the replica reported for an answered request."""
+        if outcome.status != 200:
+            return
+        metrics, served = self.metrics, outcome.decision.backend
+        if outcome.prompt_tokens is not None:
+            metrics.child(metrics.upstream_prompt_tokens, model, served).inc(outcome.prompt_tokens)
+        if outcome.cached_tokens is not None:
+            metrics.child(metrics.upstream_cached_tokens, model, served).inc(outcome.cached_tokens)
 
     def load_bounds(self) -> dict[str, int]:
         """The bound a new request meets at each serving backend now (largest over its models)."""
@@ -261,6 +278,8 @@ class Router:
         return key if request.tenant is None else key ^ key_hash(request.tenant)
 
     async def _record(self, request: RoutingInput, backend: str, chain: list[int]) -> None:
+        if not request.endpoint.by_prefix:
+            return
         if request.endpoint is not Endpoint.EMBEDDINGS:
             await self.index.record(request.model, backend, chain)
         if request.session_key is not None:
@@ -269,7 +288,7 @@ class Router:
     def _follow(self, routed: Routed) -> Turn | None:
         """Place the request in its conversation; count a cache break when it has one."""
         request = routed.request
-        is_chat = request.endpoint is Endpoint.CHAT
+        is_chat = request.endpoint in _CONVERSATIONS
         if not is_chat and request.session_key is None:
             return None
         prompt = fingerprint(request.canonical) if is_chat else None
@@ -290,7 +309,7 @@ class Router:
 
     def _with_answer(self, routed: Routed, segment: bytes) -> list[int]:
         """The chain of the prompt and its answer, which a chat's next turn extends."""
-        if routed.request.endpoint is not Endpoint.CHAT or not segment:
+        if routed.request.endpoint not in _CONVERSATIONS or not segment:
             return routed.chain
         history = routed.request.canonical + segment
         chain = extend_hashes(
@@ -320,6 +339,10 @@ class Router:
         if turn.previous_backend in outcome.tried:
             miss = AffinityMiss.FAILOVER
         self.metrics.child(self.metrics.affinity_misses, model, miss.value).inc()
+
+
+_CONVERSATIONS = frozenset({Endpoint.CHAT, Endpoint.RESPONSES})
+"""Endpoints whose prompts are messages, each turn extending the last with its answer."""
 
 
 def _seed(request: RoutingInput) -> int:

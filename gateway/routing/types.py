@@ -19,6 +19,8 @@ class Route(Enum):
     OVERFLOW = "overflow"
     FALLBACK = "fallback"
     RETRY = "retry"
+    PREVIOUS_RESPONSE = "previous_response"
+    """To the replica that stored the response a request names: no other can answer it."""
     LEAST_LOADED = "least_loaded"
     ROUND_ROBIN = "round_robin"
     RANDOM = "random"
