@@ -18,6 +18,7 @@ from gateway.backends.shared_load import LOAD_SCRIPT, SharedLoad
 from gateway.backends.stalls import StallRule, StallWatch
 from gateway.config import Settings
 from gateway.metrics import Metrics
+from gateway.prompt.tokens import EngineTokenizer
 from gateway.proxy.access_log import configure_access_logger
 from gateway.proxy.admission import Admission
 from gateway.proxy.forwarder import Forwarder
@@ -64,8 +65,15 @@ class Components:
         if settings.redis_url:
             shared = redis_store.connect(settings, metrics, local_index, local_sessions)
             index, sessions = shared.index, shared.sessions
+        tokenizer = EngineTokenizer.load(settings.tokenizer) if settings.tokenizer else None
         router = Router(
-            settings, pool, index, sessions, build_policy(settings, random.Random()), metrics
+            settings,
+            pool,
+            index,
+            sessions,
+            build_policy(settings, random.Random()),
+            metrics,
+            tokenizer=tokenizer,
         )
         pool.removed.append(router.traffic.recent.forget)
         # Requests and probes check replicas' certificates alike, and reach them directly (no

@@ -76,6 +76,7 @@ def build_explain_router(components: Components, guard: Guard) -> APIRouter:
             settings.default_model,
             settings.session_from_user,
             Limits.of(settings),
+            tokenizer=components.router.tokenizer,
         )
         explanation = await components.router.explain(parsed)
         return Response(

@@ -21,6 +21,7 @@ from gateway.prompt.canonical import (
     tools_block,
 )
 from gateway.prompt.hashing import key_hash
+from gateway.prompt.tokens import TOKEN_BYTES, EngineTokenizer, pack
 
 
 class Endpoint(Enum):
@@ -70,6 +71,15 @@ class RoutingInput:
     wants_usage: bool
     tenant: str | None = None
     """Whose cache namespace the request is in, under tenant isolation."""
+    tokens: bytes | None = None
+    """The prompt's token ids as the engine has them, packed (with `--tokenizer`): hashed in
+    the engine's blocks instead of `canonical`."""
+
+    def hashed(self, block_chars: int, block_tokens: int) -> tuple[bytes, int]:
+        """The bytes whose blocks are hashed, and a block's length in them."""
+        if self.tokens is not None:
+            return self.tokens, block_tokens * TOKEN_BYTES
+        return self.canonical, block_chars
 
 
 def parse_request(
@@ -80,9 +90,11 @@ def parse_request(
     session_from_user: bool = False,
     limits: Limits = Limits(),
     tenant: str | None = None,
+    tokenizer: EngineTokenizer | None = None,
 ) -> RoutingInput:
     """What routing needs of `body`; a `BadRequest` for anything malformed or past `limits`
-    (its values are counted before it is parsed, its depth checked before it is walked)."""
+    (its values are counted before it is parsed, its depth checked before it is walked). With
+    `tokenizer`, also the prompt's token ids."""
     containers = body.count(b"[") + body.count(b"{")
     if containers + body.count(b",") > limits.values:
         raise BadRequest(
@@ -134,7 +146,29 @@ def parse_request(
         stream=bool(stream),
         wants_usage=wants_usage,
         tenant=tenant,
+        tokens=None if tokenizer is None else _tokens(endpoint, payload, tokenizer),
     )
+
+
+def _tokens(
+    endpoint: Endpoint, payload: dict[str, Any], tokenizer: EngineTokenizer
+) -> bytes | None:
+    """The packed ids of a chat's or a single completion's prompt (None for a batch, whose
+    prompts are cached apart, or a chat the template cannot render)."""
+    if endpoint is Endpoint.CHAT:
+        return tokenizer.chat(payload["messages"], payload.get("tools"))
+    if endpoint is Endpoint.COMPLETIONS:
+        prompt = payload["prompt"]
+        if isinstance(prompt, str):
+            return tokenizer.text(prompt)
+        if isinstance(prompt[0], int):  # already token ids (checked by the canonical stream)
+            try:
+                return pack(prompt)
+            except OverflowError:  # not ids any tokenizer makes: the engine refuses them
+                return None
+        if len(prompt) == 1 and isinstance(prompt[0], str):
+            return tokenizer.text(prompt[0])
+    return None
 
 
 def _check_depth(payload: dict[str, Any], limit: int) -> None:

@@ -18,6 +18,7 @@ from gateway.metrics import Metrics
 from gateway.prompt.canonical import message_segment
 from gateway.prompt.hashing import chain_hashes, extend_hashes, key_hash
 from gateway.prompt.parsing import Endpoint, RoutingInput
+from gateway.prompt.tokens import TOKEN_BYTES, EngineTokenizer
 from gateway.routing.conversations import (
     AffinityMiss,
     ConversationTracker,
@@ -107,8 +108,11 @@ class Router:
         policy: Policy,
         metrics: Metrics,
         clock: Clock = monotonic,
+        tokenizer: EngineTokenizer | None = None,
     ) -> None:
         self.pool = pool
+        self.tokenizer = tokenizer
+        """The engine's tokenizer (`--tokenizer`), which request parsing uses too."""
         self.index = index
         self.sessions = sessions
         self.policy = policy
@@ -120,6 +124,7 @@ class Router:
         self.feedback = CacheFeedback(index, metrics, settings) if settings.cache_feedback else None
         self._settings = settings
         self._block_chars = settings.block_chars
+        self._block_tokens = settings.block_tokens
         self._max_blocks = settings.max_prompt_blocks
         self._affinity_chars = round(settings.affinity_tokens * settings.chars_per_token)
         self._decision_seconds = metrics.decision_seconds.labels(settings.policy)
@@ -146,9 +151,8 @@ class Router:
         """The policy's decision for `request` now; with `count` it counts in its shared
         prompt's traffic (routed, not explained). Records nothing else."""
         serving = self.serving(request.model)
-        chain = chain_hashes(
-            request.canonical, self._block_chars, _seed(request), limit=self._max_blocks
-        )
+        hashed, block = request.hashed(self._block_chars, self._block_tokens)
+        chain = chain_hashes(hashed, block, _seed(request), limit=self._max_blocks)
         sticky = None
         if request.session_key is None:
             matched = await self.index.match(request.model, chain)
@@ -158,6 +162,10 @@ class Router:
                 self.index.match(request.model, chain), self.sessions.get(request.session_key)
             )
         private_from = request.distinct_from // self._block_chars
+        if request.tokens is not None and request.canonical:
+            # Where the first user message begins, in tokens, at the prompt's own ratio.
+            share = request.distinct_from / len(request.canonical)
+            private_from = int(share * len(hashed)) // block
         recent = self.traffic.recent
         state = RoutingState(
             candidates=serving.names,
@@ -208,9 +216,10 @@ class Router:
         model = request.model
         metrics = self.metrics
         settings = self._settings
-        metrics.child(metrics.prompt_tokens_estimated, model).inc(
-            len(request.canonical) / settings.chars_per_token
-        )
+        estimated = len(request.canonical) / settings.chars_per_token
+        if request.tokens is not None:
+            estimated = len(request.tokens) / TOKEN_BYTES
+        metrics.child(metrics.prompt_tokens_estimated, model).inc(estimated)
         metrics.child(metrics.matched_tokens_predicted, model).inc(
             outcome.decision.matched_blocks * settings.block_tokens
         )
@@ -219,7 +228,7 @@ class Router:
         if outcome.cached_tokens is not None:
             metrics.child(metrics.upstream_cached_tokens, model, served).inc(outcome.cached_tokens)
         segment = message_segment("assistant", outcome.answer) if outcome.answer else b""
-        chain = self._with_answer(routed, segment)
+        chain = self._with_answer(routed, outcome.answer, segment)
         if self.feedback is not None:
             # Before the answer is recorded: pruning looks at what was known before it.
             await self.feedback.observe(request, routed.chain, outcome, chain)
@@ -288,14 +297,17 @@ class Router:
             )
         return turn
 
-    def _with_answer(self, routed: Routed, segment: bytes) -> list[int]:
+    def _with_answer(self, routed: Routed, answer: str, segment: bytes) -> list[int]:
         """The chain of the prompt and its answer, which a chat's next turn extends."""
         if routed.request.endpoint is not Endpoint.CHAT or not segment:
             return routed.chain
-        history = routed.request.canonical + segment
-        chain = extend_hashes(
-            routed.chain, history, self._block_chars, _seed(routed.request), self._max_blocks
-        )
+        request = routed.request
+        hashed, block = request.hashed(self._block_chars, self._block_tokens)
+        if request.tokens is not None and self.tokenizer is not None:
+            history = hashed + self.tokenizer.text(answer, add_special_tokens=False)
+        else:
+            history = hashed + segment
+        chain = extend_hashes(routed.chain, history, block, _seed(request), self._max_blocks)
         # An answer too short to complete a block adds nothing routing did not record.
         return chain if len(chain) > len(routed.chain) else routed.chain
 
