@@ -151,3 +151,4 @@ class Relay:
         took = time.perf_counter() - attempt.started
         name = attempt.backend.name
         self._metrics.child(self._metrics.duration_seconds, name).observe(took)
+
