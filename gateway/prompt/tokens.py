@@ -84,7 +84,8 @@ class EngineTokenizer:
     @classmethod
     def load(cls, path: str | Path) -> EngineTokenizer:
         """From a model folder (`tokenizer.json`, `tokenizer_config.json`) or a `tokenizer.json`
-        (no chat template then: chats are routed by characters)."""
+        (with the config beside it, if any: without a chat template, chats are routed by
+        characters)."""
         location = Path(path)
         folder = location if location.is_dir() else location.parent
         file = folder / "tokenizer.json" if location.is_dir() else location
