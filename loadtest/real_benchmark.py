@@ -36,7 +36,7 @@ from engines.replica import MIB, VLLMReplica, metric_samples
 from engines.tiny_model import ensure_model
 from engines.venv import VLLMVenv
 from gateway.workloads import SHAPES, Session, build_workload
-from loadtest.benchmark import MODEL, drive, print_table, summarise
+from loadtest.benchmark import MODEL, drive, summarise
 from loadtest.peers import PEERS, start_peer
 from tests.support import GatewayProcess
 
@@ -114,6 +114,21 @@ def run_one(
     row["predicted"], row["observed"] = predicted, observed
     print(f"done: {workload} / {router}", file=sys.stderr, flush=True)
     return row
+
+
+def print_table(rows: list[dict[str, object]]) -> None:
+    print(
+        "| workload | router | requests | failed | prompt tok | prefilled tok | hit rate "
+        "| max/mean req | TTFT p50 ms | TTFT p99 ms |"
+    )
+    print("|" + "---|" * 10)
+    for row in rows:
+        print(
+            f"| {row['workload']} | {row['policy']} | {row['requests']} | {row['failed']} "
+            f"| {row['prompt']:,} | {row['prefilled']:,} | {row['hit_rate']:.1%} "
+            f"| {row['max_mean']:.2f} | {row['ttft_p50']:.0f} | {row['ttft_p99']:.0f} |",
+            flush=True,
+        )
 
 
 def print_predictions(rows: list[dict[str, object]]) -> None:

@@ -54,6 +54,11 @@ class Settings:
         "the engines' KV-cache block size in tokens (vLLM's --block-size), for --tokenizer:"
         " it replaces --block-tokens (0: keep --block-tokens)",
     )
+    kv_events: bool = _opt(
+        False,
+        "with --tokenizer: subscribe to each replica's KV-cache events (found at its"
+        " /kv_event_sources) and route on the blocks it holds while they flow",
+    )
     affinity_tokens: int = _opt(256, "tokens hashed into the affinity key of the hash ring")
     min_match_tokens: int = _opt(64, "shortest indexed prefix match worth routing on")
     recent_cap: float = _opt(
@@ -274,6 +279,11 @@ class Settings:
             raise ConfigError("block_tokens and chars_per_token must be positive")
         if self.engine_block_size < 0:
             raise ConfigError("engine_block_size must not be negative")
+        if self.kv_events and (not self.tokenizer or self.isolate_tenants):
+            raise ConfigError(
+                "kv_events needs --tokenizer (events carry token ids), and tenants' chains are"
+                " seeded apart from the engine's (no --isolate-tenants)"
+            )
         if self.tokenizer and not os.path.exists(self.tokenizer):
             raise ConfigError(f"tokenizer {self.tokenizer!r} is neither a folder nor a file")
         if not (self.backend or self.backend_dns or self.k8s_service) and self.emulate <= 0:

@@ -27,6 +27,7 @@ class Observation:
     """`time.perf_counter()` when the request went to the replica that answered (inf: unknown)."""
     complete: bool = False
     """A stream's `data: [DONE]` went by: the client has the whole answer."""
+    completion_tokens: int | None = None
 
     @property
     def answer(self) -> str:
@@ -38,6 +39,9 @@ class Observation:
         prompt = usage.get("prompt_tokens")
         if isinstance(prompt, int):
             self.prompt_tokens = prompt
+        completion = usage.get("completion_tokens")
+        if isinstance(completion, int):
+            self.completion_tokens = completion
         details = usage.get("prompt_tokens_details")
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
             self.cached_tokens = details["cached_tokens"]

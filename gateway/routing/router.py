@@ -228,7 +228,7 @@ class Router:
         if outcome.cached_tokens is not None:
             metrics.child(metrics.upstream_cached_tokens, model, served).inc(outcome.cached_tokens)
         segment = message_segment("assistant", outcome.answer) if outcome.answer else b""
-        chain = self._with_answer(routed, outcome.answer, segment)
+        chain = self._with_answer(routed, outcome, segment)
         if self.feedback is not None:
             # Before the answer is recorded: pruning looks at what was known before it.
             await self.feedback.observe(request, routed.chain, outcome, chain)
@@ -297,14 +297,20 @@ class Router:
             )
         return turn
 
-    def _with_answer(self, routed: Routed, answer: str, segment: bytes) -> list[int]:
+    def _with_answer(self, routed: Routed, outcome: Outcome, segment: bytes) -> list[int]:
         """The chain of the prompt and its answer, which a chat's next turn extends."""
         if routed.request.endpoint is not Endpoint.CHAT or not segment:
             return routed.chain
         request = routed.request
         hashed, block = request.hashed(self._block_chars, self._block_tokens)
         if request.tokens is not None and self.tokenizer is not None:
-            history = hashed + self.tokenizer.text(answer, add_special_tokens=False)
+            answer = self.tokenizer.text(outcome.answer, add_special_tokens=False)
+            generated = outcome.completion_tokens
+            if generated is not None and len(answer) != generated * TOKEN_BYTES:
+                # The engine cached the ids it generated, which this text does not encode back
+                # to (it encodes to as many, as a rule, when they are the same).
+                return routed.chain
+            history = hashed + answer
         else:
             history = hashed + segment
         chain = extend_hashes(routed.chain, history, block, _seed(request), self._max_blocks)
