@@ -158,7 +158,7 @@ def _render(explained: Explanation, components: Components) -> dict[str, Any]:
         "route": decision.route.value,
         "reason": reason,
         "matched_tokens": decision.matched_blocks * block_tokens,
-        "prompt_tokens_estimated": round(len(request.canonical) / settings.chars_per_token),
+        "prompt_tokens_estimated": round(request.estimated_tokens(settings.chars_per_token)),
         "prompt_blocks": len(routed.chain),
         "block_tokens": block_tokens,
         "load_bound": bound,

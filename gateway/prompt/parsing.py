@@ -75,6 +75,12 @@ class RoutingInput:
     """The prompt's token ids as the engine has them, packed (with `--tokenizer`): hashed in
     the engine's blocks instead of `canonical`."""
 
+    def estimated_tokens(self, chars_per_token: float) -> float:
+        """The prompt's tokens: counted with the engine's tokenizer, else estimated."""
+        if self.tokens is not None:
+            return len(self.tokens) / TOKEN_BYTES
+        return len(self.canonical) / chars_per_token
+
     def hashed(self, block_chars: int, block_tokens: int) -> tuple[bytes, int]:
         """The bytes whose blocks are hashed, and a block's length in them."""
         if self.tokens is not None:

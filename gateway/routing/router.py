@@ -216,10 +216,9 @@ class Router:
         model = request.model
         metrics = self.metrics
         settings = self._settings
-        estimated = len(request.canonical) / settings.chars_per_token
-        if request.tokens is not None:
-            estimated = len(request.tokens) / TOKEN_BYTES
-        metrics.child(metrics.prompt_tokens_estimated, model).inc(estimated)
+        metrics.child(metrics.prompt_tokens_estimated, model).inc(
+            request.estimated_tokens(settings.chars_per_token)
+        )
         metrics.child(metrics.matched_tokens_predicted, model).inc(
             outcome.decision.matched_blocks * settings.block_tokens
         )

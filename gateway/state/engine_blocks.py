@@ -8,9 +8,10 @@ with `--tokenizer`): matching a prompt costs no engine hashing. A block whose pa
 left out, with every block chained on it: it would never match a prompt's chain anyway.
 
 `EventFedIndex` answers a replica's depth from these blocks while its events flow, counting
-also the blocks the gateway sent there in the last `pending_seconds` (a prefill still running
-has stored nothing yet); for a replica whose events stopped or skipped, it answers from the
-predicted index, which every call keeps up to date as before.
+also the blocks the gateway sent there that are still pending: routed, with no answer yet (a
+prefill still running has stored nothing), for `pending_seconds` at most. Once the replica
+answers (`share`), its events alone say what it stored. For a replica whose events stopped or
+skipped, it answers from the predicted index, which every call keeps up to date as before.
 """
 
 from __future__ import annotations
@@ -156,7 +157,9 @@ class EventFedIndex:
                 self._drop_old(now)
 
     def share(self, model: str, backend: str, hashes: Sequence[int]) -> None:
+        """`backend` answered: what it stored of `hashes` its events tell, nothing is pending."""
         self.predicted.share(model, backend, hashes)
+        self.stored(backend, hashes)
 
     async def forget(self, model: str, backend: str, hashes: Sequence[int]) -> None:
         await self.predicted.forget(model, backend, hashes)
