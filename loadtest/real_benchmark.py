@@ -9,7 +9,8 @@ replica (max/mean, from `vllm:request_success_total`), TTFT p50/p99, and for our
 matched tokens it predicted against the cached tokens the replicas reported.
 
 Routers: `prefix` (characters, the default), `prefix-tokens` (`--tokenizer` with the model
-and `--engine-block-size`), any other policy of ours by name, and the peers of
+and `--engine-block-size`), `prefix-events` (and `--kv-events`: the replicas publish their
+cache events on ipc sockets), any other policy of ours by name, and the peers of
 loadtest/peers.py (`sglang-cache_aware`). The workloads are the emulator benchmark's shapes
 with every text cut to `--words` of its words (the tiny model's context is 4,096 tokens).
 
@@ -32,6 +33,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engines.fleet import VLLMFleet, model_folder
+from engines.kv_events import events_config
 from engines.replica import MIB, VLLMReplica, metric_samples
 from engines.tiny_model import ensure_model
 from engines.venv import VLLMVenv
@@ -43,7 +45,7 @@ from tests.support import GatewayProcess
 BLOCK = 32
 TOKEN_KV_BYTES = 2048
 """The tiny model's KV cache per token (4 layers, 2 KV heads of 64, bfloat16, K and V)."""
-TOKENIZER_ROUTERS = {"prefix-tokens": "prefix"}
+TOKENIZER_ROUTERS = {"prefix-tokens": "prefix", "prefix-events": "prefix"}
 
 
 def shorten(session: Session, share: float) -> Session:
@@ -63,6 +65,8 @@ def gateway_args(router: str, model: Path) -> list[str]:
     args = ["--policy", policy]
     if router in TOKENIZER_ROUTERS:
         args += ["--tokenizer", str(model), "--engine-block-size", str(BLOCK)]
+    if router == "prefix-events":
+        args.append("--kv-events")
     return args
 
 
@@ -171,6 +175,7 @@ def main() -> None:
             kv_cache_bytes=args.kv_cache_mib * MIB,
             cpu_cores=str(index),
             env={"VLLM_SERVER_DEV_MODE": "1"},
+            extra_args=("--kv-events-config", events_config(f"ipc://{logs}/events-{index}.sock")),
             log_path=logs / f"replica-{index}.log",
         )
         for index in range(2)

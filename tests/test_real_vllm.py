@@ -421,7 +421,7 @@ def test_kv_events_show_blocks_the_gateway_never_sent(
 
     def matched() -> dict[str, int]:
         explained = httpx.post(tokens_gateway.url + "/admin/explain", json=body, timeout=10)
-        return {row["backend"]: row["matched_blocks"] for row in explained.json()["backends"]}
+        return {row["backend"]: row["matched_blocks"] for row in explained.json()["candidates"]}
 
     wait_until(lambda: matched().get(name) == full_blocks, 10, f"{name} holds {full_blocks}")
     assert sum(matched().values()) == full_blocks  # the other replica holds none of it
