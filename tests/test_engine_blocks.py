@@ -106,9 +106,10 @@ def test_the_event_fed_index_answers_live_replicas_from_events_and_others_as_pre
         removed = {"type": "BlockRemoved", "block_hashes": [stored["block_hashes"][-1]]}
         live["a"].receive(seq + 1, [removed])  # evicted: the predicted index never learns it
         assert await index.match("m", chain) == {"a": len(chain) - 1, "b": len(chain)}
-        await index.record("m", "a", chain + [1, 2])  # an answer the engine did not store
-        index.share("m", "a", chain + [1, 2])  # answered: no longer pending
-        assert (await index.match("m", chain + [1, 2]))["a"] == len(chain) - 1
+        answered = [*chain, 1, 2]  # with an answer the engine did not store
+        await index.record("m", "a", answered)
+        index.share("m", "a", answered)  # answered: no longer pending
+        assert (await index.match("m", answered))["a"] == len(chain) - 1
         live.clear()  # its events stopped: predicted again
         assert await index.match("m", chain) == {"a": len(chain), "b": len(chain)}
 
