@@ -38,7 +38,7 @@ from engines.replica import MIB, VLLMReplica, metric_samples
 from engines.tiny_model import ensure_model
 from engines.venv import VLLMVenv
 from gateway.workloads import SHAPES, Session, build_workload
-from loadtest.benchmark import MODEL, drive, summarise
+from loadtest.benchmark import MODEL, drive, percentile, summarise
 from loadtest.peers import PEERS, start_peer
 from tests.support import GatewayProcess
 
@@ -115,6 +115,9 @@ def run_one(
             observed = metric_sum(text, "gateway_upstream_cached_tokens_total")
     counts = [end - start for start, end in zip(before, after, strict=True)]
     row = summarise(workload, router, run, counts)
+    # With a hundred requests p99 is the slowest one: p90 says more about the rest.
+    ttfts = [outcome.ttft * 1000 for outcome in run.outcomes if outcome.status == 200]
+    row["ttft_p90"] = percentile(ttfts, 0.9)
     row["predicted"], row["observed"] = predicted, observed
     print(f"done: {workload} / {router}", file=sys.stderr, flush=True)
     return row
@@ -123,14 +126,15 @@ def run_one(
 def print_table(rows: list[dict[str, object]]) -> None:
     print(
         "| workload | router | requests | failed | prompt tok | prefilled tok | hit rate "
-        "| max/mean req | TTFT p50 ms | TTFT p99 ms |"
+        "| max/mean req | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms |"
     )
-    print("|" + "---|" * 10)
+    print("|" + "---|" * 11)
     for row in rows:
         print(
             f"| {row['workload']} | {row['policy']} | {row['requests']} | {row['failed']} "
             f"| {row['prompt']:,} | {row['prefilled']:,} | {row['hit_rate']:.1%} "
-            f"| {row['max_mean']:.2f} | {row['ttft_p50']:.0f} | {row['ttft_p99']:.0f} |",
+            f"| {row['max_mean']:.2f} | {row['ttft_p50']:.0f} | {row['ttft_p90']:.0f} "
+            f"| {row['ttft_p99']:.0f} |",
             flush=True,
         )
 

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -63,7 +63,7 @@ class _Feed:
     blocks: EngineBlocks
     task: asyncio.Task[None] | None = None
     connected: bool = False
-    live: bool = field(default=False)
+    live: bool = False
 
 
 class KVEventFeeds:
