@@ -79,16 +79,12 @@ class Components:
             trust_env=False,
         )
         feeds = None
+        event_index = None
         routing_index = index
         if settings.kv_events:
-            feeds = KVEventFeeds(
-                pool,
-                probes,
-                settings.block_tokens,
-                metrics,
-                lambda backend, blocks: event_index.stored(backend, blocks),
-            )
-            event_index = EventFedIndex(index, feeds.live)
+            event_index = EventFedIndex(index)
+            feeds = KVEventFeeds(pool, probes, settings.block_tokens, metrics, event_index.settle)
+            event_index.live = feeds.live
             routing_index = event_index
             pool.removed.append(feeds.forget)
         tokenizer = EngineTokenizer.load(settings.tokenizer) if settings.tokenizer else None
@@ -100,6 +96,7 @@ class Components:
             build_policy(settings, random.Random()),
             metrics,
             tokenizer=tokenizer,
+            engine_index=event_index,
         )
         pool.removed.append(router.traffic.recent.forget)
         health = Health(

@@ -101,14 +101,16 @@ def test_the_event_fed_index_answers_live_replicas_from_events_and_others_as_pre
         now[0] += 31  # the prefill never stored anything on "a": it holds nothing
         assert await index.match("m", chain) == {"b": len(chain)}
         live["a"].receive(seq, events)
-        index.stored("a", chain)
+        index.settle("a", chain)
         assert await index.match("m", chain) == {"a": len(chain), "b": len(chain)}
         removed = {"type": "BlockRemoved", "block_hashes": [stored["block_hashes"][-1]]}
         live["a"].receive(seq + 1, [removed])  # evicted: the predicted index never learns it
         assert await index.match("m", chain) == {"a": len(chain) - 1, "b": len(chain)}
         answered = [*chain, 1, 2]  # with an answer the engine did not store
         await index.record("m", "a", answered)
-        index.share("m", "a", answered)  # answered: no longer pending
+        index.share("m", "a", answered)  # accepted: still pending until stored or settled
+        assert (await index.match("m", answered))["a"] == len(answered)
+        index.settle("a", answered)  # the request ended: no longer pending
         assert (await index.match("m", answered))["a"] == len(chain) - 1
         live.clear()  # its events stopped: predicted again
         assert await index.match("m", chain) == {"a": len(chain), "b": len(chain)}

@@ -31,6 +31,7 @@ from gateway.routing.feedback import CacheFeedback
 from gateway.routing.ring import load_bound, within_bound
 from gateway.routing.traffic import Traffic
 from gateway.routing.types import Decision, Outcome, Policy, Route, RoutingState
+from gateway.state.engine_blocks import EventFedIndex
 from gateway.state.index import PrefixIndex
 from gateway.state.sessions import SessionStore
 
@@ -109,10 +110,13 @@ class Router:
         metrics: Metrics,
         clock: Clock = monotonic,
         tokenizer: EngineTokenizer | None = None,
+        engine_index: EventFedIndex | None = None,
     ) -> None:
         self.pool = pool
         self.tokenizer = tokenizer
         """The engine's tokenizer (`--tokenizer`), which request parsing uses too."""
+        self._engine_index = engine_index
+        """The index fed by the replicas' KV events (`--kv-events`), when `index` is it."""
         self.index = index
         self.sessions = sessions
         self.policy = policy
@@ -235,6 +239,9 @@ class Router:
         if chain is not routed.chain:
             await self.index.record(model, served, chain)
             self.index.share(model, served, chain)
+        if self._engine_index is not None:
+            # The request is over: what the replica stored of it, its events have told.
+            self._engine_index.settle(served, chain)
 
     def load_bounds(self) -> dict[str, int]:
         """The bound a new request meets at each serving backend now (largest over its models)."""

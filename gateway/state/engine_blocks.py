@@ -8,10 +8,10 @@ with `--tokenizer`): matching a prompt costs no engine hashing. A block whose pa
 left out, with every block chained on it: it would never match a prompt's chain anyway.
 
 `EventFedIndex` answers a replica's depth from these blocks while its events flow, counting
-also the blocks the gateway sent there that are still pending: routed, with no answer yet (a
-prefill still running has stored nothing), for `pending_seconds` at most. Once the replica
-answers (`share`), its events alone say what it stored. For a replica whose events stopped or
-skipped, it answers from the predicted index, which every call keeps up to date as before.
+also the blocks the gateway sent there that are still pending: routed and not yet stored (a
+prefill not yet scheduled has stored nothing), until the engine stores them, the request ends
+(`settle`), or `pending_seconds` pass. For a replica whose events stopped or skipped, it
+answers from the predicted index, which every call keeps up to date as before.
 """
 
 from __future__ import annotations
@@ -117,12 +117,13 @@ class EventFedIndex:
     def __init__(
         self,
         predicted: PrefixIndex,
-        live: Callable[[], Mapping[str, EngineBlocks]],
+        live: Callable[[], Mapping[str, EngineBlocks]] = dict,
         pending_seconds: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.predicted = predicted
-        self._live = live
+        self.live = live
+        """The replicas whose events flow now, and their blocks."""
         self._pending_seconds = pending_seconds
         self._clock = clock
         self._pending: dict[tuple[str, int], float] = {}
@@ -130,7 +131,7 @@ class EventFedIndex:
 
     async def match(self, model: str, hashes: Sequence[int]) -> dict[str, int]:
         matched = await self.predicted.match(model, hashes)
-        live = self._live()
+        live = self.live()
         if not live or not hashes:
             return matched
         oldest = self._clock() - self._pending_seconds
@@ -149,7 +150,7 @@ class EventFedIndex:
 
     async def record(self, model: str, backend: str, hashes: Sequence[int]) -> None:
         await self.predicted.record(model, backend, hashes)
-        if backend in self._live():
+        if backend in self.live():
             now = self._clock()
             for block in hashes:
                 self._pending[(backend, block)] = now
@@ -157,17 +158,16 @@ class EventFedIndex:
                 self._drop_old(now)
 
     def share(self, model: str, backend: str, hashes: Sequence[int]) -> None:
-        """`backend` answered: what it stored of `hashes` its events tell, nothing is pending."""
         self.predicted.share(model, backend, hashes)
-        self.stored(backend, hashes)
 
     async def forget(self, model: str, backend: str, hashes: Sequence[int]) -> None:
         await self.predicted.forget(model, backend, hashes)
         for block in hashes:
             self._pending.pop((backend, block), None)
 
-    def stored(self, backend: str, blocks: Iterable[int]) -> None:
-        """The engine stored `blocks`: they are no longer pending."""
+    def settle(self, backend: str, blocks: Iterable[int]) -> None:
+        """The engine stored `blocks`, or its request ended (what it stored, its events told):
+        they are no longer pending."""
         pending = self._pending
         for block in blocks:
             pending.pop((backend, block), None)
