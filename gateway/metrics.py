@@ -185,6 +185,33 @@ class Metrics:
             multiprocess_mode="livemax",
             registry=r,
         )
+        self.kv_events_live = Gauge(
+            "gateway_kv_events_live",
+            "1 while the backend's KV-cache events flow and routing reads its blocks from"
+            " them (--kv-events), 0 when it went back to the predicted index.",
+            ["backend"],
+            multiprocess_mode="livemax",
+            registry=r,
+        )
+        self.kv_events = Counter(
+            "gateway_kv_events_messages",
+            "KV-cache event messages received from each backend's engine.",
+            ["backend"],
+            registry=r,
+        )
+        self.kv_events_fallbacks = Counter(
+            "gateway_kv_events_fallbacks",
+            "Times a backend's events stopped flowing and routing went back to the predicted"
+            " index, by reason (disconnected, missed).",
+            ["backend", "reason"],
+            registry=r,
+        )
+        self.kv_events_undecodable = Counter(
+            "gateway_kv_events_undecodable",
+            "KV-cache event messages that could not be decoded, by backend.",
+            ["backend"],
+            registry=r,
+        )
         self.stalled = Gauge(
             "gateway_backend_stalled",
             "1 while the backend is out of routing as stalled (answering probes, producing"

@@ -83,6 +83,7 @@ def build_explain_router(components: Components, guard: Guard) -> APIRouter:
             settings.default_model,
             settings.session_from_user,
             Limits.of(settings),
+            tokenizer=components.router.tokenizer,
         )
         explanation = await components.router.explain(parsed)
         return Response(
@@ -167,7 +168,7 @@ def _render(explained: Explanation, components: Components) -> dict[str, Any]:
         "route": decision.route.value,
         "reason": reason,
         "matched_tokens": decision.matched_blocks * block_tokens,
-        "prompt_tokens_estimated": round(len(request.canonical) / settings.chars_per_token),
+        "prompt_tokens_estimated": round(request.estimated_tokens(settings.chars_per_token)),
         "prompt_blocks": len(routed.chain),
         "block_tokens": block_tokens,
         "load_bound": bound,

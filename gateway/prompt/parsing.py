@@ -22,6 +22,7 @@ from gateway.prompt.canonical import (
 )
 from gateway.prompt.hashing import key_hash
 from gateway.prompt.responses import checked_response_id, responses_canonical
+from gateway.prompt.tokens import TOKEN_BYTES, EngineTokenizer, pack
 
 
 class Endpoint(Enum):
@@ -102,6 +103,21 @@ class RoutingInput:
     previous_response_id: str | None = None
     """A Responses request's `previous_response_id`: only the replica that stored it can
     answer."""
+    tokens: bytes | None = None
+    """The prompt's token ids as the engine has them, packed (with `--tokenizer`): hashed in
+    the engine's blocks instead of `canonical`."""
+
+    def estimated_tokens(self, chars_per_token: float) -> float:
+        """The prompt's tokens: counted with the engine's tokenizer, else estimated."""
+        if self.tokens is not None:
+            return len(self.tokens) / TOKEN_BYTES
+        return len(self.canonical) / chars_per_token
+
+    def hashed(self, block_chars: int, block_tokens: int) -> tuple[bytes, int]:
+        """The bytes whose blocks are hashed, and a block's length in them."""
+        if self.tokens is not None:
+            return self.tokens, block_tokens * TOKEN_BYTES
+        return self.canonical, block_chars
 
 
 def parse_request(
@@ -112,9 +128,11 @@ def parse_request(
     session_from_user: bool = False,
     limits: Limits = Limits(),
     tenant: str | None = None,
+    tokenizer: EngineTokenizer | None = None,
 ) -> RoutingInput:
     """What routing needs of `body`; a `BadRequest` for anything malformed or past `limits`
-    (its values are counted before it is parsed, its depth checked before it is walked)."""
+    (its values are counted before it is parsed, its depth checked before it is walked). With
+    `tokenizer`, also the prompt's token ids."""
     containers = body.count(b"[") + body.count(b"{")
     if containers + body.count(b",") > limits.values:
         raise BadRequest(
@@ -175,7 +193,29 @@ def parse_request(
         wants_usage=wants_usage,
         tenant=tenant,
         previous_response_id=previous,
+        tokens=None if tokenizer is None else _tokens(endpoint, payload, tokenizer),
     )
+
+
+def _tokens(
+    endpoint: Endpoint, payload: dict[str, Any], tokenizer: EngineTokenizer
+) -> bytes | None:
+    """The packed ids of a chat's or a single completion's prompt (None for a batch, whose
+    prompts are cached apart, or a chat the template cannot render)."""
+    if endpoint is Endpoint.CHAT:
+        return tokenizer.chat(payload["messages"], payload.get("tools"))
+    if endpoint is Endpoint.COMPLETIONS:
+        prompt = payload["prompt"]
+        if isinstance(prompt, str):
+            return tokenizer.text(prompt)
+        if isinstance(prompt[0], int):  # already token ids (checked by the canonical stream)
+            try:
+                return pack(prompt)
+            except OverflowError:  # not ids any tokenizer makes: the engine refuses them
+                return None
+        if len(prompt) == 1 and isinstance(prompt[0], str):
+            return tokenizer.text(prompt[0])
+    return None
 
 
 def _check_depth(payload: dict[str, Any], limit: int) -> None:

@@ -116,6 +116,7 @@ class Forwarder:
             seen.answer,
             seen.sent_at,
             tries.first_byte_at,
+            seen.completion_tokens,
         )
 
     async def _attempts(

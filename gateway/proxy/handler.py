@@ -278,6 +278,7 @@ class ProxyHandler:
             settings.session_from_user,
             self._limits,
             tenant,
+            self._router.tokenizer,
         )
         issued = None
         if cookie and request.session_key is None:

@@ -30,6 +30,7 @@ class Observation:
     """A stream's `data: [DONE]` (or `response.completed`) went by: the client has it all."""
     response_id: str | None = None
     """A Responses API response's id."""
+    completion_tokens: int | None = None
 
     @property
     def answer(self) -> str:
@@ -42,6 +43,9 @@ class Observation:
         prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
         if isinstance(prompt, int):
             self.prompt_tokens = prompt
+        completion = usage.get("completion_tokens", usage.get("output_tokens"))
+        if isinstance(completion, int):
+            self.completion_tokens = completion
         details = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
             self.cached_tokens = details["cached_tokens"]

@@ -17,6 +17,7 @@ from gateway.metrics import Metrics
 from gateway.prompt.canonical import message_segment
 from gateway.prompt.hashing import chain_hashes, extend_hashes, key_hash
 from gateway.prompt.parsing import Endpoint, RoutingInput
+from gateway.prompt.tokens import TOKEN_BYTES, EngineTokenizer
 from gateway.routing.baselines import LeastLoadedInTurnPolicy
 from gateway.routing.conversations import (
     AffinityMiss,
@@ -32,6 +33,7 @@ from gateway.routing.ring import load_bound, within_bound
 from gateway.routing.routed import Routed
 from gateway.routing.traffic import Traffic
 from gateway.routing.types import Decision, Outcome, Policy, Route, RoutingState
+from gateway.state.engine_blocks import EventFedIndex
 from gateway.state.index import PrefixIndex
 from gateway.state.sessions import InMemorySessionStore, SessionStore
 
@@ -55,10 +57,16 @@ class Router:
         metrics: Metrics,
         clock: Clock = monotonic,
         responses: SessionStore | None = None,
+        tokenizer: EngineTokenizer | None = None,
+        engine_index: EventFedIndex | None = None,
     ) -> None:
         """`responses`: where the replica of each stored response is kept (by default in
         memory, like sessions)."""
         self.pool = pool
+        self.tokenizer = tokenizer
+        """The engine's tokenizer (`--tokenizer`), which request parsing uses too."""
+        self._engine_index = engine_index
+        """The index fed by the replicas' KV events (`--kv-events`), when `index` is it."""
         self.index = index
         self.sessions = sessions
         self.policy = policy
@@ -74,6 +82,7 @@ class Router:
         self.feedback = CacheFeedback(index, metrics, settings) if settings.cache_feedback else None
         self._settings = settings
         self._block_chars = settings.block_chars
+        self._block_tokens = settings.block_tokens
         self._max_blocks = settings.max_prompt_blocks
         self._affinity_chars = round(settings.affinity_tokens * settings.chars_per_token)
         self._decision_seconds = metrics.decision_seconds.labels(settings.policy)
@@ -139,9 +148,8 @@ class Router:
         serving = self.serving(request.model)
         if not request.endpoint.by_prefix:
             return self._least_loaded(request, serving)
-        chain = chain_hashes(
-            request.canonical, self._block_chars, _seed(request), limit=self._max_blocks
-        )
+        hashed, block = request.hashed(self._block_chars, self._block_tokens)
+        chain = chain_hashes(hashed, block, _seed(request), limit=self._max_blocks)
         sticky = None
         if request.session_key is None:
             matched = await self.index.match(request.model, chain)
@@ -151,6 +159,10 @@ class Router:
                 self.index.match(request.model, chain), self.sessions.get(request.session_key)
             )
         private_from = request.distinct_from // self._block_chars
+        if request.tokens is not None and request.canonical:
+            # Where the first user message begins, in tokens, at the prompt's own ratio.
+            share = request.distinct_from / len(request.canonical)
+            private_from = int(share * len(hashed)) // block
         recent = self.traffic.recent
         state = RoutingState(
             candidates=serving.names,
@@ -219,14 +231,14 @@ class Router:
         metrics = self.metrics
         settings = self._settings
         metrics.child(metrics.prompt_tokens_estimated, model).inc(
-            len(request.canonical) / settings.chars_per_token
+            request.estimated_tokens(settings.chars_per_token)
         )
         metrics.child(metrics.matched_tokens_predicted, model).inc(
             outcome.decision.matched_blocks * settings.block_tokens
         )
         self._observed(outcome, model)
         segment = message_segment("assistant", outcome.answer) if outcome.answer else b""
-        chain = self._with_answer(routed, segment)
+        chain = self._with_answer(routed, outcome, segment)
         if self.feedback is not None:
             # Before the answer is recorded: pruning looks at what was known before it.
             await self.feedback.observe(request, routed.chain, outcome, chain)
@@ -234,6 +246,9 @@ class Router:
         if chain is not routed.chain:
             await self.index.record(model, served, chain)
             self.index.share(model, served, chain)
+        if self._engine_index is not None:
+            # The request is over: what the replica stored of it, its events have told.
+            self._engine_index.settle(served, chain)
 
     def _observed(self, outcome: Outcome, model: str) -> None:
         """Count the prompt and cached tokens the replica reported for an answered request."""
@@ -307,14 +322,23 @@ class Router:
             )
         return turn
 
-    def _with_answer(self, routed: Routed, segment: bytes) -> list[int]:
+    def _with_answer(self, routed: Routed, outcome: Outcome, segment: bytes) -> list[int]:
         """The chain of the prompt and its answer, which a chat's next turn extends."""
         if routed.request.endpoint not in _CONVERSATIONS or not segment:
             return routed.chain
-        history = routed.request.canonical + segment
-        chain = extend_hashes(
-            routed.chain, history, self._block_chars, _seed(routed.request), self._max_blocks
-        )
+        request = routed.request
+        hashed, block = request.hashed(self._block_chars, self._block_tokens)
+        if request.tokens is not None and self.tokenizer is not None:
+            answer = self.tokenizer.text(outcome.answer, add_special_tokens=False)
+            generated = outcome.completion_tokens
+            if generated is not None and len(answer) != generated * TOKEN_BYTES:
+                # The engine cached the ids it generated, which this text does not encode back
+                # to (it encodes to as many, as a rule, when they are the same).
+                return routed.chain
+            history = hashed + answer
+        else:
+            history = hashed + segment
+        chain = extend_hashes(routed.chain, history, block, _seed(request), self._max_blocks)
         # An answer too short to complete a block adds nothing routing did not record.
         return chain if len(chain) > len(routed.chain) else routed.chain
 

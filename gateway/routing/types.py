@@ -99,3 +99,4 @@ class Outcome:
     """`time.perf_counter()` when the answering attempt was sent."""
     first_byte_at: float = 0.0
     """`time.perf_counter()` when its first byte came back (0: none came)."""
+    completion_tokens: int | None = None
