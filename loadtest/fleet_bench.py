@@ -61,7 +61,12 @@ class Tally:
 
 
 async def _session(
-    http: httpx.AsyncClient, session: Session, number: int, urls: Sequence[str], tally: Tally
+    http: httpx.AsyncClient,
+    session: Session,
+    number: int,
+    urls: Sequence[str],
+    tally: Tally,
+    think: float,
 ) -> None:
     messages: list[dict[str, str]] = [{"role": "system", "content": session.system}]
     for turn, question in enumerate(session.questions):
@@ -87,10 +92,14 @@ async def _session(
         tally.prompt += reply["usage"]["prompt_tokens"]
         tally.cached += reply["usage"]["prompt_tokens_details"]["cached_tokens"] or 0
         messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
+        await asyncio.sleep(think)
 
 
-async def drive(urls: Sequence[str], sessions: list[Session], concurrency: int) -> Tally:
-    """Every session once, `concurrency` at a time, their starts staggered by 50 ms."""
+async def drive(
+    urls: Sequence[str], sessions: list[Session], concurrency: int, think: float
+) -> Tally:
+    """Every session once, `concurrency` at a time, their starts staggered by 50 ms, `think`
+    seconds after each answer before the next request."""
     tally = Tally()
     queue = list(enumerate(sessions))
     queue.reverse()
@@ -101,7 +110,7 @@ async def drive(urls: Sequence[str], sessions: list[Session], concurrency: int) 
             await asyncio.sleep(position * 0.05)
             while queue:
                 number, session = queue.pop()
-                await _session(http, session, number, urls, tally)
+                await _session(http, session, number, urls, tally, think)
 
         await asyncio.gather(*(worker(position) for position in range(concurrency)))
     return tally
@@ -190,6 +199,7 @@ def run_row(
     emulator_args: Sequence[str],
     gateway_args: Sequence[str],
     concurrency: int,
+    think: float,
     kill: tuple[float, float] | None,
 ) -> Row:
     with (
@@ -208,7 +218,7 @@ def run_row(
         began = time.perf_counter()
 
         async def scenario() -> Tally:
-            work = drive(urls, sessions, concurrency)
+            work = drive(urls, sessions, concurrency, think)
             if kill is None:
                 return await work
             tally, _ = await asyncio.gather(work, kill_and_restart(nodes[0], *kill))
@@ -268,6 +278,7 @@ def fleet(
     scale: float,
     cache_blocks: int,
     concurrency: int,
+    think: float,
     gateway_args: str,
     kill: tuple[float, float] | None,
 ) -> None:
@@ -284,9 +295,10 @@ def fleet(
     extra = shlex.split(gateway_args)
     print(
         f"# 4 emulated replicas of {cache_blocks} cache blocks of 16 tokens, prefill 50 us/token,"
-        f" decode 0.2 ms/token; {concurrency} sessions at once, started 50 ms apart; a session's"
-        f" requests go to the gateways in rotation from its own number; scale {scale}; gateway"
-        f" flags: {gateway_args or '(defaults)'}"
+        f" decode 0.2 ms/token; {concurrency} sessions at once, started 50 ms apart, {think} s"
+        f" after each answer before the next request; a session's requests go to the gateways"
+        f" in rotation from its own number; scale {scale}; gateway flags:"
+        f" {gateway_args or '(defaults)'}"
         + (f"; Redis killed {kill[0]} s in, back {kill[1]} s later" if kill else "")
     )
     print_header()
@@ -306,6 +318,7 @@ def fleet(
                     emulator_args,
                     extra,
                     concurrency,
+                    think,
                     kill if kind == "one" and count == max(gateways) else None,
                 )
                 print_row(row)

@@ -355,7 +355,8 @@ def main() -> None:
     parser.add_argument("--cluster-gateways", default="3", help="fleet: gateways on a cluster")
     parser.add_argument("--local-gateways", default="", help="fleet: gateways without Redis")
     parser.add_argument("--gateway-args", default="", help="extra flags for every gateway")
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=6)
+    parser.add_argument("--think", type=float, default=0.1, help="fleet: seconds between requests")
     parser.add_argument("--cache-blocks", type=int, default=1024)
     parser.add_argument("--seeds", default="1")
     parser.add_argument(
@@ -382,6 +383,7 @@ def main() -> None:
             args.scale,
             args.cache_blocks,
             args.concurrency,
+            args.think,
             args.gateway_args,
             (args.kill_redis, args.redis_down) if args.kill_redis else None,
         )
