@@ -48,6 +48,7 @@ class Components:
     engine_load: EngineLoadScraper
     stalls: StallWatch
     redis: redis_store.RedisLink | None = None
+    shared_load: SharedLoad | None = None
 
     @classmethod
     def build(cls, settings: Settings, pool: BackendPool | None = None) -> Components:
@@ -65,7 +66,13 @@ class Components:
             shared = redis_store.connect(settings, metrics, local_index, local_sessions)
             index, sessions = shared.index, shared.sessions
         router = Router(
-            settings, pool, index, sessions, build_policy(settings, random.Random()), metrics
+            settings,
+            pool,
+            index,
+            sessions,
+            build_policy(settings, random.Random()),
+            metrics,
+            agreement=shared.agreement if shared is not None else None,
         )
         pool.removed.append(router.traffic.recent.forget)
         # Requests and probes check replicas' certificates alike, and reach them directly (no
@@ -123,10 +130,13 @@ class Components:
         discovery = Discovery.build(settings, pool, monitor.refresh)
         engine_load = EngineLoadScraper(pool, probes, settings.scrape_interval)
         pool.removed.append(engine_load.forget)
+        shared_load = None
         if shared is not None:
             link = shared.link
             link.preload(LOAD_SCRIPT)
-            shared_load = SharedLoad(link.client, link, shared.keys, pool, engine_load)
+            shared_load = SharedLoad(
+                link.client, link, shared.keys, pool, engine_load, router.traffic
+            )
             link.run_while_open(shared_load.start, shared_load.stop)
         return cls(
             settings,
@@ -142,6 +152,7 @@ class Components:
             engine_load,
             stalls,
             shared.link if shared is not None else None,
+            shared_load,
         )
 
     async def start(self) -> None:

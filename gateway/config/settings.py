@@ -231,6 +231,11 @@ class Settings:
     redis_prefix: str = _opt("pgw", "namespace prefix of every Redis key")
     redis_timeout: float = _opt(0.05, "seconds a Redis call may take before local state answers")
     redis_max_connections: int = _opt(32, "Redis connections per gateway process at most")
+    claim_ttl: float = _opt(
+        10.0,
+        "seconds the first placement of a new prompt binds the other gateways (through Redis)"
+        " until its index entries land",
+    )
     sticky_cookie: str = _opt(
         "", "cookie name: issue a session key as a cookie that then acts like x-session-id"
     )
@@ -268,8 +273,10 @@ class Settings:
             )
         if self.discovery_interval <= 0 or self.drain_timeout < 0:
             raise ConfigError("discovery_interval must be positive, drain_timeout not negative")
-        if self.redis_timeout <= 0 or self.redis_max_connections < 2:
-            raise ConfigError("redis_timeout must be positive, redis_max_connections at least 2")
+        if self.redis_timeout <= 0 or self.redis_max_connections < 2 or self.claim_ttl <= 0:
+            raise ConfigError(
+                "redis_timeout and claim_ttl must be positive, redis_max_connections at least 2"
+            )
         self._validate_reliability()
         return self
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Collection
+from collections.abc import Awaitable, Collection
 from dataclasses import dataclass, field, replace
 
 from gateway.backends.pool import Backend, BackendPool, ModelPool
@@ -30,6 +30,7 @@ from gateway.routing.feedback import CacheFeedback
 from gateway.routing.ring import load_bound, within_bound
 from gateway.routing.traffic import Traffic
 from gateway.routing.types import Decision, Outcome, Policy, Route, RoutingState
+from gateway.state.agreement import Agreement, FleetView
 from gateway.state.index import PrefixIndex
 from gateway.state.sessions import SessionStore
 
@@ -48,6 +49,10 @@ class Routed:
     sticky: str | None
     policy: Policy = field(repr=False)
     index: PrefixIndex = field(repr=False)
+    fleet: FleetView | None = None
+    """What the fleet answered for it through Redis (None: nothing, or no fleet)."""
+    claim_key: int = 0
+    """The key its new prompt is claimed under: its shared prompt's, or its affinity key."""
     turn: Turn | None = None
     """The request's place in its conversation (chat, or any request with a session key)."""
     accepted_by: set[str] = field(default_factory=set)
@@ -107,10 +112,12 @@ class Router:
         policy: Policy,
         metrics: Metrics,
         clock: Clock = monotonic,
+        agreement: Agreement | None = None,
     ) -> None:
         self.pool = pool
         self.index = index
         self.sessions = sessions
+        self.agreement = agreement
         self.policy = policy
         self.metrics = metrics
         self.traffic = Traffic(clock, settings)
@@ -140,6 +147,12 @@ class Router:
         routed.turn = self._follow(routed)
         self.traffic.recent.add(backend)
         await self._record(request, backend, routed.chain)
+        fleet = routed.fleet
+        if fleet is not None and fleet.claimed is None and routed.decision.route is Route.HASH:
+            # The first placement of a prompt nobody holds: the other gateways follow it until
+            # the index shows where it went (it is shared once the replica accepts it).
+            assert self.agreement is not None
+            self.agreement.claim(request.model, routed.chain[0], routed.claim_key, backend)
         return routed
 
     async def decide(self, request: RoutingInput, count: bool = False) -> Routed:
@@ -149,22 +162,35 @@ class Router:
         chain = chain_hashes(
             request.canonical, self._block_chars, _seed(request), limit=self._max_blocks
         )
-        sticky = None
-        if request.session_key is None:
+        private_from = request.distinct_from // self._block_chars
+        affinity_key = self._affinity_key(request)
+        prompt_key = self.traffic.shared_prompt(chain, private_from)
+        claim_key = affinity_key if prompt_key is None else prompt_key
+        agreement = self.agreement
+        if not chain or request.endpoint is Endpoint.EMBEDDINGS:
+            agreement = None
+        sticky: str | None = None
+        fleet: FleetView | None = None
+        if request.session_key is None and agreement is None:
             matched = await self.index.match(request.model, chain)
         else:
-            # Both at once: with Redis they are two round trips that need not wait in turn.
-            matched, sticky = await asyncio.gather(
-                self.index.match(request.model, chain), self.sessions.get(request.session_key)
+            session: Awaitable[str | None] = _nothing()
+            if request.session_key is not None:
+                session = self.sessions.get(request.session_key)
+            consulted: Awaitable[FleetView | None] = _nothing()
+            if agreement is not None:
+                consulted = agreement.consult(request.model, chain[0], claim_key, prompt_key, count)
+            # At once: with Redis they are round trips that need not wait in turn.
+            matched, sticky, fleet = await asyncio.gather(
+                self.index.match(request.model, chain), session, consulted
             )
-        private_from = request.distinct_from // self._block_chars
         recent = self.traffic.recent
         state = RoutingState(
             candidates=serving.names,
             loads=serving.loads,
             hashes=chain,
             matched=matched,
-            affinity_key=self._affinity_key(request),
+            affinity_key=affinity_key,
             private_from=private_from,
             sticky=sticky,
             keyed=request.session_key is not None,
@@ -172,14 +198,27 @@ class Router:
             members=serving.members,
             total_load=serving.total_load,
             recent_total=recent.sum_over(serving.members),
-            shared_share=self.traffic.prompt_share(chain, private_from, count),
+            shared_share=self.traffic.prompt_share(
+                chain, private_from, count, fleet.prompt_count if fleet is not None else None
+            ),
             sequence=self._routed,
+            claimed=fleet.claimed if fleet is not None else None,
             pending_prefill=serving.pending_prefill,
         )
         decision = self.policy.choose(state)
         backend = serving.by_name[decision.backend]
         return Routed(
-            request, chain, decision, backend, serving, state, sticky, self.policy, self.index
+            request,
+            chain,
+            decision,
+            backend,
+            serving,
+            state,
+            sticky,
+            self.policy,
+            self.index,
+            fleet,
+            claim_key,
         )
 
     async def explain(self, request: RoutingInput) -> Explanation:
@@ -320,6 +359,10 @@ class Router:
         if turn.previous_backend in outcome.tried:
             miss = AffinityMiss.FAILOVER
         self.metrics.child(self.metrics.affinity_misses, model, miss.value).inc()
+
+
+async def _nothing() -> None:
+    return None
 
 
 def _seed(request: RoutingInput) -> int:
