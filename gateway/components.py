@@ -73,6 +73,7 @@ class Components:
             build_policy(settings, random.Random()),
             metrics,
             agreement=shared.agreement if shared is not None else None,
+            fleet_share=frozenset(settings.fleet_share),
         )
         pool.removed.append(router.traffic.recent.forget)
         # Requests and probes check replicas' certificates alike, and reach them directly (no
@@ -134,9 +135,8 @@ class Components:
         if shared is not None:
             link = shared.link
             link.preload(LOAD_SCRIPT)
-            shared_load = SharedLoad(
-                link.client, link, shared.keys, pool, engine_load, router.traffic
-            )
+            traffic = router.traffic if "traffic" in settings.fleet_share else None
+            shared_load = SharedLoad(link.client, link, shared.keys, pool, engine_load, traffic)
             link.run_while_open(shared_load.start, shared_load.stop)
         return cls(
             settings,

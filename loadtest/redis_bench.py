@@ -106,7 +106,16 @@ async def build_stack(settings: Settings) -> Stack:
         await shared.link.start()
         assert shared.link.up, "Redis did not answer"
         index, sessions = shared.index, shared.sessions
-    router = Router(settings, pool, index, sessions, build_policy(settings), metrics)
+    router = Router(
+        settings,
+        pool,
+        index,
+        sessions,
+        build_policy(settings),
+        metrics,
+        agreement=shared.agreement if shared is not None else None,
+        fleet_share=frozenset(settings.fleet_share),
+    )
     return Stack(router, index, shared)
 
 
@@ -216,9 +225,12 @@ def lookup(args: argparse.Namespace) -> None:
         added = []
         for tokens in args.tokens:
             rows = {}
-            for state in ("memory", "redis"):
+            for state in ("memory", "redis", "redis + agreement"):
                 settings = Settings(
-                    backend=BACKENDS, redis_url=server.url if state == "redis" else ""
+                    backend=BACKENDS,
+                    redis_url=server.url if state != "memory" else "",
+                    # The index alone, or with the claim and prompt count read beside it.
+                    fleet_share=("claims", "prompts") if state != "redis" else ("none",),
                 )
                 # The gateway serves on uvloop (uvicorn's choice when it is installed).
                 runs = []
@@ -229,7 +241,7 @@ def lookup(args: argparse.Namespace) -> None:
                 rows[state] = row
                 redis_times = (
                     f"{row['lookup']:.0f} | {row['write']:.0f} | {row['refresh']:.0f}"
-                    if state == "redis"
+                    if state != "memory"
                     else "– | – | –"
                 )
                 print(
@@ -238,13 +250,17 @@ def lookup(args: argparse.Namespace) -> None:
                     f"| {row['decision_p99']:.0f} | {redis_times} |",
                     flush=True,
                 )
-            added.append((tokens, {key: rows["redis"][key] - rows["memory"][key] for key in row}))
-    print("\n# what Redis adds (redis row minus memory row)")
-    print("| prompt tokens | match p50 µs | match p99 µs | decision p50 µs | decision p99 µs |")
-    print("|---|---|---|---|---|")
-    for tokens, extra in added:
+            for over, under in (("redis", "memory"), ("redis + agreement", "redis")):
+                extra = {key: rows[over][key] - rows[under][key] for key in row}
+                added.append((tokens, f"{over} minus {under}", extra))
+    print("\n# what Redis adds, and what the fleet agreement adds to it")
+    print(
+        "| prompt tokens | rows | match p50 µs | match p99 µs | decision p50 µs | decision p99 µs |"
+    )
+    print("|---|---|---|---|---|---|")
+    for tokens, label, extra in added:
         print(
-            f"| {tokens:,} | {extra['match_p50']:+.0f} | {extra['match_p99']:+.0f} "
+            f"| {tokens:,} | {label} | {extra['match_p50']:+.0f} | {extra['match_p99']:+.0f} "
             f"| {extra['decision_p50']:+.0f} | {extra['decision_p99']:+.0f} |"
         )
 

@@ -113,11 +113,14 @@ class Router:
         metrics: Metrics,
         clock: Clock = monotonic,
         agreement: Agreement | None = None,
+        fleet_share: frozenset[str] = frozenset({"claims", "prompts"}),
     ) -> None:
         self.pool = pool
         self.index = index
         self.sessions = sessions
-        self.agreement = agreement
+        self._claims = "claims" in fleet_share
+        self._count_prompts = "prompts" in fleet_share
+        self.agreement = agreement if self._claims or self._count_prompts else None
         self.policy = policy
         self.metrics = metrics
         self.traffic = Traffic(clock, settings)
@@ -148,7 +151,12 @@ class Router:
         self.traffic.recent.add(backend)
         await self._record(request, backend, routed.chain)
         fleet = routed.fleet
-        if fleet is not None and fleet.claimed is None and routed.decision.route is Route.HASH:
+        if (
+            self._claims
+            and fleet is not None
+            and fleet.claimed is None
+            and routed.decision.route is Route.HASH
+        ):
             # The first placement of a prompt nobody holds: the other gateways follow it until
             # the index shows where it went (it is shared once the replica accepts it).
             assert self.agreement is not None
@@ -166,6 +174,7 @@ class Router:
         affinity_key = self._affinity_key(request)
         prompt_key = self.traffic.shared_prompt(chain, private_from)
         claim_key = affinity_key if prompt_key is None else prompt_key
+        fleet_prompt = prompt_key if self._count_prompts else None
         agreement = self.agreement
         if not chain or request.endpoint is Endpoint.EMBEDDINGS:
             agreement = None
@@ -179,7 +188,9 @@ class Router:
                 session = self.sessions.get(request.session_key)
             consulted: Awaitable[FleetView | None] = _nothing()
             if agreement is not None:
-                consulted = agreement.consult(request.model, chain[0], claim_key, prompt_key, count)
+                consulted = agreement.consult(
+                    request.model, chain[0], claim_key, fleet_prompt, count
+                )
             # At once: with Redis they are round trips that need not wait in turn.
             matched, sticky, fleet = await asyncio.gather(
                 self.index.match(request.model, chain), session, consulted
@@ -202,7 +213,7 @@ class Router:
                 chain, private_from, count, fleet.prompt_count if fleet is not None else None
             ),
             sequence=self._routed,
-            claimed=fleet.claimed if fleet is not None else None,
+            claimed=fleet.claimed if fleet is not None and self._claims else None,
             pending_prefill=serving.pending_prefill,
         )
         decision = self.policy.choose(state)
