@@ -7,8 +7,9 @@ fresh gateway processes. Each session's requests go to the gateways in rotation,
 the session's own number, so consecutive requests of a session reach different gateways and
 consecutive sessions start on different gateways. Printed per row: hit rate (cached / prompt
 tokens as the replicas reported them), max/mean requests per replica, failed requests, Redis
-calls and commands per request (from `INFO commandstats` before and after, the exchange of
-requests in flight counted apart) and the routing decision's p50/p99 as the gateways timed it.
+calls per request (round trips, as the gateways count them) and commands per request
+(from `INFO commandstats` before and after, those run inside scripts included), the exchange
+of requests in flight counted apart and the routing decision's p50/p99 as the gateways timed it.
 
     python loadtest/redis_bench.py fleet --gateways 1,3,8 --cluster-gateways 3
     python loadtest/redis_bench.py fleet --workloads customers --gateways 8 --kill-redis 8
@@ -188,6 +189,7 @@ class Row:
     calls: dict[str, int]
     decision_us: tuple[float, float]
     fallbacks: float
+    round_trips: float
     resumed: str = ""
 
 
@@ -237,8 +239,16 @@ def run_row(
             before = {}
         calls = {name: after.get(name, 0) - before.get(name, 0) for name in after}
         fallbacks = sum(gateway.metric("gateway_redis_fallbacks_total") for gateway in gateways)
+        # Round trips per request as the gateways counted them, the exchange apart.
+        round_trips = sum(
+            gateway.metric("gateway_redis_operation_seconds_count")
+            - gateway.metric("gateway_redis_operation_seconds_count", operation="load")
+            for gateway in gateways
+        )
         decision = decision_percentiles(gateways)
-    return Row(workload, count, kind, tally, seconds, calls, decision, fallbacks, resumed)
+    return Row(
+        workload, count, kind, tally, seconds, calls, decision, fallbacks, round_trips, resumed
+    )
 
 
 def print_header() -> None:
@@ -254,7 +264,6 @@ def print_row(row: Row) -> None:
     tally, calls = row.tally, row.calls
     exchanges = calls.get("hset", 0)
     load_commands = sum(calls.get(name, 0) for name in _LOAD_COMMANDS) + exchanges
-    scripts = calls.get("evalsha", 0) + calls.get("evalsha_ro", 0) - exchanges
     commands = sum(calls.values()) - load_commands
     requests = max(1, tally.requests)
     routes = ", ".join(f"{name} {number}" for name, number in sorted(tally.routes.items()))
@@ -262,7 +271,7 @@ def print_row(row: Row) -> None:
     print(
         f"| {row.workload} | {row.gateways} | {label} | {tally.requests} | {tally.failed} "
         f"| {tally.cached / max(1, tally.prompt):.1%} | {tally.balance(4):.2f} | {routes} "
-        f"| {scripts / requests:.2f} | {commands / requests:.1f} "
+        f"| {row.round_trips / requests:.2f} | {commands / requests:.1f} "
         f"| {exchanges / row.seconds:.0f} | {row.decision_us[0]:.0f} | {row.decision_us[1]:.0f} "
         f"| {row.fallbacks:.0f} | {tally.requests / row.seconds:.1f} |",
         flush=True,
