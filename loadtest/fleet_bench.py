@@ -53,7 +53,16 @@ class Tally:
     failed: int = 0
     per_replica: dict[str, int] = field(default_factory=dict)
     routes: dict[str, int] = field(default_factory=dict)
+    holders: dict[str, set[str]] = field(default_factory=dict)
+    """Per system prompt, every replica that served a request carrying it."""
+    later_turns: int = 0
+    moved: int = 0
+    """Later turns of a conversation served by another replica than the turn before."""
     latencies: list[float] = field(default_factory=list)
+
+    def copies(self) -> float:
+        """Replicas per system prompt: how many computed each, on average."""
+        return sum(map(len, self.holders.values())) / max(1, len(self.holders))
 
     def balance(self, replicas: int) -> float:
         """Max over mean requests per replica (replicas that got none count in the mean)."""
@@ -70,6 +79,7 @@ async def _session(
     think: float,
 ) -> None:
     messages: list[dict[str, str]] = [{"role": "system", "content": session.system}]
+    previous = ""
     for turn, question in enumerate(session.questions):
         messages.append({"role": "user", "content": question})
         body = {"model": MODEL, "messages": messages, "max_tokens": session.max_tokens}
@@ -89,6 +99,11 @@ async def _session(
         route = response.headers["x-gateway-route"]
         tally.per_replica[backend] = tally.per_replica.get(backend, 0) + 1
         tally.routes[route] = tally.routes.get(route, 0) + 1
+        tally.holders.setdefault(session.system, set()).add(backend)
+        if turn > 0:
+            tally.later_turns += 1
+            tally.moved += backend != previous
+        previous = backend
         tally.requests += 1
         tally.prompt += reply["usage"]["prompt_tokens"]
         tally.cached += reply["usage"]["prompt_tokens_details"]["cached_tokens"] or 0
@@ -253,11 +268,12 @@ def run_row(
 
 def print_header() -> None:
     print(
-        "| workload | gateways | Redis | requests | failed | hit rate | max/mean | routes "
+        "| workload | gateways | Redis | requests | failed | hit rate | max/mean "
+        "| replicas per system prompt | later turns moved | routes "
         "| Redis calls/req | commands/req | load exchanges/s | decision p50 µs | p99 µs "
         "| fallbacks | requests/s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def print_row(row: Row) -> None:
@@ -267,10 +283,12 @@ def print_row(row: Row) -> None:
     commands = sum(calls.values()) - load_commands
     requests = max(1, tally.requests)
     routes = ", ".join(f"{name} {number}" for name, number in sorted(tally.routes.items()))
+    moved = f"{tally.moved} of {tally.later_turns}" if tally.later_turns else "–"
     label = row.redis if not row.resumed else f"{row.redis}, killed ({row.resumed})"
     print(
         f"| {row.workload} | {row.gateways} | {label} | {tally.requests} | {tally.failed} "
-        f"| {tally.cached / max(1, tally.prompt):.1%} | {tally.balance(4):.2f} | {routes} "
+        f"| {tally.cached / max(1, tally.prompt):.1%} | {tally.balance(4):.2f} "
+        f"| {tally.copies():.2f} | {moved} | {routes} "
         f"| {row.round_trips / requests:.2f} | {commands / requests:.1f} "
         f"| {exchanges / row.seconds:.0f} | {row.decision_us[0]:.0f} | {row.decision_us[1]:.0f} "
         f"| {row.fallbacks:.0f} | {tally.requests / row.seconds:.1f} |",
