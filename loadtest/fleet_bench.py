@@ -33,6 +33,8 @@ from tests.redis_server import RedisClusterServers, RedisServer
 from tests.support import GatewayProcess
 
 MODEL = "bench-model"
+# Eight gateways, four replicas and Redis starting on two busy cores take their time.
+_STARTUP_SECONDS = 120.0
 # The commands of the exchange of requests in flight (`LOAD_SCRIPT`), one HSET per exchange.
 _LOAD_COMMANDS = ("hset", "pexpire", "hgetall", "hdel", "time")
 
@@ -226,7 +228,12 @@ def run_row(
     ):
         gateways = [
             stack.enter_context(
-                GatewayProcess(replicas.urls, *(("--redis-url", url) if url else ()), *gateway_args)
+                GatewayProcess(
+                    replicas.urls,
+                    *(("--redis-url", url) if url else ()),
+                    *gateway_args,
+                    startup_seconds=_STARTUP_SECONDS,
+                )
             )
             for _ in range(count)
         ]
