@@ -17,6 +17,7 @@ of requests in flight counted apart and the routing decision's p50/p99 as the ga
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import shlex
@@ -303,19 +304,22 @@ def print_row(row: Row) -> None:
     )
 
 
-def fleet(
-    workloads: Sequence[str],
-    gateways: Sequence[int],
-    cluster_gateways: Sequence[int],
-    local_gateways: Sequence[int],
-    seeds: Sequence[int],
-    scale: float,
-    cache_blocks: int,
-    concurrency: int,
-    think: float,
-    gateway_args: str,
-    kill: tuple[float, float] | None,
-) -> None:
+def numbers(listed: str) -> list[int]:
+    return [int(part) for part in listed.split(",") if part]
+
+
+def fleet(args: argparse.Namespace) -> None:
+    """The rows `args` asks for (redis_bench.py's flags), printed as they finish."""
+    workloads = [part for part in args.workloads.split(",") if part]
+    gateways, seeds = numbers(args.gateways), numbers(args.seeds)
+    scale, cache_blocks, concurrency, think = (
+        args.scale,
+        args.cache_blocks,
+        args.concurrency,
+        args.think,
+    )
+    gateway_args = args.gateway_args
+    kill = (args.kill_redis, args.redis_down) if args.kill_redis else None
     emulator_args = [
         "--chat-template",
         "plain",
@@ -337,8 +341,8 @@ def fleet(
     )
     print_header()
     plans = [(count, "one") for count in gateways]
-    plans += [(count, "cluster") for count in cluster_gateways]
-    plans += [(count, "local") for count in local_gateways]
+    plans += [(count, "cluster") for count in numbers(args.cluster_gateways)]
+    plans += [(count, "local") for count in numbers(args.local_gateways)]
     summary: dict[tuple[str, int, str], list[tuple[float, float]]] = {}
     for workload in workloads:
         for seed in seeds:

@@ -50,7 +50,7 @@ from gateway.routing.router import Router
 from gateway.state import redis as redis_store
 from gateway.state.index import InMemoryPrefixIndex, PrefixIndex
 from gateway.state.sessions import InMemorySessionStore, SessionStore
-from loadtest.fleet_bench import fleet
+from loadtest.fleet_bench import fleet, numbers
 from tests.redis_server import RedisServer
 
 MODEL = "bench-model"
@@ -265,9 +265,6 @@ def lookup(args: argparse.Namespace) -> None:
         )
 
 
-# --- 2. fleet: loadtest/fleet_bench.py ---------------------------------------------------------
-
-
 # --- 3. memory ---------------------------------------------------------------------------------
 
 
@@ -352,10 +349,6 @@ def memory(args: argparse.Namespace) -> None:
         print(f"| {holders} | {name_bytes} | {usage} |")
 
 
-def numbers(listed: str) -> list[int]:
-    return [int(part) for part in listed.split(",") if part]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -376,33 +369,17 @@ def main() -> None:
     parser.add_argument("--cache-blocks", type=int, default=1024)
     parser.add_argument("--seeds", default="1")
     parser.add_argument(
-        "--kill-redis",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="fleet: SIGKILL Redis this long into the run of the most gateways on one Redis",
+        "--kill-redis", type=float, default=0.0, help="fleet: SIGKILL Redis this many s in"
     )
     parser.add_argument("--redis-down", type=float, default=2.0, help="fleet: seconds away")
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--conversations", type=int, default=1000)
     args = parser.parse_args()
-    args.tokens = [int(part) for part in args.tokens.split(",") if part]
+    args.tokens = numbers(args.tokens)
     if args.part in ("all", "lookup"):
         lookup(args)
     if args.part in ("all", "fleet"):
-        fleet(
-            [part for part in args.workloads.split(",") if part],
-            numbers(args.gateways),
-            numbers(args.cluster_gateways),
-            numbers(args.local_gateways),
-            numbers(args.seeds),
-            args.scale,
-            args.cache_blocks,
-            args.concurrency,
-            args.think,
-            args.gateway_args,
-            (args.kill_redis, args.redis_down) if args.kill_redis else None,
-        )
+        fleet(args)
     if args.part in ("all", "memory"):
         memory(args)
 
