@@ -142,6 +142,7 @@ async def time_lookups(settings: Settings, tokens: int, samples: int) -> dict[st
         chains.append(chain)
         for backend in BACKENDS[:2]:
             await stack.index.record(MODEL, backend, chain)
+            stack.index.share(MODEL, backend, chain)  # as a replica accepting it does
     await stack.settle()
     match_times: list[float] = []
     decision_times: list[float] = []

@@ -105,16 +105,20 @@ def test_two_gateways_place_the_same_new_prompt_on_the_same_replica(fleet: Fleet
             assert shown["route"] == "hash" and shown["inputs"]["claimed_backend"] is None
             computing: Future[httpx.Response] = pool.submit(send, first, earlier)
             # The first request is being prefilled (seconds): its prompt is not in the shared
-            # index yet, only its claim is.
+            # index yet (it goes there once the replica answers), only its claim is.
             wait_for(functools.partial(claimed, second, later))
             shown = explain(second, later)
-            assert shown["matched_tokens"] == 0 and shown["inputs"]["claim"] == "fleet"
+            owner = shown["inputs"]["claimed_backend"]
+            depths = {item["backend"]: item["matched_blocks"] for item in shown["candidates"]}
+            assert depths[owner] > 0 and sum(depths.values()) == depths[owner]
+            assert shown["backend"] == owner
             answered = send(second, later)
             placed = computing.result()
             assert placed.status_code == answered.status_code == 200
-            assert placed.headers["x-gateway-route"] == answered.headers["x-gateway-route"]
-            assert answered.headers["x-gateway-route"] == "hash"
+            assert placed.headers["x-gateway-route"] == "hash"
+            assert answered.headers["x-gateway-route"] in ("owner", "prefix")
             assert answered.headers["x-gateway-backend"] == placed.headers["x-gateway-backend"]
+            assert placed.headers["x-gateway-backend"] == owner
 
 
 def test_explain_says_which_inputs_came_from_the_fleet(fleet: Fleet) -> None:

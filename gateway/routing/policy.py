@@ -32,11 +32,10 @@ The rules, the first that applies; each is the route label of its decision:
 4. overflow — holders of such a match exist but none is eligible: of the first `ring_choices`
    eligible backends clockwise from the first block past the match, the first in the order.
    It becomes a holder, so a popular prefix spreads to as many backends as its traffic needs.
-5. hash — no match worth routing on: the backend the fleet placed the same new prompt on first
-   (`claimed`), if eligible; else the same pick as overflow from the affinity key (the session
-   key, or the prompt's first tokens from its first user message on). A request with a
-   session key takes the first eligible backend in rules 4 and 5, so that its first requests,
-   sent at once or through several gateways, agree before its binding is stored.
+5. hash — no match worth routing on: the same pick from the affinity key (the session key, or
+   the prompt's first tokens from its first user message on). A request with a session key
+   takes the first eligible backend in rules 4 and 5, so that its first requests, sent at
+   once or through several gateways, agree before its binding is stored.
 6. fallback — no candidate is eligible (those within B all run hot): the first within B
    clockwise from the rule's key. B always admits the least loaded candidate, who takes the
    request if the loads given were inconsistent.
@@ -125,9 +124,6 @@ class PrefixPolicy:
                 return Decision(picked, Route.OVERFLOW, depth_of.get(picked, 0), bound)
         else:
             key = state.affinity_key
-            claimed = state.claimed
-            if claimed is not None and claimed in members and eligible(state, claimed, plain):
-                return Decision(claimed, Route.HASH, depth_of.get(claimed, 0), bound)
             picked = self._ring_pick(state, ring, key, plain, choices)
             if picked is not None:
                 return Decision(picked, Route.HASH, depth_of.get(picked, 0), bound)

@@ -51,8 +51,8 @@ class Routed:
     index: PrefixIndex = field(repr=False)
     fleet: FleetView | None = None
     """What the fleet answered for it through Redis (None: nothing, or no fleet)."""
-    claim_key: int = 0
-    """The key its new prompt is claimed under: its shared prompt's, or its affinity key."""
+    claim_key: int | None = None
+    """The key its shared prompt is claimed under (None: no shared prompt, or no claims)."""
     turn: Turn | None = None
     """The request's place in its conversation (chat, or any request with a session key)."""
     accepted_by: set[str] = field(default_factory=set)
@@ -150,17 +150,17 @@ class Router:
         routed.turn = self._follow(routed)
         self.traffic.recent.add(backend)
         await self._record(request, backend, routed.chain)
-        fleet = routed.fleet
+        fleet, claim_key = routed.fleet, routed.claim_key
         if (
-            self._claims
-            and fleet is not None
+            fleet is not None
             and fleet.claimed is None
-            and routed.decision.route is Route.HASH
+            and claim_key is not None
+            and routed.decision.matched_blocks < _shared_end(routed.state)
         ):
-            # The first placement of a prompt nobody holds: the other gateways follow it until
-            # the index shows where it went (it is shared once the replica accepts it).
+            # This backend computes the shared prompt now: the other gateways count it as
+            # held there until the index says so (it is shared once the replica accepts it).
             assert self.agreement is not None
-            self.agreement.claim(request.model, routed.chain[0], routed.claim_key, backend)
+            self.agreement.claim(request.model, routed.chain[0], claim_key, backend)
         return routed
 
     async def decide(self, request: RoutingInput, count: bool = False) -> Routed:
@@ -173,10 +173,10 @@ class Router:
         private_from = request.distinct_from // self._block_chars
         affinity_key = self._affinity_key(request)
         prompt_key = self.traffic.shared_prompt(chain, private_from)
-        claim_key = affinity_key if prompt_key is None else prompt_key
+        claim_key = prompt_key if self._claims else None
         fleet_prompt = prompt_key if self._count_prompts else None
         agreement = self.agreement
-        if not chain or request.endpoint is Endpoint.EMBEDDINGS:
+        if prompt_key is None or request.endpoint is Endpoint.EMBEDDINGS:
             agreement = None
         sticky: str | None = None
         fleet: FleetView | None = None
@@ -187,14 +187,19 @@ class Router:
             if request.session_key is not None:
                 session = self.sessions.get(request.session_key)
             consulted: Awaitable[FleetView | None] = _nothing()
-            if agreement is not None:
+            if agreement is not None and prompt_key is not None:
                 consulted = agreement.consult(
-                    request.model, chain[0], claim_key, fleet_prompt, count
+                    request.model, chain[0], prompt_key, fleet_prompt, count
                 )
             # At once: with Redis they are round trips that need not wait in turn.
             matched, sticky, fleet = await asyncio.gather(
                 self.index.match(request.model, chain), session, consulted
             )
+            claimed = fleet.claimed if fleet is not None and self._claims else None
+            shared_end = min(private_from, len(chain))
+            if claimed is not None and matched.get(claimed, 0) < shared_end:
+                # Its claimant is computing the shared prompt: as good as indexed there.
+                matched = {**matched, claimed: shared_end}
         recent = self.traffic.recent
         state = RoutingState(
             candidates=serving.names,
@@ -213,7 +218,6 @@ class Router:
                 chain, private_from, count, fleet.prompt_count if fleet is not None else None
             ),
             sequence=self._routed,
-            claimed=fleet.claimed if fleet is not None and self._claims else None,
             pending_prefill=serving.pending_prefill,
         )
         decision = self.policy.choose(state)
@@ -374,6 +378,11 @@ class Router:
 
 async def _nothing() -> None:
     return None
+
+
+def _shared_end(state: RoutingState) -> int:
+    """The block where the request's shared prompt ends."""
+    return min(state.private_from, len(state.hashes))
 
 
 def _seed(request: RoutingInput) -> int:

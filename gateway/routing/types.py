@@ -54,9 +54,6 @@ class RoutingState:
     counted (0 when it has none): see `gateway.routing.traffic.Traffic`."""
     sequence: int = 0
     """The request's number among those routed (a round robin's turn)."""
-    claimed: str | None = None
-    """The backend the fleet placed this request's new prompt on first (a claim in Redis), while
-    it binds: the hash rule takes it when eligible, so gateways agree before the index does."""
     pending_prefill: Mapping[str, int] = field(default_factory=dict)
     """Prompt blocks sent to each candidate and not computed yet, by the caller's estimate
     (unmatched blocks until the first byte): how long a new prefill would wait there."""
