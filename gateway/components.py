@@ -52,6 +52,7 @@ class Components:
     stalls: StallWatch
     redis: redis_store.RedisLink | None = None
     kv_events: KVEventFeeds | None = None
+    shared_load: SharedLoad | None = None
 
     @classmethod
     def build(cls, settings: Settings, pool: BackendPool | None = None) -> Components:
@@ -102,6 +103,8 @@ class Components:
             responses=responses,
             tokenizer=tokenizer,
             engine_index=event_index,
+            agreement=shared.agreement if shared is not None else None,
+            fleet_share=frozenset(settings.fleet_share),
         )
         pool.removed.append(router.traffic.recent.forget)
         health = Health(
@@ -149,10 +152,12 @@ class Components:
         discovery = Discovery.build(settings, pool, monitor.refresh)
         engine_load = EngineLoadScraper(pool, probes, settings.scrape_interval)
         pool.removed.append(engine_load.forget)
+        shared_load = None
         if shared is not None:
             link = shared.link
             link.preload(LOAD_SCRIPT)
-            shared_load = SharedLoad(link.client, link, shared.keys, pool, engine_load)
+            traffic = router.traffic if "traffic" in settings.fleet_share else None
+            shared_load = SharedLoad(link.client, link, shared.keys, pool, engine_load, traffic)
             link.run_while_open(shared_load.start, shared_load.stop)
         return cls(
             settings,
@@ -169,6 +174,7 @@ class Components:
             stalls,
             shared.link if shared is not None else None,
             feeds,
+            shared_load,
         )
 
     async def start(self) -> None:

@@ -83,9 +83,7 @@ class PinnedRag:
             return Decision(name, Route.PREFIX, state.matched.get(name, 0), 0)
         if self._rag_only is None:
             return self._policy.choose(state)
-        others = [
-            name for index, name in enumerate(state.candidates) if index != self._rag_only
-        ]
+        others = [name for index, name in enumerate(state.candidates) if index != self._rag_only]
         # Sums over the candidates are the caller's; over a subset the policy takes its own.
         subset = replace(
             state,

@@ -6,37 +6,33 @@ gateway processes):
 1. `lookup` — the routing lookup in one process, in memory vs through Redis, for prompts of
    1k, 8k and 32k tokens whose every block is indexed (the deepest, costliest match): the
    index match alone, and the whole routing decision (parse, hash, match, choose, record).
-2. `fleet` — the conversation workload through 1 to 4 gateway processes, each request sent to
-   the next gateway in rotation (as a Kubernetes Service spreads them), with the prefix index
-   shared in Redis or kept in each gateway's memory; hit rate from the `cached_tokens` the
-   replicas report.
+2. `fleet` — per-customer prompts and conversations through 1, 3 and 8 gateway processes on
+   one Redis and 3 on a Redis Cluster, a session's requests rotated over the gateways: hit
+   rate, max/mean requests per replica, failures, Redis calls per request
+   (`loadtest/fleet_bench.py`).
 3. `memory` — Redis memory for 1,000 six-turn conversations written as gateways write them,
    and `MEMORY USAGE` of one block key.
 
     python loadtest/redis_bench.py                 # all three
     python loadtest/redis_bench.py lookup --samples 2000 --repeat 3
-    python loadtest/redis_bench.py fleet --gateways 1,2,3,4 --local-gateways 3,4
-    python loadtest/redis_bench.py fleet --gateway-args "--scrape-interval 0"
+    python loadtest/redis_bench.py fleet --gateways 1,3,8 --cluster-gateways 3
+    python loadtest/redis_bench.py fleet --workloads conversation --gateways 1,3 --local-gateways 3
+    python loadtest/redis_bench.py fleet --gateways 8 --kill-redis 8
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import itertools
 import random
-import shlex
 import statistics
 import string
 import sys
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import orjson
 import uvloop
 
@@ -45,7 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gateway.backends.pool import Backend, BackendPool
 from gateway.clock import ManualClock
 from gateway.config import Settings
-from gateway.emulator.replicas import EmulatedReplicas
 from gateway.metrics import Metrics
 from gateway.prompt.canonical import message_segment
 from gateway.prompt.hashing import chain_hashes, extend_hashes
@@ -55,9 +50,8 @@ from gateway.routing.router import Router
 from gateway.state import redis as redis_store
 from gateway.state.index import InMemoryPrefixIndex, PrefixIndex
 from gateway.state.sessions import InMemorySessionStore, SessionStore
-from gateway.workloads import Session, build_workload
+from loadtest.fleet_bench import fleet, numbers
 from tests.redis_server import RedisServer
-from tests.support import GatewayProcess
 
 MODEL = "bench-model"
 # `gateway_affinity_misses_total` causes; a gateway counts a move only between turns it saw.
@@ -115,7 +109,16 @@ async def build_stack(settings: Settings) -> Stack:
         await shared.link.start()
         assert shared.link.up, "Redis did not answer"
         index, sessions = shared.index, shared.sessions
-    router = Router(settings, pool, index, sessions, build_policy(settings), metrics)
+    router = Router(
+        settings,
+        pool,
+        index,
+        sessions,
+        build_policy(settings),
+        metrics,
+        agreement=shared.agreement if shared is not None else None,
+        fleet_share=frozenset(settings.fleet_share),
+    )
     return Stack(router, index, shared)
 
 
@@ -142,6 +145,7 @@ async def time_lookups(settings: Settings, tokens: int, samples: int) -> dict[st
         chains.append(chain)
         for backend in BACKENDS[:2]:
             await stack.index.record(MODEL, backend, chain)
+            stack.index.share(MODEL, backend, chain)  # as a replica accepting it does
     await stack.settle()
     match_times: list[float] = []
     decision_times: list[float] = []
@@ -225,9 +229,12 @@ def lookup(args: argparse.Namespace) -> None:
         added = []
         for tokens in args.tokens:
             rows = {}
-            for state in ("memory", "redis"):
+            for state in ("memory", "redis", "redis + agreement"):
                 settings = Settings(
-                    backend=BACKENDS, redis_url=server.url if state == "redis" else ""
+                    backend=BACKENDS,
+                    redis_url=server.url if state != "memory" else "",
+                    # The index alone, or with the claim and prompt count read beside it.
+                    fleet_share=("claims", "prompts") if state != "redis" else ("none",),
                 )
                 # The gateway serves on uvloop (uvicorn's choice when it is installed).
                 runs = []
@@ -238,7 +245,7 @@ def lookup(args: argparse.Namespace) -> None:
                 rows[state] = row
                 redis_times = (
                     f"{row['lookup']:.0f} | {row['write']:.0f} | {row['refresh']:.0f}"
-                    if state == "redis"
+                    if state != "memory"
                     else "– | – | –"
                 )
                 print(
@@ -247,185 +254,18 @@ def lookup(args: argparse.Namespace) -> None:
                     f"| {row['decision_p99']:.0f} | {redis_times} |",
                     flush=True,
                 )
-            added.append((tokens, {key: rows["redis"][key] - rows["memory"][key] for key in row}))
-    print("\n# what Redis adds (redis row minus memory row)")
-    print("| prompt tokens | match p50 µs | match p99 µs | decision p50 µs | decision p99 µs |")
-    print("|---|---|---|---|---|")
-    for tokens, extra in added:
+            for over, under in (("redis", "memory"), ("redis + agreement", "redis")):
+                extra = {key: rows[over][key] - rows[under][key] for key in row}
+                added.append((tokens, f"{over} minus {under}", extra))
+    print("\n# what Redis adds, and what the fleet agreement adds to it")
+    print(
+        "| prompt tokens | rows | match p50 µs | match p99 µs | decision p50 µs | decision p99 µs |"
+    )
+    print("|---|---|---|---|---|---|")
+    for tokens, label, extra in added:
         print(
-            f"| {tokens:,} | {extra['match_p50']:+.0f} | {extra['match_p99']:+.0f} "
+            f"| {tokens:,} | {label} | {extra['match_p50']:+.0f} | {extra['match_p99']:+.0f} "
             f"| {extra['decision_p50']:+.0f} | {extra['decision_p99']:+.0f} |"
-        )
-
-
-# --- 2. fleet ----------------------------------------------------------------------------------
-
-
-@dataclass
-class FleetRun:
-    prompt: int = 0
-    cached: int = 0
-    requests: int = 0
-    failed: int = 0
-    later_turns: int = 0
-    later_turns_home: int = 0
-    routes: dict[str, int] = field(default_factory=dict)
-    left_home: dict[str, int] = field(default_factory=dict)
-    """Later turns served away from turn 1's replica, by the route that sent them there."""
-    moves: dict[str, int] = field(default_factory=dict)
-    """Later turns served away from the previous turn's replica, by route."""
-    explained_moves: list[dict[str, object]] = field(default_factory=list)
-    """With `--explain`: what the gateway showed just before each turn that then moved."""
-
-
-async def converse(
-    http: httpx.AsyncClient,
-    session: Session,
-    next_gateway: Callable[[], str],
-    run: FleetRun,
-    explain: bool = False,
-) -> None:
-    messages = [{"role": "system", "content": session.system}]
-    home = previous = ""
-    previous_blocks = 0
-    for turn, question in enumerate(session.questions):
-        messages.append({"role": "user", "content": question})
-        body = {"model": MODEL, "messages": messages, "max_tokens": session.max_tokens}
-        gateway = next_gateway()
-        shown: dict[str, object] = {}
-        try:
-            if explain:
-                shown = (await http.post(gateway + "/admin/explain", json=body)).json()
-            response = await http.post(gateway + "/v1/chat/completions", json=body)
-        except httpx.HTTPError:
-            run.failed += 1
-            return
-        if response.status_code != 200:
-            run.failed += 1
-            return
-        reply = response.json()
-        backend = response.headers["x-gateway-backend"]
-        route = response.headers["x-gateway-route"]
-        run.routes[route] = run.routes.get(route, 0) + 1
-        run.requests += 1
-        run.prompt += reply["usage"]["prompt_tokens"]
-        run.cached += reply["usage"]["prompt_tokens_details"]["cached_tokens"] or 0
-        if turn == 0:
-            home = backend
-        else:
-            run.later_turns += 1
-            run.later_turns_home += backend == home
-            if backend != home:
-                run.left_home[route] = run.left_home.get(route, 0) + 1
-            if backend != previous:
-                run.moves[route] = run.moves.get(route, 0) + 1
-                if shown:
-                    run.explained_moves.append(
-                        {
-                            "turn": turn,
-                            "previous": previous,
-                            "previous_prompt_blocks": previous_blocks,
-                            "served": backend,
-                            "route": route,
-                            "shown": shown,
-                        }
-                    )
-        previous = backend
-        previous_blocks = int(str(shown.get("prompt_blocks", 0)))
-        messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
-
-
-async def drive(
-    urls: list[str], sessions: list[Session], concurrency: int, stagger: float, explain: bool
-) -> FleetRun:
-    run = FleetRun()
-    rotation = itertools.cycle(urls)
-    queue: asyncio.Queue[Session] = asyncio.Queue()
-    for session in sessions:
-        queue.put_nowait(session)
-    limits = httpx.Limits(max_connections=concurrency * len(urls))
-    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
-
-        async def worker(position: int) -> None:
-            await asyncio.sleep(position * stagger)
-            while not queue.empty():
-                await converse(http, queue.get_nowait(), lambda: next(rotation), run, explain)
-
-        await asyncio.gather(*(worker(position) for position in range(concurrency)))
-    return run
-
-
-def fleet(args: argparse.Namespace) -> None:
-    emulator_args = [
-        "--chat-template",
-        "plain",
-        "--cache-blocks",
-        str(args.cache_blocks),
-        "--prefill-us-per-token",
-        "50",
-        "--decode-ms-per-token",
-        "0.2",
-    ]
-    sessions = build_workload("conversation", args.seed, args.scale)
-    print(
-        f"# conversation workload (seed {args.seed}, scale {args.scale}): {len(sessions)} six-turn "
-        f"conversations; 4 emulated replicas, {args.cache_blocks} cache blocks of 16 tokens, "
-        f"prefill 50 us/token, decode 0.2 ms/token; {args.concurrency} concurrent conversations "
-        f"started 50 ms apart; each request to the next gateway in rotation; gateway flags: "
-        f"{args.gateway_args or '(defaults)'}"
-    )
-    print(
-        "| gateways | prefix index | requests | failed | hit rate | later turns on turn 1's "
-        "replica | routes | turns moved, by route | moves by cause (gateways' count) "
-        "| Redis fallbacks, by operation |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    plans = [(count, "redis") for count in args.gateways] + [
-        (count, "local") for count in args.local_gateways
-    ]
-    for count, state in plans:
-        with (
-            RedisServer() as server,
-            EmulatedReplicas(4, MODEL, emulator_args) as replicas,
-            contextlib.ExitStack() as stack,
-        ):
-            extra = [*shlex.split(args.gateway_args)]
-            if state == "redis":
-                extra += ["--redis-url", server.url]
-            gateways = [
-                stack.enter_context(GatewayProcess(replicas.urls, *extra)) for _ in range(count)
-            ]
-            urls = [gateway.url for gateway in gateways]
-            run = asyncio.run(drive(urls, sessions, args.concurrency, 0.05, bool(args.explain)))
-            fallbacks = {
-                operation: sum(
-                    gateway.metric("gateway_redis_fallbacks_total", operation=operation)
-                    for gateway in gateways
-                )
-                for operation in REDIS_OPERATIONS
-            }
-            misses = {
-                cause: sum(
-                    gateway.metric("gateway_affinity_misses_total", cause=cause)
-                    for gateway in gateways
-                )
-                for cause in MISS_CAUSES
-            }
-        routes = ", ".join(f"{name} {number}" for name, number in sorted(run.routes.items()))
-        moves = ", ".join(f"{name} {number}" for name, number in sorted(run.moves.items()))
-        causes = ", ".join(f"{name} {number:.0f}" for name, number in misses.items() if number)
-        fell_back = ", ".join(f"{name} {count:.0f}" for name, count in fallbacks.items() if count)
-        home = run.later_turns_home / run.later_turns if run.later_turns else 0.0
-        label = "shared in Redis" if state == "redis" else "in each gateway's memory"
-        if args.explain:
-            with Path(args.explain).open("ab") as lines:
-                for move in run.explained_moves:
-                    lines.write(orjson.dumps({"gateways": count, "state": state, **move}) + b"\n")
-        print(
-            f"| {count} | {label} | {run.requests} | {run.failed} "
-            f"| {run.cached / run.prompt:.1%} | {home:.1%} | {routes} | {moves or '–'} "
-            f"| {causes or '–'} | {fell_back or '–'} |",
-            flush=True,
         )
 
 
@@ -523,25 +363,23 @@ def main() -> None:
         "--repeat", type=int, default=1, help="lookup: runs per row; each figure is their median"
     )
     parser.add_argument("--tokens", default="1000,8000,32000", help="prompt sizes for lookup")
-    parser.add_argument("--gateways", default="1,2,3,4")
-    parser.add_argument("--local-gateways", default="1,3,4")
+    parser.add_argument("--workloads", default="customers,conversation")
+    parser.add_argument("--gateways", default="1,3,8", help="fleet: gateways on one Redis")
+    parser.add_argument("--cluster-gateways", default="3", help="fleet: gateways on a cluster")
+    parser.add_argument("--local-gateways", default="", help="fleet: gateways without Redis")
     parser.add_argument("--gateway-args", default="", help="extra flags for every gateway")
-    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=6)
+    parser.add_argument("--think", type=float, default=0.1, help="fleet: seconds between requests")
     parser.add_argument("--cache-blocks", type=int, default=1024)
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seeds", default="1")
     parser.add_argument(
-        "--explain",
-        default="",
-        metavar="PATH",
-        help="fleet: ask /admin/explain before every turn (slower) and write what the gateway "
-        "showed before each turn that moved to PATH, one JSON line per move",
+        "--kill-redis", type=float, default=0.0, help="fleet: SIGKILL Redis this many s in"
     )
+    parser.add_argument("--redis-down", type=float, default=2.0, help="fleet: seconds away")
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--conversations", type=int, default=1000)
     args = parser.parse_args()
-    args.tokens = [int(part) for part in args.tokens.split(",") if part]
-    args.gateways = [int(part) for part in args.gateways.split(",") if part]
-    args.local_gateways = [int(part) for part in args.local_gateways.split(",") if part]
+    args.tokens = numbers(args.tokens)
     if args.part in ("all", "lookup"):
         lookup(args)
     if args.part in ("all", "fleet"):

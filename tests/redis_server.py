@@ -173,7 +173,15 @@ class RedisClusterServers:
                 node.start()
             addresses: Sequence[str] = [node.address for node in self.nodes]
             subprocess.run(
-                [REDIS_CLI, "--cluster", "create", *addresses, "--cluster-yes"],
+                [
+                    REDIS_CLI,
+                    "--cluster",
+                    "create",
+                    *addresses,
+                    "--cluster-replicas",
+                    "0",
+                    "--cluster-yes",
+                ],
                 capture_output=True,
                 check=True,
                 timeout=30,

@@ -79,6 +79,7 @@ class GatewayProcess(ChildProcess):
         *args: str,
         env: dict[str, str] | None = None,
         checkout: str | None = None,
+        startup_seconds: float = 20.0,
     ):
         super().__init__(
             "gateway",
@@ -93,6 +94,7 @@ class GatewayProcess(ChildProcess):
             ),
             env=env,
             cwd=checkout,
+            startup_seconds=startup_seconds,
         )
 
     def metrics(self) -> str:

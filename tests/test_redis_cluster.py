@@ -13,8 +13,15 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from gateway.clock import ManualClock
 from gateway.emulator.replicas import EmulatedReplicas
-from gateway.state.redis import KeySpace, RedisPrefixIndex, RedisSessionStore, open_client
+from gateway.state.redis import (
+    KeySpace,
+    RedisAgreement,
+    RedisPrefixIndex,
+    RedisSessionStore,
+    open_client,
+)
 from tests.conftest import MODEL
 from tests.redis_server import PATIENT, RedisClusterServers
 from tests.support import GatewayProcess
@@ -51,6 +58,31 @@ def test_prompts_spread_over_every_node_and_each_lookup_stays_on_one(
     per_node = [int(node.cli("dbsize")) for node in cluster.nodes]
     assert sum(per_node) == 60 * 40 - 30 + 60
     assert all(keys > 300 for keys in per_node), per_node
+
+
+def test_claims_and_prompt_counts_live_in_their_prompts_slots(
+    cluster: RedisClusterServers,
+) -> None:
+    clock = ManualClock(1_000_000.0)
+
+    async def scenario() -> None:
+        client = open_client(cluster.url, timeout=1.0, max_connections=8)
+        agreement = RedisAgreement(client, KeySpace("agree"), 10.0, 30.0, clock)
+        # 60 prompts over the 16,384 slots: each script touches two keys of one slot.
+        for prompt in range(1, 61):
+            first, shared = prompt << 52, (prompt << 52) + 7
+            seen = await agreement.consult(MODEL, first, shared, shared, count=True)
+            assert seen.claimed is None and seen.prompt_count == 1.0
+            await agreement.claim(MODEL, first, shared, f"b:{prompt % 4}")
+            await agreement.claim(MODEL, first, shared, "late:1")  # the first writer won
+            clock.advance(30.0)
+            again = await agreement.consult(MODEL, first, shared, shared, count=False)
+            assert again.claimed == f"b:{prompt % 4}"
+            assert again.prompt_count == pytest.approx(0.5)
+        await client.aclose()
+
+    asyncio.run(scenario())
+    assert all(int(node.cli("dbsize")) > 0 for node in cluster.nodes)
 
 
 def test_gateways_share_a_conversation_through_the_cluster(cluster: RedisClusterServers) -> None:

@@ -56,6 +56,8 @@ class Backend:
     """The candidate groups it is in now, whose load tallies follow its own."""
     pending_prefill: int = field(default=0, repr=False)
     """Unmatched prompt blocks of this gateway's requests to it that have no first byte yet."""
+    fleet_pending_prefill: int = field(default=0, repr=False)
+    """The other gateways' pending prefill there, as of the last exchange through Redis."""
     work: set[Work] = field(default_factory=set, repr=False)
     """This gateway's attempts running on it now."""
     progressed_at: float = field(default=0.0, repr=False)
@@ -154,16 +156,19 @@ class LoadView(_PerBackend):
 
 
 class PendingPrefillView(_PerBackend):
-    """Each candidate's pending prefill in blocks (`Backend.pending_prefill`)."""
+    """Each candidate's pending prefill in blocks: this gateway's and the fleet's."""
 
     __slots__ = ()
 
     def __getitem__(self, name: str) -> int:
-        return self._by_name[name].pending_prefill
+        backend = self._by_name[name]
+        return backend.pending_prefill + backend.fleet_pending_prefill
 
     def get(self, name: str, default: int = 0) -> int:  # type: ignore[override]
         backend = self._by_name.get(name)
-        return default if backend is None else backend.pending_prefill
+        if backend is None:
+            return default
+        return backend.pending_prefill + backend.fleet_pending_prefill
 
 
 @dataclass

@@ -1,6 +1,7 @@
-"""Requests in flight, exchanged between the gateways of a fleet through Redis every
-`_SYNC_SECONDS` in one script call, so each gateway's load bound sees the others' requests
-(docs/redis.md, fleet behaviour).
+"""What each gateway of a fleet knows alone, exchanged through Redis every `_SYNC_SECONDS` in
+one script call: its requests in flight, its pending prefill and its recent requests per
+backend, and how many recent requests carried a shared prompt. So each gateway's load bound,
+hot checks and tie-breaks see the fleet's traffic (docs/redis.md, fleet behaviour).
 """
 
 from __future__ import annotations
@@ -8,8 +9,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
-from typing import cast
+import time
+from collections.abc import Mapping
+from typing import Protocol, cast
 
 from redis.asyncio import Redis
 
@@ -58,24 +62,73 @@ return others
 """
 
 
-def own_counts(pool: BackendPool) -> str:
-    """This gateway's requests in flight, one `<backend> <count>` line per busy backend."""
-    return "".join(
-        f"{backend.name} {backend.in_flight}\n"
-        for backend in pool.backends
-        if backend.in_flight > 0 and " " not in backend.name and "\n" not in backend.name
-    )
+class TrafficExchange(Protocol):
+    """The router's recent traffic, as the exchange reads and fills it."""
+
+    def own(self) -> tuple[dict[str, float], float]:
+        """This gateway's recent requests per backend, and recent requests with a shared
+        prompt."""
+        ...
+
+    def set_fleet(self, recent: dict[str, float], prompts_total: float) -> None:
+        """The other gateways' (empty when the exchange failed)."""
+        ...
+
+
+def own_counts(
+    pool: BackendPool, recent: Mapping[str, float] | None = None, prompts: float = 0.0
+) -> str:
+    """This gateway's line: `<backend> <in flight>` per busy backend, then
+    `~<backend> <pending prefill> <recent>` per backend with either, then `~ <prompts>`. The
+    traffic lines carry a decimal point, so a gateway that reads in-flight lines alone skips
+    them."""
+    lines = []
+    traffic = []
+    for backend in pool.backends:
+        name = backend.name
+        if " " in name or "\n" in name:
+            continue
+        if backend.in_flight > 0:
+            lines.append(f"{name} {backend.in_flight}\n")
+        count = recent.get(name, 0.0) if recent is not None else 0.0
+        if backend.pending_prefill > 0 or count >= 0.001:
+            traffic.append(f"~{name} {backend.pending_prefill} {count:.3f}\n")
+    return "".join(lines) + "".join(traffic) + f"~ {prompts:.3f}\n"
+
+
+class FleetCounts:
+    """The other gateways' lines, summed per backend."""
+
+    def __init__(self, values: list[bytes]) -> None:
+        self.in_flight: dict[str, int] = {}
+        self.pending_prefill: dict[str, int] = {}
+        self.recent: dict[str, float] = {}
+        self.prompts = 0.0
+        for value in values:
+            for line in value.decode(errors="replace").split("\n")[1:]:
+                if line.startswith("~"):
+                    self._traffic(line[1:])
+                    continue
+                name, _, count = line.rpartition(" ")
+                if name and count.isdigit():
+                    self.in_flight[name] = self.in_flight.get(name, 0) + int(count)
+
+    def _traffic(self, line: str) -> None:
+        fields = line.split(" ")
+        try:
+            if len(fields) == 2 and not fields[0]:
+                self.prompts += float(fields[1])
+            elif len(fields) == 3 and fields[0]:
+                name, pending, recent = fields[0], int(fields[1]), float(fields[2])
+                self.pending_prefill[name] = self.pending_prefill.get(name, 0) + pending
+                self.recent[name] = self.recent.get(name, 0.0) + recent
+        except ValueError:
+            return
 
 
 def parse_counts(values: list[bytes]) -> dict[str, int]:
-    """The other gateways' counts, summed per backend."""
-    totals: dict[str, int] = {}
-    for value in values:
-        for line in value.decode(errors="replace").split("\n")[1:]:
-            name, _, count = line.rpartition(" ")
-            if name and count.isdigit():
-                totals[name] = totals.get(name, 0) + int(count)
-    return totals
+    """The other gateways' requests in flight, summed per backend."""
+    return FleetCounts(values).in_flight
 
 
 class SharedLoad:
@@ -88,13 +141,17 @@ class SharedLoad:
         keys: KeySpace,
         pool: BackendPool,
         engine_load: EngineLoadScraper,
+        traffic: TrafficExchange | None = None,
         interval: float = _SYNC_SECONDS,
     ) -> None:
         self._link = link
         self._key = keys.fleet_load()
         self._pool = pool
         self._engine_load = engine_load
+        self._traffic = traffic
         self._interval = interval
+        self.exchanged_at = -math.inf
+        """`time.monotonic()` of the last exchange that answered."""
         # One field per process: the workers of one pod are gateways of the fleet too.
         self.gateway_id = secrets.token_hex(8)
         self._script = cast(Redis, client).register_script(LOAD_SCRIPT)
@@ -113,7 +170,8 @@ class SharedLoad:
 
     async def sync(self) -> None:
         """One exchange; with Redis away the others' counts are dropped, not kept stale."""
-        counts = own_counts(self._pool)
+        traffic = self._traffic
+        counts = own_counts(self._pool, *(traffic.own() if traffic is not None else ()))
         try:
             reply = await self._link.call(
                 "load",
@@ -122,9 +180,17 @@ class SharedLoad:
                 ),
             )
         except RedisUnavailable:
-            self._engine_load.set_fleet({})
+            self._apply(FleetCounts([]))
             return
-        self._engine_load.set_fleet(parse_counts(list(reply)))
+        self.exchanged_at = time.monotonic()
+        self._apply(FleetCounts(list(reply)))
+
+    def _apply(self, others: FleetCounts) -> None:
+        self._engine_load.set_fleet(others.in_flight)
+        for backend in self._pool.backends:
+            backend.fleet_pending_prefill = others.pending_prefill.get(backend.name, 0)
+        if self._traffic is not None:
+            self._traffic.set_fleet(others.recent, others.prompts)
 
     async def _run(self) -> None:
         while True:

@@ -249,6 +249,18 @@ class Settings:
     redis_prefix: str = _opt("pgw", "namespace prefix of every Redis key")
     redis_timeout: float = _opt(0.05, "seconds a Redis call may take before local state answers")
     redis_max_connections: int = _opt(32, "Redis connections per gateway process at most")
+    fleet_share: tuple[str, ...] = _opt(
+        ("claims", "traffic", "prompts"),
+        "what gateways on one Redis tell each other besides the index, the sessions and their"
+        " requests in flight: `claims` (where a new prompt was placed first), `traffic` (pending"
+        " prefill and recent requests per replica), `prompts` (each shared prompt's recent"
+        " requests); `none` for none of them; repeat for several",
+    )
+    claim_ttl: float = _opt(
+        10.0,
+        "seconds the first placement of a new prompt binds the other gateways (through Redis)"
+        " until its index entries land",
+    )
     sticky_cookie: str = _opt(
         "", "cookie name: issue a session key as a cookie that then acts like x-session-id"
     )
@@ -295,8 +307,16 @@ class Settings:
             )
         if self.discovery_interval <= 0 or self.drain_timeout < 0:
             raise ConfigError("discovery_interval must be positive, drain_timeout not negative")
-        if self.redis_timeout <= 0 or self.redis_max_connections < 2:
-            raise ConfigError("redis_timeout must be positive, redis_max_connections at least 2")
+        unknown = set(self.fleet_share) - {"claims", "traffic", "prompts", "none"}
+        if unknown:
+            raise ConfigError(
+                f"fleet_share: unknown {', '.join(sorted(unknown))}; choose claims, traffic,"
+                " prompts or none"
+            )
+        if self.redis_timeout <= 0 or self.redis_max_connections < 2 or self.claim_ttl <= 0:
+            raise ConfigError(
+                "redis_timeout and claim_ttl must be positive, redis_max_connections at least 2"
+            )
         self._validate_reliability()
         if self.engine_block_size:
             return replace(self, block_tokens=self.engine_block_size)

@@ -4,6 +4,7 @@ recording it (docs/observability.md).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import orjson
@@ -15,6 +16,7 @@ from gateway.control.access import AdminRoute, Guard
 from gateway.errors import BadRequest
 from gateway.prompt.parsing import ENDPOINTS, Endpoint, Limits, parse_request
 from gateway.routing.policies import Route
+from gateway.routing.routed import Routed
 from gateway.routing.router import Explanation
 
 _REASONS = {
@@ -148,6 +150,7 @@ def _render(explained: Explanation, components: Components) -> dict[str, Any]:
                 "queued": backend.queued,
                 "load": backend.load,
                 "pending_prefill_blocks": backend.pending_prefill,
+                "fleet_pending_prefill_blocks": backend.fleet_pending_prefill,
                 "within_bound": candidate and (not bound or backend.load + 1 <= bound),
                 "matched_blocks": matched,
                 "matched_tokens": matched * block_tokens,
@@ -181,5 +184,42 @@ def _render(explained: Explanation, components: Components) -> dict[str, Any]:
             "previous_backend": turn.previous_backend,
             "cache_break": turn.cause.value if turn.cause is not None else None,
         },
+        "inputs": _inputs(routed, components),
         "candidates": backends,
+    }
+
+
+# A fleet exchange older than this no longer counts (the others' counts were dropped).
+_EXCHANGE_FRESH_SECONDS = 1.0
+
+
+def _inputs(routed: Routed, components: Components) -> dict[str, Any]:
+    """Which of the policy's inputs came from the fleet (through Redis) and which were this
+    gateway's own, for this decision."""
+    link, exchange = components.redis, components.shared_load
+    redis_up = link is not None and link.up
+    exchanged_ago = time.monotonic() - exchange.exchanged_at if exchange is not None else None
+    exchanged = exchanged_ago is not None and exchanged_ago < _EXCHANGE_FRESH_SECONDS
+    fleet = routed.fleet
+    has_prompt = components.router.traffic.shared_prompt(routed.chain, routed.state.private_from)
+
+    def source(shared: bool) -> str:
+        return "fleet" if shared else "local"
+
+    return {
+        "matched_blocks": source(redis_up),
+        "sticky_backend": source(redis_up) if routed.request.session_key is not None else None,
+        "load": "local + fleet" if exchanged else "local",
+        "pending_prefill": "local + fleet" if exchanged else "local",
+        "recent_requests": "local + fleet" if exchanged else "local",
+        "prompt_share": (
+            None
+            if has_prompt is None
+            else source(fleet is not None and fleet.prompt_count is not None)
+        ),
+        "claim": source(fleet is not None) if fleet is not None else None,
+        "claimed_backend": fleet.claimed if fleet is not None else None,
+        "fleet_exchange_ms_ago": (
+            round(exchanged_ago * 1000) if exchanged_ago is not None and exchanged else None
+        ),
     }

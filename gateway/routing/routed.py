@@ -11,6 +11,7 @@ from gateway.backends.pool import Backend, ModelPool
 from gateway.prompt.parsing import Endpoint, RoutingInput
 from gateway.routing.conversations import Turn
 from gateway.routing.types import Decision, Policy, Route, RoutingState
+from gateway.state.agreement import FleetView
 from gateway.state.index import PrefixIndex
 
 
@@ -28,6 +29,10 @@ class Routed:
     sticky: str | None
     policy: Policy = field(repr=False)
     index: PrefixIndex = field(repr=False)
+    fleet: FleetView | None = None
+    """What the fleet answered for it through Redis (None: nothing, or no fleet)."""
+    claim_key: int | None = None
+    """The key its shared prompt is claimed under (None: no shared prompt, or no claims)."""
     turn: Turn | None = None
     """The request's place in its conversation (chat, or any request with a session key)."""
     accepted_by: set[str] = field(default_factory=set)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
 from gateway.backends.pool import Backend, BackendPool, ModelPool
@@ -33,6 +34,7 @@ from gateway.routing.ring import load_bound, within_bound
 from gateway.routing.routed import Routed
 from gateway.routing.traffic import Traffic
 from gateway.routing.types import Decision, Outcome, Policy, Route, RoutingState
+from gateway.state.agreement import Agreement, FleetView
 from gateway.state.engine_blocks import EventFedIndex
 from gateway.state.index import PrefixIndex
 from gateway.state.sessions import InMemorySessionStore, SessionStore
@@ -59,6 +61,8 @@ class Router:
         responses: SessionStore | None = None,
         tokenizer: EngineTokenizer | None = None,
         engine_index: EventFedIndex | None = None,
+        agreement: Agreement | None = None,
+        fleet_share: frozenset[str] = frozenset({"claims", "prompts"}),
     ) -> None:
         """`responses`: where the replica of each stored response is kept (by default in
         memory, like sessions)."""
@@ -69,6 +73,9 @@ class Router:
         """The index fed by the replicas' KV events (`--kv-events`), when `index` is it."""
         self.index = index
         self.sessions = sessions
+        self._claims = "claims" in fleet_share
+        self._count_prompts = "prompts" in fleet_share
+        self.agreement = agreement if self._claims or self._count_prompts else None
         self.policy = policy
         if responses is None:
             responses = InMemorySessionStore(settings.affinity_ttl, settings.session_max, clock)
@@ -109,6 +116,17 @@ class Router:
         routed.turn = self._follow(routed)
         self.traffic.recent.add(backend)
         await self._record(request, backend, routed.chain)
+        fleet, claim_key = routed.fleet, routed.claim_key
+        if (
+            fleet is not None
+            and fleet.claimed is None
+            and claim_key is not None
+            and routed.decision.matched_blocks < _shared_end(routed.state)
+        ):
+            # This backend computes the shared prompt now: the other gateways count it as
+            # held there until the index says so (it is shared once the replica accepts it).
+            assert self.agreement is not None
+            self.agreement.claim(request.model, routed.chain[0], claim_key, backend)
         return routed
 
     async def route_to_holder(
@@ -150,26 +168,47 @@ class Router:
             return self._least_loaded(request, serving)
         hashed, block = request.hashed(self._block_chars, self._block_tokens)
         chain = chain_hashes(hashed, block, _seed(request), limit=self._max_blocks)
-        sticky = None
-        if request.session_key is None:
-            matched = await self.index.match(request.model, chain)
-        else:
-            # Both at once: with Redis they are two round trips that need not wait in turn.
-            matched, sticky = await asyncio.gather(
-                self.index.match(request.model, chain), self.sessions.get(request.session_key)
-            )
         private_from = request.distinct_from // self._block_chars
         if request.tokens is not None and request.canonical:
             # Where the first user message begins, in tokens, at the prompt's own ratio.
             share = request.distinct_from / len(request.canonical)
             private_from = int(share * len(hashed)) // block
+        affinity_key = self._affinity_key(request)
+        prompt_key = self.traffic.shared_prompt(chain, private_from)
+        claim_key = prompt_key if self._claims else None
+        fleet_prompt = prompt_key if self._count_prompts else None
+        agreement = self.agreement
+        if prompt_key is None or request.endpoint is Endpoint.EMBEDDINGS:
+            agreement = None
+        sticky: str | None = None
+        fleet: FleetView | None = None
+        if request.session_key is None and agreement is None:
+            matched = await self.index.match(request.model, chain)
+        else:
+            session: Awaitable[str | None] = _nothing()
+            if request.session_key is not None:
+                session = self.sessions.get(request.session_key)
+            consulted: Awaitable[FleetView | None] = _nothing()
+            if agreement is not None and prompt_key is not None:
+                consulted = agreement.consult(
+                    request.model, chain[0], prompt_key, fleet_prompt, count
+                )
+            # At once: with Redis they are round trips that need not wait in turn.
+            matched, sticky, fleet = await asyncio.gather(
+                self.index.match(request.model, chain), session, consulted
+            )
+            claimed = fleet.claimed if fleet is not None and self._claims else None
+            shared_end = min(private_from, len(chain))
+            if claimed is not None and matched.get(claimed, 0) < shared_end:
+                # Its claimant is computing the shared prompt: as good as indexed there.
+                matched = {**matched, claimed: shared_end}
         recent = self.traffic.recent
         state = RoutingState(
             candidates=serving.names,
             loads=serving.loads,
             hashes=chain,
             matched=matched,
-            affinity_key=self._affinity_key(request),
+            affinity_key=affinity_key,
             private_from=private_from,
             sticky=sticky,
             keyed=request.session_key is not None,
@@ -177,14 +216,26 @@ class Router:
             members=serving.members,
             total_load=serving.total_load,
             recent_total=recent.sum_over(serving.members),
-            shared_share=self.traffic.prompt_share(chain, private_from, count),
+            shared_share=self.traffic.prompt_share(
+                chain, private_from, count, fleet.prompt_count if fleet is not None else None
+            ),
             sequence=self._routed,
             pending_prefill=serving.pending_prefill,
         )
         decision = self.policy.choose(state)
         backend = serving.by_name[decision.backend]
         return Routed(
-            request, chain, decision, backend, serving, state, sticky, self.policy, self.index
+            request,
+            chain,
+            decision,
+            backend,
+            serving,
+            state,
+            sticky,
+            self.policy,
+            self.index,
+            fleet,
+            claim_key,
         )
 
     def _least_loaded(self, request: RoutingInput, serving: ModelPool) -> Routed:
@@ -367,6 +418,15 @@ class Router:
 
 _CONVERSATIONS = frozenset({Endpoint.CHAT, Endpoint.RESPONSES})
 """Endpoints whose prompts are messages, each turn extending the last with its answer."""
+
+
+async def _nothing() -> None:
+    return None
+
+
+def _shared_end(state: RoutingState) -> int:
+    """The block where the request's shared prompt ends."""
+    return min(state.private_from, len(state.hashes))
 
 
 def _seed(request: RoutingInput) -> int:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from gateway.config import Settings
 from gateway.metrics import Metrics
 from gateway.state.index import InMemoryPrefixIndex
+from gateway.state.redis.agreement import AGREE_SCRIPT, FallbackAgreement, RedisAgreement
 from gateway.state.redis.connection import RedisLink, RedisUnavailable, open_client
 from gateway.state.redis.fallback import FallbackPrefixIndex, FallbackSessionStore
 from gateway.state.redis.index import RedisPrefixIndex
@@ -26,6 +27,7 @@ class SharedState:
     responses: FallbackSessionStore
     """The replica that stored each response, by its id's hash."""
     keys: KeySpace
+    agreement: FallbackAgreement
 
 
 def connect(
@@ -39,7 +41,7 @@ def connect(
     client = open_client(settings.redis_url, settings.redis_timeout, settings.redis_max_connections)
     # Half the connections at most carry background writes: lookups always find one free.
     link = RedisLink(client, settings.redis_timeout, metrics, settings.redis_max_connections // 2)
-    link.preload(MATCH_SCRIPT, RECORD_SCRIPT, FORGET_SCRIPT)
+    link.preload(MATCH_SCRIPT, RECORD_SCRIPT, FORGET_SCRIPT, AGREE_SCRIPT)
     keys = KeySpace(settings.redis_prefix)
     shared_index = RedisPrefixIndex(client, keys, settings.affinity_ttl)
     shared_sessions = RedisSessionStore(client, keys, settings.affinity_ttl)
@@ -52,13 +54,18 @@ def connect(
         FallbackSessionStore(sessions, shared_sessions, link),
         FallbackSessionStore(responses, shared_responses, link, "response", patient=True),
         keys,
+        FallbackAgreement(
+            RedisAgreement(client, keys, settings.claim_ttl, settings.recent_half_life), link
+        ),
     )
 
 
 __all__ = [
+    "FallbackAgreement",
     "FallbackPrefixIndex",
     "FallbackSessionStore",
     "KeySpace",
+    "RedisAgreement",
     "RedisLink",
     "RedisPrefixIndex",
     "RedisSessionStore",

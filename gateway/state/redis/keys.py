@@ -1,6 +1,6 @@
-"""Key names in Redis (docs/redis.md): blocks under a hash tag of model and first block, so a
-lookup's keys share one Redis Cluster slot; sessions; stored responses' replicas; the fleet's
-load hash.
+"""Key names in Redis (docs/redis.md): blocks, claims and prompt counts under a hash tag of model
+and first block, so a lookup's keys share one Redis Cluster slot; sessions; stored responses'
+replicas; the fleet's load hash.
 """
 
 from __future__ import annotations
@@ -29,6 +29,15 @@ class KeySpace:
     def block_keys(self, prefix: bytes, hashes: Sequence[int]) -> bytes:
         """The keys of `hashes` under `prefix`, concatenated: the scripts cut them apart."""
         return prefix + prefix.join([block.to_bytes(HASH_BYTES, "big") for block in hashes])
+
+    def claim(self, prefix: bytes, claim_key: int) -> bytes:
+        """The claim of a new prompt, in its first block's slot (one byte longer than a block
+        key, so never one)."""
+        return prefix + b"c" + claim_key.to_bytes(HASH_BYTES, "big")
+
+    def prompt_count(self, prefix: bytes, prompt_key: int) -> bytes:
+        """A shared prompt's count of recent requests, in its first block's slot."""
+        return prefix + b"n" + prompt_key.to_bytes(HASH_BYTES, "big")
 
     def session(self, key: str) -> str:
         return f"{self.namespace}:s:{key_hash(key):016x}"

@@ -1,0 +1,374 @@
+"""A fleet of gateways on one Redis or a Redis Cluster: does it decide as one gateway does?
+
+For each workload (`customers`: many per-customer system prompts; `conversation`: six-turn
+conversations under one system prompt) and each fleet (1, 3, 8 gateways on one redis-server; 3
+on a three-master Redis Cluster), fresh emulated replicas with finite caches, a fresh Redis and
+fresh gateway processes. Each session's requests go to the gateways in rotation, starting at
+the session's own number, so consecutive requests of a session reach different gateways and
+consecutive sessions start on different gateways. Printed per row: hit rate (cached / prompt
+tokens as the replicas reported them), max/mean requests per replica, failed requests, Redis
+calls per request (round trips, as the gateways count them) and commands per request
+(from `INFO commandstats` before and after, those run inside scripts included), the exchange
+of requests in flight counted apart and the routing decision's p50/p99 as the gateways timed it.
+
+    python loadtest/redis_bench.py fleet --gateways 1,3,8 --cluster-gateways 3
+    python loadtest/redis_bench.py fleet --workloads customers --gateways 8 --kill-redis 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import shlex
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import httpx
+
+from gateway.emulator.replicas import EmulatedReplicas
+from gateway.workloads import Session, build_workload
+from tests.redis_server import RedisClusterServers, RedisServer
+from tests.support import GatewayProcess
+
+MODEL = "bench-model"
+# Eight gateways, four replicas and Redis starting on two busy cores take their time.
+_STARTUP_SECONDS = 120.0
+# The commands of the exchange of requests in flight (`LOAD_SCRIPT`), one HSET per exchange.
+_LOAD_COMMANDS = ("hset", "pexpire", "hgetall", "hdel", "time")
+
+
+@dataclass
+class Fleet:
+    """What one row ran on: the Redis nodes and the gateways."""
+
+    nodes: list[RedisServer]
+    gateways: list[GatewayProcess]
+
+
+@dataclass
+class Tally:
+    prompt: int = 0
+    cached: int = 0
+    requests: int = 0
+    failed: int = 0
+    per_replica: dict[str, int] = field(default_factory=dict)
+    routes: dict[str, int] = field(default_factory=dict)
+    holders: dict[str, set[str]] = field(default_factory=dict)
+    """Per system prompt, every replica that served a request carrying it."""
+    later_turns: int = 0
+    moved: int = 0
+    """Later turns of a conversation served by another replica than the turn before."""
+    latencies: list[float] = field(default_factory=list)
+
+    def copies(self) -> float:
+        """Replicas per system prompt: how many computed each, on average."""
+        return sum(map(len, self.holders.values())) / max(1, len(self.holders))
+
+    def balance(self, replicas: int) -> float:
+        """Max over mean requests per replica (replicas that got none count in the mean)."""
+        mean = sum(self.per_replica.values()) / replicas
+        return max(self.per_replica.values(), default=0) / mean if mean else 0.0
+
+
+async def _session(
+    http: httpx.AsyncClient,
+    session: Session,
+    number: int,
+    urls: Sequence[str],
+    tally: Tally,
+    think: float,
+) -> None:
+    messages: list[dict[str, str]] = [{"role": "system", "content": session.system}]
+    previous = ""
+    for turn, question in enumerate(session.questions):
+        messages.append({"role": "user", "content": question})
+        body = {"model": MODEL, "messages": messages, "max_tokens": session.max_tokens}
+        url = urls[(number + turn) % len(urls)]
+        began = time.perf_counter()
+        try:
+            response = await http.post(url + "/v1/chat/completions", json=body)
+        except httpx.HTTPError:
+            tally.failed += 1
+            return
+        if response.status_code != 200:
+            tally.failed += 1
+            return
+        tally.latencies.append(time.perf_counter() - began)
+        reply = response.json()
+        backend = response.headers["x-gateway-backend"]
+        route = response.headers["x-gateway-route"]
+        tally.per_replica[backend] = tally.per_replica.get(backend, 0) + 1
+        tally.routes[route] = tally.routes.get(route, 0) + 1
+        tally.holders.setdefault(session.system, set()).add(backend)
+        if turn > 0:
+            tally.later_turns += 1
+            tally.moved += backend != previous
+        previous = backend
+        tally.requests += 1
+        tally.prompt += reply["usage"]["prompt_tokens"]
+        tally.cached += reply["usage"]["prompt_tokens_details"]["cached_tokens"] or 0
+        messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
+        await asyncio.sleep(think)
+
+
+async def drive(
+    urls: Sequence[str], sessions: list[Session], concurrency: int, think: float
+) -> Tally:
+    """Every session once, `concurrency` at a time, their starts staggered by 50 ms, `think`
+    seconds after each answer before the next request."""
+    tally = Tally()
+    queue = list(enumerate(sessions))
+    queue.reverse()
+    limits = httpx.Limits(max_connections=concurrency * len(urls))
+    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+
+        async def worker(position: int) -> None:
+            await asyncio.sleep(position * 0.05)
+            while queue:
+                number, session = queue.pop()
+                await _session(http, session, number, urls, tally, think)
+
+        await asyncio.gather(*(worker(position) for position in range(concurrency)))
+    return tally
+
+
+def commandstats(nodes: Sequence[RedisServer]) -> dict[str, int]:
+    """Calls per command, summed over the nodes (commands run inside scripts included)."""
+    calls: dict[str, int] = {}
+    for node in nodes:
+        with contextlib.suppress(Exception):  # a node that is down counts nothing
+            for line in node.cli("info", "commandstats").splitlines():
+                if line.startswith("cmdstat_"):
+                    name, _, fields = line[len("cmdstat_") :].partition(":")
+                    count = int(fields.split(",")[0].split("=")[1])
+                    calls[name.lower()] = calls.get(name.lower(), 0) + count
+    return calls
+
+
+def decision_percentiles(gateways: Sequence[GatewayProcess]) -> tuple[float, float]:
+    """p50 and p99 of `gateway_routing_decision_seconds` over every gateway, in µs, linear
+    within the histogram's buckets."""
+    buckets: dict[float, float] = {}
+    for gateway in gateways:
+        text = gateway.metrics_text()
+        for line in text.splitlines():
+            if line.startswith("gateway_routing_decision_seconds_bucket"):
+                bound = line.split('le="')[1].split('"')[0]
+                upper = float("inf") if bound == "+Inf" else float(bound)
+                buckets[upper] = buckets.get(upper, 0.0) + float(line.rsplit(" ", 1)[1])
+    ordered = sorted(buckets.items())
+    total = ordered[-1][1] if ordered else 0.0
+
+    def quantile(share: float) -> float:
+        wanted, lower, below = share * total, 0.0, 0.0
+        for upper, count in ordered:
+            if count >= wanted and count > below:
+                if upper == float("inf"):
+                    return lower * 1e6
+                return (lower + (upper - lower) * (wanted - below) / (count - below)) * 1e6
+            lower, below = upper, count
+        return 0.0
+
+    return (quantile(0.5), quantile(0.99)) if total else (0.0, 0.0)
+
+
+@contextlib.contextmanager
+def redis_nodes(kind: str) -> Iterator[tuple[str, list[RedisServer]]]:
+    """The URL gateways are given and the nodes behind it: a cluster, one server, or none
+    (`local`: each gateway keeps its index in its own memory)."""
+    if kind == "local":
+        yield "", []
+    elif kind == "cluster":
+        with RedisClusterServers() as cluster:
+            yield cluster.url, cluster.nodes
+    else:
+        with RedisServer() as server:
+            yield server.url, [server]
+
+
+async def kill_and_restart(server: RedisServer, after: float, down: float) -> None:
+    """SIGKILL Redis `after` seconds in, start it again (empty, same port) `down` later."""
+    await asyncio.sleep(after)
+    server.kill()
+    await asyncio.sleep(down)
+    await asyncio.to_thread(server.start)
+
+
+@dataclass
+class Row:
+    workload: str
+    gateways: int
+    redis: str
+    tally: Tally
+    seconds: float
+    calls: dict[str, int]
+    decision_us: tuple[float, float]
+    fallbacks: float
+    round_trips: float
+    resumed: str = ""
+
+
+def run_row(
+    workload: str,
+    sessions: list[Session],
+    count: int,
+    kind: str,
+    emulator_args: Sequence[str],
+    gateway_args: Sequence[str],
+    concurrency: int,
+    think: float,
+    kill: tuple[float, float] | None,
+) -> Row:
+    with (
+        redis_nodes(kind) as (url, nodes),
+        EmulatedReplicas(4, MODEL, emulator_args) as replicas,
+        contextlib.ExitStack() as stack,
+    ):
+        gateways = [
+            stack.enter_context(
+                GatewayProcess(
+                    replicas.urls,
+                    *(("--redis-url", url) if url else ()),
+                    *gateway_args,
+                    startup_seconds=_STARTUP_SECONDS,
+                )
+            )
+            for _ in range(count)
+        ]
+        urls = [gateway.url for gateway in gateways]
+        before = commandstats(nodes)
+        began = time.perf_counter()
+
+        async def scenario() -> Tally:
+            work = drive(urls, sessions, concurrency, think)
+            if kill is None:
+                return await work
+            tally, _ = await asyncio.gather(work, kill_and_restart(nodes[0], *kill))
+            return tally
+
+        tally = asyncio.run(scenario())
+        seconds = time.perf_counter() - began
+        after = commandstats(nodes)
+        resumed = ""
+        if kill is not None:
+            # The restarted server began empty: what it holds came after it was back.
+            up = sum(gateway.metric("gateway_redis_up") for gateway in gateways)
+            keys = int(nodes[0].cli("dbsize"))
+            lookups = after.get("evalsha", 0) - after.get("hset", 0)
+            resumed = f"{up:.0f} of {count} gateways up; {keys} keys, {lookups} lookups+writes"
+            before = {}
+        calls = {name: after.get(name, 0) - before.get(name, 0) for name in after}
+        fallbacks = sum(gateway.metric("gateway_redis_fallbacks_total") for gateway in gateways)
+        # Round trips per request as the gateways counted them, the exchange apart.
+        round_trips = sum(
+            gateway.metric("gateway_redis_operation_seconds_count")
+            - gateway.metric("gateway_redis_operation_seconds_count", operation="load")
+            for gateway in gateways
+        )
+        decision = decision_percentiles(gateways)
+    return Row(
+        workload, count, kind, tally, seconds, calls, decision, fallbacks, round_trips, resumed
+    )
+
+
+def print_header() -> None:
+    print(
+        "| workload | gateways | Redis | requests | failed | hit rate | max/mean "
+        "| replicas per system prompt | later turns moved | routes "
+        "| Redis calls/req | commands/req | load exchanges/s | decision p50 µs | p99 µs "
+        "| fallbacks | requests/s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def print_row(row: Row) -> None:
+    tally, calls = row.tally, row.calls
+    exchanges = calls.get("hset", 0)
+    load_commands = sum(calls.get(name, 0) for name in _LOAD_COMMANDS) + exchanges
+    commands = sum(calls.values()) - load_commands
+    requests = max(1, tally.requests)
+    routes = ", ".join(f"{name} {number}" for name, number in sorted(tally.routes.items()))
+    moved = f"{tally.moved} of {tally.later_turns}" if tally.later_turns else "–"
+    label = row.redis if not row.resumed else f"{row.redis}, killed ({row.resumed})"
+    print(
+        f"| {row.workload} | {row.gateways} | {label} | {tally.requests} | {tally.failed} "
+        f"| {tally.cached / max(1, tally.prompt):.1%} | {tally.balance(4):.2f} "
+        f"| {tally.copies():.2f} | {moved} | {routes} "
+        f"| {row.round_trips / requests:.2f} | {commands / requests:.1f} "
+        f"| {exchanges / row.seconds:.0f} | {row.decision_us[0]:.0f} | {row.decision_us[1]:.0f} "
+        f"| {row.fallbacks:.0f} | {tally.requests / row.seconds:.1f} |",
+        flush=True,
+    )
+
+
+def numbers(listed: str) -> list[int]:
+    return [int(part) for part in listed.split(",") if part]
+
+
+def fleet(args: argparse.Namespace) -> None:
+    """The rows `args` asks for (redis_bench.py's flags), printed as they finish."""
+    workloads = [part for part in args.workloads.split(",") if part]
+    gateways, seeds = numbers(args.gateways), numbers(args.seeds)
+    scale, cache_blocks, concurrency, think = (
+        args.scale,
+        args.cache_blocks,
+        args.concurrency,
+        args.think,
+    )
+    gateway_args = args.gateway_args
+    kill = (args.kill_redis, args.redis_down) if args.kill_redis else None
+    emulator_args = [
+        "--chat-template",
+        "plain",
+        "--cache-blocks",
+        str(cache_blocks),
+        "--prefill-us-per-token",
+        "50",
+        "--decode-ms-per-token",
+        "0.2",
+    ]
+    extra = shlex.split(gateway_args)
+    print(
+        f"# 4 emulated replicas of {cache_blocks} cache blocks of 16 tokens, prefill 50 us/token,"
+        f" decode 0.2 ms/token; {concurrency} sessions at once, started 50 ms apart, {think} s"
+        f" after each answer before the next request; a session's requests go to the gateways"
+        f" in rotation from its own number; scale {scale}; gateway flags:"
+        f" {gateway_args or '(defaults)'}"
+        + (f"; Redis killed {kill[0]} s in, back {kill[1]} s later" if kill else "")
+    )
+    print_header()
+    plans = [(count, "one") for count in gateways]
+    plans += [(count, "cluster") for count in numbers(args.cluster_gateways)]
+    plans += [(count, "local") for count in numbers(args.local_gateways)]
+    summary: dict[tuple[str, int, str], list[tuple[float, float]]] = {}
+    for workload in workloads:
+        for seed in seeds:
+            sessions = build_workload(workload, seed, scale)
+            for count, kind in plans:
+                row = run_row(
+                    f"{workload} (seed {seed})",
+                    sessions,
+                    count,
+                    kind,
+                    emulator_args,
+                    extra,
+                    concurrency,
+                    think,
+                    kill if kind == "one" and count == max(gateways) else None,
+                )
+                print_row(row)
+                hit = row.tally.cached / max(1, row.tally.prompt)
+                summary.setdefault((workload, count, kind), []).append((hit, row.tally.balance(4)))
+    if len(seeds) > 1:
+        print("\n| workload | gateways | Redis | mean hit rate | mean max/mean | worst max/mean |")
+        print("|---|---|---|---|---|---|")
+        for (workload, count, kind), results in summary.items():
+            hits = [hit for hit, _ in results]
+            balances = [balance for _, balance in results]
+            print(
+                f"| {workload} | {count} | {kind} | {statistics.mean(hits):.1%} "
+                f"| {statistics.mean(balances):.2f} | {max(balances):.2f} |"
+            )

@@ -1,0 +1,207 @@
+"""Gateways of a fleet decide as one: the same new prompt lands on the same replica whichever
+gateway gets it, and `/admin/explain` says which inputs came from the fleet.
+
+Three gateway processes share one redis-server in front of four emulated replicas whose
+prefill is slow (2 ms a token), so a request's prompt is still being computed, and not yet in
+the shared index, when the next request with the same system prompt reaches another gateway.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.backends.pool import Backend, BackendPool
+from gateway.backends.shared_load import FleetCounts, own_counts
+from gateway.clock import ManualClock
+from gateway.config import Settings
+from gateway.emulator.replicas import EmulatedReplicas
+from gateway.routing.traffic import Traffic
+from tests.redis_server import PATIENT, RedisServer
+from tests.support import GatewayProcess
+from tests.words import words
+
+MODEL = "fleet-model"
+TOKEN = "fleet-token"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
+@dataclass
+class Fleet:
+    redis: RedisServer
+    gateways: list[GatewayProcess]
+    alone: GatewayProcess
+    """A gateway without Redis: every input its own."""
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    slow = ["--chat-template", "plain", "--prefill-us-per-token", "2000"]
+    with RedisServer() as redis, EmulatedReplicas(4, MODEL, slow) as replicas:
+        started: list[GatewayProcess] = []
+        try:
+            for _ in range(3):
+                gateway = GatewayProcess(
+                    replicas.urls, "--redis-url", redis.url, "--admin-token", TOKEN, *PATIENT
+                )
+                started.append(gateway.start())
+            alone = GatewayProcess(replicas.urls, "--admin-token", TOKEN).start()
+            started.append(alone)
+            yield Fleet(redis, started[:3], alone)
+        finally:
+            for gateway in started:
+                gateway.stop()
+
+
+def body(system: str, question: str) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question},
+        ],
+        "max_tokens": 2,
+    }
+
+
+def explain(gateway: GatewayProcess, request: dict[str, Any]) -> dict[str, Any]:
+    response = httpx.post(gateway.url + "/admin/explain", json=request, headers=AUTH, timeout=10)
+    assert response.status_code == 200, response.text
+    answer: dict[str, Any] = response.json()
+    return answer
+
+
+def wait_for(condition: Callable[[], object], seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def claimed(gateway: GatewayProcess, request: dict[str, Any]) -> str | None:
+    backend: str | None = explain(gateway, request)["inputs"]["claimed_backend"]
+    return backend
+
+
+def send(gateway: GatewayProcess, request: dict[str, Any]) -> httpx.Response:
+    return httpx.post(gateway.url + "/v1/chat/completions", json=request, timeout=30)
+
+
+def test_two_gateways_place_the_same_new_prompt_on_the_same_replica(fleet: Fleet) -> None:
+    first, second = fleet.gateways[0], fleet.gateways[1]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        for customer in range(3):
+            system = words(1000, f"s{customer}")
+            earlier = body(system, words(40, f"q{customer}"))
+            later = body(system, words(40, f"r{customer}"))
+            shown = explain(second, later)
+            assert shown["route"] == "hash" and shown["inputs"]["claimed_backend"] is None
+            computing: Future[httpx.Response] = pool.submit(send, first, earlier)
+            # The first request is being prefilled (seconds): its prompt is not in the shared
+            # index yet (it goes there once the replica answers), only its claim is.
+            wait_for(functools.partial(claimed, second, later))
+            shown = explain(second, later)
+            owner = shown["inputs"]["claimed_backend"]
+            depths = {item["backend"]: item["matched_blocks"] for item in shown["candidates"]}
+            assert depths[owner] > 0 and sum(depths.values()) == depths[owner]
+            assert shown["backend"] == owner
+            answered = send(second, later)
+            placed = computing.result()
+            assert placed.status_code == answered.status_code == 200
+            assert placed.headers["x-gateway-route"] == "hash"
+            assert answered.headers["x-gateway-route"] in ("owner", "prefix")
+            assert answered.headers["x-gateway-backend"] == placed.headers["x-gateway-backend"]
+            assert placed.headers["x-gateway-backend"] == owner
+
+
+def test_explain_says_which_inputs_came_from_the_fleet(fleet: Fleet) -> None:
+    request = body(words(1000, "ex"), words(40, "eq"))
+    shown = explain(fleet.gateways[2], request)
+    inputs = shown["inputs"]
+    assert inputs["matched_blocks"] == "fleet"
+    assert inputs["claim"] == "fleet"
+    assert inputs["prompt_share"] == "fleet"
+    assert inputs["sticky_backend"] is None  # no session key
+    wait_for(lambda: explain(fleet.gateways[2], request)["inputs"]["load"] == "local + fleet")
+    inputs = explain(fleet.gateways[2], request)["inputs"]
+    assert inputs["pending_prefill"] == inputs["recent_requests"] == "local + fleet"
+    assert inputs["fleet_exchange_ms_ago"] is not None
+    with_key = explain(fleet.gateways[2], {**request, "prompt_cache_key": "explained"})
+    assert with_key["inputs"]["sticky_backend"] == "fleet"
+
+    alone = explain(fleet.alone, request)["inputs"]
+    assert alone == {
+        "matched_blocks": "local",
+        "sticky_backend": None,
+        "load": "local",
+        "pending_prefill": "local",
+        "recent_requests": "local",
+        "prompt_share": "local",
+        "claim": None,
+        "claimed_backend": None,
+        "fleet_exchange_ms_ago": None,
+    }
+
+
+def test_the_exchange_carries_pending_prefill_and_recent_requests() -> None:
+    pool = BackendPool()
+    for name in ("a:1", "b:1"):
+        pool.add(Backend(name, f"http://{name}", frozenset({MODEL}), healthy=True))
+    pool.backends[0].in_flight = 2
+    pool.backends[0].pending_prefill = 40
+    line = own_counts(pool, {"a:1": 3.5, "b:1": 1.25}, 4.75)
+    assert line == "a:1 2\n~a:1 40 3.500\n~b:1 0 1.250\n~ 4.750\n"
+    other = "~a:1 10 1.000\n~ 1.000\n"
+    counts = FleetCounts([f"123\n{line}".encode(), f"124\n{other}".encode()])
+    assert counts.in_flight == {"a:1": 2}
+    assert counts.pending_prefill == {"a:1": 50, "b:1": 0}
+    assert counts.recent == {"a:1": 4.5, "b:1": 1.25}
+    assert counts.prompts == 5.75
+    # A gateway that reads in-flight lines alone: every traffic line carries a decimal point.
+    assert FleetCounts([b"1\nc:1 3\n~c:1 0 0.500\n"]).in_flight == {"c:1": 3}
+
+
+def test_the_fleets_counts_decay_like_the_gateways_own() -> None:
+    clock = ManualClock()
+    traffic = Traffic(clock, Settings(recent_half_life=10.0))
+    traffic.recent.add("a:1")
+    traffic.set_fleet({"a:1": 4.0, "b:1": 2.0}, 6.0)
+    assert traffic.recent.view["a:1"] == pytest.approx(5.0)
+    assert dict(traffic.recent.view) == {"a:1": pytest.approx(5.0), "b:1": pytest.approx(2.0)}
+    assert traffic.recent.sum_over(frozenset({"a:1", "b:1"})) == pytest.approx(7.0)
+    clock.advance(10.0)
+    assert traffic.recent.get("b:1") == pytest.approx(1.0)
+    assert traffic.recent.sum_over(frozenset({"a:1", "b:1"})) == pytest.approx(3.5)
+    assert traffic.own() == ({"a:1": pytest.approx(0.5)}, 0.0)
+
+
+def test_a_prompts_share_is_the_fleets_count_over_the_fleets_total() -> None:
+    traffic = Traffic(ManualClock(), Settings())
+    hashes = list(range(1, 40))
+    # Alone: one request, its own prompt's: the whole of it.
+    assert traffic.prompt_share(hashes, 30, count=True) == 1.0
+    # The fleet saw 9 more requests with other prompts and 2 more with this one.
+    traffic.set_fleet({}, 9.0)
+    assert traffic.prompt_share(hashes, 30, count=True, fleet_count=4.0) == pytest.approx(4 / 11)
+    assert traffic.prompt_share(hashes, 30, count=False, fleet_count=4.0) == pytest.approx(5 / 12)
+
+
+def test_redis_away_leaves_every_input_local(fleet: Fleet) -> None:
+    """Last: it kills the module's Redis."""
+    request = body(words(1000, "aw"), words(40, "aq"))
+    fleet.redis.kill()
+    wait_for(lambda: explain(fleet.gateways[0], request)["inputs"]["matched_blocks"] == "local")
+    inputs = explain(fleet.gateways[0], request)["inputs"]
+    assert inputs["claim"] is None and inputs["prompt_share"] == "local"
+    wait_for(lambda: explain(fleet.gateways[0], request)["inputs"]["load"] == "local")
+    response = send(fleet.gateways[0], request)
+    assert response.status_code == 200
+    fleet.redis.start()
+    wait_for(lambda: explain(fleet.gateways[0], request)["inputs"]["claim"] == "fleet")
