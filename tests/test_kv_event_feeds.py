@@ -128,15 +128,19 @@ def test_a_feed_follows_the_publisher_then_falls_back_when_it_goes(
                     if stored:
                         break
                 assert stored, "the first stored blocks were heard"
-                received = metrics.kv_events.labels(name)._value.get()
+
+                def sample(series: str, **labels: str) -> float | None:
+                    return metrics.registry.get_sample_value(series, {"backend": name, **labels})
+
+                received = sample("gateway_kv_events_messages_total")
+                assert received is not None
                 publisher.send(
                     [(topic, seq + 1000, payload) for topic, seq, payload in frames[1:2]]
                 )
                 await until(lambda: name not in feeds.live(), "a skipped sequence number")
-                fallbacks = metrics.kv_events_fallbacks.labels(name, "missed")._value.get()
-                assert fallbacks == 1
-                assert metrics.kv_events.labels(name)._value.get() == received + 1
-                assert metrics.kv_events_live.labels(name)._value.get() == 0
+                assert sample("gateway_kv_events_fallbacks_total", reason="missed") == 1
+                assert sample("gateway_kv_events_messages_total") == received + 1
+                assert sample("gateway_kv_events_live") == 0
             finally:
                 await feeds.stop()
 

@@ -3,6 +3,7 @@ template, made here with `tokenizers` (the same files real vLLM serves in test_r
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import orjson
@@ -10,9 +11,16 @@ import pytest
 from tokenizers import Tokenizer
 
 from engines.tiny_model import Shape, make_tokenizer
+from gateway.backends.pool import BackendPool
 from gateway.config import ConfigError, Settings
+from gateway.metrics import Metrics
 from gateway.prompt.parsing import Endpoint, parse_request
-from gateway.prompt.tokens import EngineTokenizer, unpack
+from gateway.prompt.tokens import TOKEN_BYTES, EngineTokenizer, unpack
+from gateway.routing.policies import build_policy
+from gateway.routing.router import Routed, Router
+from gateway.routing.types import Outcome
+from gateway.state.index import InMemoryPrefixIndex
+from gateway.state.sessions import InMemorySessionStore
 
 SYSTEM = "You are a patient assistant for a hardware shop; name the aisle of every item. " * 4
 
@@ -112,3 +120,52 @@ def test_engine_block_size_replaces_block_tokens_and_a_missing_tokenizer_is_refu
         Settings(backend=("http://127.0.0.1:1",), tokenizer=str(folder / "absent")).validate()
     with pytest.raises(ConfigError):
         EngineTokenizer.load(folder / "tokenizer_config.json")
+
+
+def test_the_router_indexes_the_engines_blocks_and_answers_that_encode_back(
+    engine: EngineTokenizer,
+) -> None:
+    settings = Settings(backend=("m=http://a:1",), engine_block_size=32).validate()
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "nails?"}]
+    answer = "Aisle 4, next to the screws and the nails. " * 8
+    answer_tokens = len(engine.text(answer, add_special_tokens=False)) // TOKEN_BYTES
+    follow_up = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "?"}]
+
+    def matched_after(generated: int) -> tuple[int, int, int]:
+        """Tokens and blocks of the first prompt, and the blocks the follow-up matches once the
+        first was answered with `generated` tokens (each time with a fresh index)."""
+        pool = BackendPool.from_specs(settings.backend)
+        pool.set_health(pool.backends[0], True)
+        router = Router(
+            settings,
+            pool,
+            InMemoryPrefixIndex(600, 100_000),
+            InMemorySessionStore(600, 1000),
+            build_policy(settings),
+            Metrics(),
+            tokenizer=engine,
+        )
+
+        def route(messages: list[dict[str, str]]) -> Routed:
+            body = orjson.dumps({"model": "m", "messages": messages})
+            return asyncio.run(
+                router.route(parse_request(Endpoint.CHAT, body, None, tokenizer=engine))
+            )
+
+        routed = route(first)
+        prompt = routed.request.tokens
+        assert prompt is not None
+        assert len(routed.chain) == len(prompt) // TOKEN_BYTES // 32  # the engine's full blocks
+        routed.accepted(routed.backend.name)
+        backend = (routed.backend.name,)
+        outcome = Outcome(200, routed.decision, backend, answer=answer, completion_tokens=generated)
+        asyncio.run(router.learn(routed, outcome))
+        tokens = len(prompt) // TOKEN_BYTES
+        return tokens, len(routed.chain), route(follow_up).decision.matched_blocks
+
+    # Not as many tokens as the engine generated: its ids were others, only the prompt counts.
+    _, prompt_blocks, matched = matched_after(answer_tokens + 1)
+    assert matched == prompt_blocks
+    # As many: the answer's blocks are the engine's too.
+    prompt_tokens, prompt_blocks, matched = matched_after(answer_tokens)
+    assert matched == (prompt_tokens + answer_tokens) // 32 > prompt_blocks
