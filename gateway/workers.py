@@ -70,7 +70,7 @@ def run_workers(settings: Settings, directory: MetricsDirectory) -> int:
     """Serve with `settings.workers` processes until a signal has stopped them all; blocks."""
     from prometheus_client import CollectorRegistry, values
 
-    from gateway.metrics import worker_restarts_counter
+    from gateway.metric_registry import worker_restarts_counter
 
     if values.ValueClass is values.MutexValue:
         # Imported before the variable was set (the command line's parsers import the
