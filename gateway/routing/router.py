@@ -49,10 +49,8 @@ class Routed:
     sticky: str | None
     policy: Policy = field(repr=False)
     index: PrefixIndex = field(repr=False)
-    fleet: FleetView | None = None
-    """What the fleet answered for it through Redis (None: nothing, or no fleet)."""
-    claim_key: int | None = None
-    """The key its shared prompt is claimed under (None: no shared prompt, or no claims)."""
+    fleet: FleetView | None = None  # what the fleet answered through Redis, if it did
+    claim_key: int | None = None  # its shared prompt's, when it has one and claims are on
     turn: Turn | None = None
     """The request's place in its conversation (chat, or any request with a session key)."""
     accepted_by: set[str] = field(default_factory=set)
@@ -155,7 +153,8 @@ class Router:
             fleet is not None
             and fleet.claimed is None
             and claim_key is not None
-            and routed.decision.matched_blocks < _shared_end(routed.state)
+            and routed.decision.matched_blocks < min(routed.state.private_from, len(routed.chain))
+            and self._cold(routed.state.shared_share, routed.serving)
         ):
             # This backend computes the shared prompt now: the other gateways count it as
             # held there until the index says so (it is shared once the replica accepts it).
@@ -194,11 +193,14 @@ class Router:
             matched, sticky, fleet = await asyncio.gather(
                 self.index.match(request.model, chain), session, consulted
             )
-            claimed = fleet.claimed if fleet is not None and self._claims else None
-            shared_end = min(private_from, len(chain))
-            if claimed is not None and matched.get(claimed, 0) < shared_end:
-                # Its claimant is computing the shared prompt: as good as indexed there.
-                matched = {**matched, claimed: shared_end}
+        share = self.traffic.prompt_share(
+            chain, private_from, count, fleet.prompt_count if fleet is not None else None
+        )
+        claimed = fleet.claimed if fleet is not None and self._claims else None
+        end = min(private_from, len(chain))
+        if claimed and matched.get(claimed, 0) < end and self._cold(share, serving):
+            # Its claimant computes the shared prompt: as if indexed there (a hot one spreads).
+            matched = {**matched, claimed: end}
         recent = self.traffic.recent
         state = RoutingState(
             candidates=serving.names,
@@ -213,9 +215,7 @@ class Router:
             members=serving.members,
             total_load=serving.total_load,
             recent_total=recent.sum_over(serving.members),
-            shared_share=self.traffic.prompt_share(
-                chain, private_from, count, fleet.prompt_count if fleet is not None else None
-            ),
+            shared_share=share,
             sequence=self._routed,
             pending_prefill=serving.pending_prefill,
         )
@@ -280,6 +280,10 @@ class Router:
         if chain is not routed.chain:
             await self.index.record(model, served, chain)
             self.index.share(model, served, chain)
+
+    def _cold(self, share: float, serving: ModelPool) -> bool:
+        """A shared prompt the owner rule keeps in one place: at most c / n of recent requests."""
+        return share <= self._settings.load_factor / max(1, len(serving.names))
 
     def load_bounds(self) -> dict[str, int]:
         """The bound a new request meets at each serving backend now (largest over its models)."""
@@ -377,11 +381,6 @@ class Router:
 
 async def _nothing() -> None:
     return None
-
-
-def _shared_end(state: RoutingState) -> int:
-    """The block where the request's shared prompt ends."""
-    return min(state.private_from, len(state.hashes))
 
 
 def _seed(request: RoutingInput) -> int:
