@@ -98,7 +98,8 @@ class VLLMFleet:
         error: BaseException | None,
         trace: TracebackType | None,
     ) -> None:
-        self.stop()
+        for replica in self.replicas:
+            replica.__exit__(kind, error, trace)
 
 
 class Stopped(Exception):

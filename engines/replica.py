@@ -22,6 +22,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -265,6 +266,8 @@ class VLLMReplica:
                 self._log = self.log_path.open("w+b")
             else:
                 self._log = tempfile.TemporaryFile()  # noqa: SIM115 - kept across restarts
+            # Closed with this object when it is not used as a context manager.
+            weakref.finalize(self, self._log.close)
         self._started_at = time.monotonic()
         self._process = subprocess.Popen(
             self.command(),

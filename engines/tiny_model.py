@@ -88,11 +88,10 @@ def corpus(seed: int, words: int) -> list[str]:
     return lines
 
 
-def make(folder: Path, shape: Shape) -> None:
-    """Write tokenizer, chat template, config and weights into `folder` (made if missing)."""
-    import torch
+def make_tokenizer(folder: Path, shape: Shape) -> dict[str, int]:
+    """Write the tokenizer and its config (with the chat template) into `folder`; needs only
+    `tokenizers`. Returns the special tokens' ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
     specials = [*SPECIAL_TOKENS, *(f"<|{role}|>" for role in ROLES)]
@@ -108,8 +107,12 @@ def make(folder: Path, shape: Shape) -> None:
     )
     tokenizer.train_from_iterator(corpus(shape.seed, shape.corpus_words), trainer=trainer)
     tokenizer.save(str(folder / "tokenizer.json"))
-    vocab_size = tokenizer.get_vocab_size()
-    ids = {token: tokenizer.token_to_id(token) for token in specials}
+    ids = {"vocab_size": tokenizer.get_vocab_size()}
+    for token in specials:
+        found = tokenizer.token_to_id(token)
+        if found is None:
+            raise RuntimeError(f"the trained tokenizer lacks {token}")
+        ids[token] = found
 
     tokenizer_config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -127,6 +130,16 @@ def make(folder: Path, shape: Shape) -> None:
         )
         + "\n"
     )
+    return ids
+
+
+def make(folder: Path, shape: Shape) -> None:
+    """Write tokenizer, chat template, config and weights into `folder` (made if missing)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ids = make_tokenizer(folder, shape)
+    vocab_size = ids["vocab_size"]
 
     config = LlamaConfig(
         vocab_size=vocab_size,

@@ -9,7 +9,7 @@ import logging
 from typing import Any
 
 import orjson
-from fastapi import FastAPI
+from fastapi import FastAPI, Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.auth import PROTECTED_PREFIX, TENANT, ApiKeys, tenant_of
@@ -18,7 +18,8 @@ from gateway.components import Components
 from gateway.config import Settings
 from gateway.control.app import build_control_app
 from gateway.errors import GatewayError, LoopDetected, MethodNotAllowed
-from gateway.prompt.parsing import ENDPOINTS
+from gateway.prompt.parsing import ENDPOINTS, Endpoint
+from gateway.prompt.responses import RESPONSE_ID, response_target
 from gateway.proxy.asgi import ASGIApp, Receive, Scope, Send, send_error, send_json
 from gateway.proxy.upstream import passed_through
 
@@ -46,7 +47,8 @@ class GatewayApp:
         if kind == "http":
             assert self.components is not None and self._control is not None
             path = scope["path"]
-            if self._api_keys and path.startswith(PROTECTED_PREFIX):
+            # The engines' endpoints outside /v1/ (`/tokenize`...) need a client key too.
+            if self._api_keys and (path.startswith(PROTECTED_PREFIX) or path in ENDPOINTS):
                 try:
                     key = self._api_keys.check(scope["headers"])
                 except GatewayError as refused:
@@ -54,7 +56,9 @@ class GatewayApp:
                     return
                 if self._isolate_tenants:
                     scope[TENANT] = tenant_of(key)
-            if path in ENDPOINTS:
+            target = None if path in ENDPOINTS else response_target(path)
+            if path in ENDPOINTS or target is not None:
+                allowed = b"POST" if target is None or target[1] else b"GET, DELETE"
                 if passed_through(scope["headers"]):
                     loop = LoopDetected(
                         "this request already passed through the gateway: a backend points back"
@@ -62,11 +66,12 @@ class GatewayApp:
                         code="loop_detected",
                     )
                     await self._refuse(loop, send, [])
-                elif scope["method"] == "POST":
+                elif scope["method"].encode() in allowed.split(b", "):
                     await self.components.proxy(scope, receive, send)
                 else:
-                    wrong = MethodNotAllowed(f"use POST for {path}", code="http_405")
-                    await send_error(send, wrong, [(b"allow", b"POST")])
+                    use = allowed.decode().replace(", ", " or ")
+                    wrong = MethodNotAllowed(f"use {use} for {path}", code="http_405")
+                    await send_error(send, wrong, [(b"allow", allowed)])
             elif path == "/ready" and self.shutting_down:
                 body = orjson.dumps({"ready": False, "shutting_down": True})
                 await send_json(send, 503, body)
@@ -104,6 +109,9 @@ class GatewayApp:
                 return
 
 
+_ID_PATTERN = f"^{RESPONSE_ID.pattern}$"
+
+
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -132,6 +140,21 @@ class EmbeddingRequest(_Open):
     input: str | list[str] | list[int] | list[list[int]]
 
 
+class ResponseRequest(_Open):
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = Field(default=None, pattern=_ID_PATTERN)
+    stream: bool | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+
+
+class ModelRequest(_Open):
+    """A body routed by its model alone (`/tokenize`, `/v1/rerank`...)."""
+
+    model: str
+
+
 def _declare_inference_routes(app: FastAPI) -> None:
     """Describe the proxy path's routes in the OpenAPI schema (they are served elsewhere)."""
 
@@ -144,10 +167,33 @@ def _declare_inference_routes(app: FastAPI) -> None:
     async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
         raise NotImplementedError
 
+    async def responses(body: ResponseRequest) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def stored(response_id: str = Path(pattern=_ID_PATTERN)) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def by_model(body: ModelRequest) -> dict[str, Any]:
+        raise NotImplementedError
+
     for path, endpoint, summary in (
         ("/v1/chat/completions", chat, "Chat completion (OpenAI), routed to a replica"),
         ("/v1/completions", completions, "Text completion (OpenAI), routed to a replica"),
         ("/v1/embeddings", embeddings, "Embeddings (OpenAI), routed to a replica"),
+        ("/v1/responses", responses, "Response (OpenAI Responses API), routed to a replica"),
+        ("/v1/responses/{response_id}/cancel", stored, "Cancel, at the replica that stored it"),
     ):
         app.add_api_route(path, endpoint, methods=["POST"], summary=summary, tags=["inference"])
+    app.add_api_route(
+        "/v1/responses/{response_id}",
+        stored,
+        methods=["GET", "DELETE"],
+        summary="A stored response, at the replica that stored it",
+        tags=["inference"],
+    )
+    for engine_endpoint in Endpoint:
+        if not engine_endpoint.by_prefix:
+            path = engine_endpoint.value
+            summary = f"{path} (vLLM), routed by model to the least loaded replica"
+            app.add_api_route(path, by_model, methods=["POST"], summary=summary, tags=["engine"])
     app.openapi_schema = None

@@ -12,12 +12,14 @@ import httpx
 from gateway.backends.discovery import Discovery
 from gateway.backends.engine_load import EngineLoadScraper
 from gateway.backends.health import Health
+from gateway.backends.kv_events import KVEventFeeds
 from gateway.backends.monitor import BackendMonitor
 from gateway.backends.pool import BackendPool
 from gateway.backends.shared_load import LOAD_SCRIPT, SharedLoad
 from gateway.backends.stalls import StallRule, StallWatch
 from gateway.config import Settings
 from gateway.metrics import Metrics
+from gateway.prompt.tokens import EngineTokenizer
 from gateway.proxy.access_log import configure_access_logger
 from gateway.proxy.admission import Admission
 from gateway.proxy.forwarder import Forwarder
@@ -29,6 +31,7 @@ from gateway.proxy.upstream import Upstream
 from gateway.routing.policies import build_policy
 from gateway.routing.router import Router
 from gateway.state import redis as redis_store
+from gateway.state.engine_blocks import EventFedIndex
 from gateway.state.index import InMemoryPrefixIndex, PrefixIndex
 from gateway.state.sessions import InMemorySessionStore, SessionStore
 
@@ -48,6 +51,7 @@ class Components:
     engine_load: EngineLoadScraper
     stalls: StallWatch
     redis: redis_store.RedisLink | None = None
+    kv_events: KVEventFeeds | None = None
     shared_load: SharedLoad | None = None
 
     @classmethod
@@ -59,23 +63,16 @@ class Components:
         pool.removed.append(metrics.forget_backend)
         local_index = InMemoryPrefixIndex(settings.affinity_ttl, settings.index_max_blocks)
         local_sessions = InMemorySessionStore(settings.affinity_ttl, settings.session_max)
+        local_responses = InMemorySessionStore(settings.affinity_ttl, settings.session_max)
         index: PrefixIndex = local_index
         sessions: SessionStore = local_sessions
+        responses: SessionStore = local_responses
         shared = None
         if settings.redis_url:
-            shared = redis_store.connect(settings, metrics, local_index, local_sessions)
-            index, sessions = shared.index, shared.sessions
-        router = Router(
-            settings,
-            pool,
-            index,
-            sessions,
-            build_policy(settings, random.Random()),
-            metrics,
-            agreement=shared.agreement if shared is not None else None,
-            fleet_share=frozenset(settings.fleet_share),
-        )
-        pool.removed.append(router.traffic.recent.forget)
+            shared = redis_store.connect(
+                settings, metrics, local_index, local_sessions, local_responses
+            )
+            index, sessions, responses = shared.index, shared.sessions, shared.responses
         # Requests and probes check replicas' certificates alike, and reach them directly (no
         # proxy from the environment). Probes and model listings carry the replicas' key too
         # (vLLM guards /v1/models).
@@ -86,6 +83,30 @@ class Components:
             verify=tls,
             trust_env=False,
         )
+        feeds = None
+        event_index = None
+        routing_index = index
+        if settings.kv_events:
+            event_index = EventFedIndex(index)
+            feeds = KVEventFeeds(pool, probes, settings.block_tokens, metrics, event_index.settle)
+            event_index.live = feeds.live
+            routing_index = event_index
+            pool.removed.append(feeds.forget)
+        tokenizer = EngineTokenizer.load(settings.tokenizer) if settings.tokenizer else None
+        router = Router(
+            settings,
+            pool,
+            routing_index,
+            sessions,
+            build_policy(settings, random.Random()),
+            metrics,
+            responses=responses,
+            tokenizer=tokenizer,
+            engine_index=event_index,
+            agreement=shared.agreement if shared is not None else None,
+            fleet_share=frozenset(settings.fleet_share),
+        )
+        pool.removed.append(router.traffic.recent.forget)
         health = Health(
             pool,
             settings.unhealthy_threshold,
@@ -152,6 +173,7 @@ class Components:
             engine_load,
             stalls,
             shared.link if shared is not None else None,
+            feeds,
             shared_load,
         )
 
@@ -165,8 +187,12 @@ class Components:
         self.monitor.start()
         self.engine_load.start()
         self.stalls.start()
+        if self.kv_events is not None:
+            self.kv_events.start()
 
     async def stop(self) -> None:
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         await self.stalls.stop()
         await self.engine_load.stop()
         await self.discovery.stop()

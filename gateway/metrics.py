@@ -7,15 +7,17 @@ each gauge is combined over the workers by the `multiprocess_mode` given with it
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import Metric
-from prometheus_client.multiprocess import MultiProcessCollector
-from prometheus_client.registry import Collector
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-MULTIPROCESS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
+from gateway.metric_registry import (
+    MULTIPROCESS_DIR_VARIABLE,
+    Registry,
+    render,
+    worker_restarts_counter,
+)
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -41,49 +43,9 @@ _GAP_BUCKETS = (-4096, -1024, -256, -64, -16, 0, 16, 32, 64, 256, 1024, 4096)
 _REDIS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 
-class _Registry(CollectorRegistry):
-    """Leaves out the `*_created` series, which double what a scrape stores and nothing reads."""
-
-    def collect(self) -> Iterable[Metric]:
-        for family in super().collect():
-            if family.type in ("counter", "histogram"):
-                family.samples = [
-                    sample for sample in family.samples if not sample.name.endswith("_created")
-                ]
-            yield family
-
-
-class _AllWorkers(Collector):
-    """Every worker's series from the multiprocess files, under this process's help texts,
-    followed by the families only this process knows (custom collectors, unused label sets)."""
-
-    def __init__(self, local: CollectorRegistry, directory: str) -> None:
-        self._local = local
-        self._directory = directory
-
-    def collect(self) -> Iterable[Metric]:
-        local = {family.name: family for family in self._local.collect()}
-        every_worker = MultiProcessCollector(None, self._directory)  # type: ignore[no-untyped-call]
-        for family in every_worker.collect():  # type: ignore[no-untyped-call]
-            own = local.pop(family.name, None)
-            if own is not None:
-                family.documentation = own.documentation
-            yield family
-        yield from local.values()
-
-
-def worker_restarts_counter(registry: CollectorRegistry | None) -> Counter:
-    """Counted by the supervising process; declared by every worker too, for its help text."""
-    return Counter(
-        "gateway_worker_restarts",
-        "Worker processes that died and were started again by the supervising process.",
-        registry=registry,
-    )
-
-
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or _Registry()
+        self.registry = registry or Registry()
         r = self.registry
         # The switch prometheus_client itself reads when it is first imported.
         self.multiprocess_dir = os.environ.get(MULTIPROCESS_DIR_VARIABLE) or None
@@ -183,6 +145,33 @@ class Metrics:
             "1 when the backend receives traffic, 0 when ejected.",
             ["backend"],
             multiprocess_mode="livemax",
+            registry=r,
+        )
+        self.kv_events_live = Gauge(
+            "gateway_kv_events_live",
+            "1 while the backend's KV-cache events flow and routing reads its blocks from"
+            " them (--kv-events), 0 when it went back to the predicted index.",
+            ["backend"],
+            multiprocess_mode="livemax",
+            registry=r,
+        )
+        self.kv_events = Counter(
+            "gateway_kv_events_messages",
+            "KV-cache event messages received from each backend's engine.",
+            ["backend"],
+            registry=r,
+        )
+        self.kv_events_fallbacks = Counter(
+            "gateway_kv_events_fallbacks",
+            "Times a backend's events stopped flowing and routing went back to the predicted"
+            " index, by reason (disconnected, missed).",
+            ["backend", "reason"],
+            registry=r,
+        )
+        self.kv_events_undecodable = Counter(
+            "gateway_kv_events_undecodable",
+            "KV-cache event messages that could not be decoded, by backend.",
+            ["backend"],
             registry=r,
         )
         self.stalled = Gauge(
@@ -386,6 +375,4 @@ class Metrics:
             gauge.labels(label).set(value)
 
     def render(self) -> bytes:
-        if self.multiprocess_dir is None:
-            return generate_latest(self.registry)
-        return generate_latest(_AllWorkers(self.registry, self.multiprocess_dir))
+        return render(self.registry, self.multiprocess_dir)

@@ -51,7 +51,7 @@ class ChildProcess:
         host: str = "127.0.0.1",
         port: int = 0,
         env: dict[str, str] | None = None,
-        startup_seconds: float = 20.0,
+        startup_seconds: float = 60.0,
         stop_seconds: float = 5.0,
         capture_output: bool = True,
         cwd: str | None = None,

@@ -70,7 +70,7 @@ def run_workers(settings: Settings, directory: MetricsDirectory) -> int:
     """Serve with `settings.workers` processes until a signal has stopped them all; blocks."""
     from prometheus_client import CollectorRegistry, values
 
-    from gateway.metrics import worker_restarts_counter
+    from gateway.metric_registry import worker_restarts_counter
 
     if values.ValueClass is values.MutexValue:
         # Imported before the variable was set (the command line's parsers import the
@@ -79,8 +79,9 @@ def run_workers(settings: Settings, directory: MetricsDirectory) -> int:
         values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
     if not settings.redis_url:
         log.warning(
-            "%d workers without --redis-url: each keeps its own prefix index and sessions, so"
-            " prefix and session affinity hold only within a worker",
+            "%d workers without --redis-url: each keeps its own prefix index, sessions and"
+            " stored responses' replicas, so prefix and session affinity hold only within a"
+            " worker, and a previous_response_id only at the worker that saw it produced",
             settings.workers,
         )
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET

@@ -8,6 +8,7 @@ attack, less VmRSS), the longest `/health` round trip, and how many normal reque
 
     python loadtest/attacks.py
     python loadtest/attacks.py --attacks header_flood,slow_heads
+    python loadtest/attacks.py --parse-cost   # CPU of parsing the largest bodies, in process
 
 An attack is an `Attack` in `ATTACKS`: a name, the words for what it sends, and a coroutine
 that runs it against the gateway and says what the gateway answered. One with no coroutine
@@ -22,6 +23,7 @@ import contextlib
 import http.client
 import multiprocessing
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -37,6 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gateway.config import Settings
 from gateway.emulator.replicas import EmulatedReplicas
+from gateway.errors import GatewayError
+from gateway.prompt.parsing import Endpoint, Limits, parse_request
 from tests.redis_server import RedisServer
 from tests.support import GatewayProcess
 
@@ -433,10 +437,39 @@ async def measure(attack: Attack, replicas: list[str]) -> str:
     )
 
 
+def parse_cost(repeats: int = 7) -> None:
+    """CPU time, not wall time, so that a busy machine does not inflate it."""
+    limits = Limits.of(DEFAULTS)
+    print("| body | bytes | CPU ms per parse (median) | each run |")
+    print("|---|---|---|---|")
+    for name, make in (
+        ("arrays, then strings", _arrays_then_strings),
+        ("strings", _strings),
+        ("messages", _messages),
+    ):
+        body, runs = make(), []
+        for _ in range(repeats):
+            began = time.process_time()
+            with contextlib.suppress(GatewayError):
+                parse_request(Endpoint.CHAT, body, None, limits=limits)
+            runs.append((time.process_time() - began) * 1000)
+        each = ", ".join(f"{run:.0f}" for run in runs)
+        print(f"| {name} | {len(body):,} | {statistics.median(runs):.0f} | {each} |")
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--attacks", default=",".join(attack.name for attack in ATTACKS))
-    chosen = parser.parse_args().attacks.split(",")
+    parser.add_argument(
+        "--parse-cost",
+        action="store_true",
+        help="only print the CPU time one parse of each largest body holds the event loop",
+    )
+    options = parser.parse_args()
+    if options.parse_cost:
+        parse_cost()
+        return
+    chosen = options.attacks.split(",")
     unknown = set(chosen) - {attack.name for attack in ATTACKS}
     if unknown:
         parser.error(f"unknown attacks: {', '.join(sorted(unknown))}")

@@ -70,7 +70,11 @@ class Run:
 
 
 async def one_request(
-    http: aiohttp.ClientSession, url: str, messages: list[dict[str, str]], max_tokens: int
+    http: aiohttp.ClientSession,
+    url: str,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+    extra: dict[str, object] | None = None,
 ) -> Outcome:
     body = orjson.dumps(
         {
@@ -79,6 +83,7 @@ async def one_request(
             "max_tokens": max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **(extra or {}),
         }
     )
     started = time.perf_counter()
@@ -126,12 +131,18 @@ def replica_of(response_id: object) -> str:
     return response_id.split("-", 1)[1][:8]
 
 
-async def run_session(http: aiohttp.ClientSession, url: str, session: Session, run: Run) -> None:
+async def run_session(
+    http: aiohttp.ClientSession,
+    url: str,
+    session: Session,
+    run: Run,
+    extra: dict[str, object] | None = None,
+) -> None:
     messages = [{"role": "system", "content": session.system}]
     for question in session.questions:
         messages.append({"role": "user", "content": question})
         try:
-            outcome = await one_request(http, url, messages, session.max_tokens)
+            outcome = await one_request(http, url, messages, session.max_tokens, extra)
         except (aiohttp.ClientError, TimeoutError):
             run.failures += 1
             return
@@ -143,7 +154,14 @@ async def run_session(http: aiohttp.ClientSession, url: str, session: Session, r
         messages.append({"role": "assistant", "content": outcome.answer})
 
 
-async def drive(url: str, sessions: list[Session], concurrency: int, stagger: float) -> Run:
+async def drive(
+    url: str,
+    sessions: list[Session],
+    concurrency: int,
+    stagger: float,
+    extra: dict[str, object] | None = None,
+) -> Run:
+    """Run `sessions`, `concurrency` at a time; `extra` joins every request's body."""
     run = Run()
     queue: asyncio.Queue[Session] = asyncio.Queue()
     for session in sessions:
@@ -158,7 +176,7 @@ async def drive(url: str, sessions: list[Session], concurrency: int, stagger: fl
             # Sessions begin over a short ramp, as real traffic does, not all in one instant.
             await asyncio.sleep(position * stagger)
             while not queue.empty():
-                await run_session(http, url, queue.get_nowait(), run)
+                await run_session(http, url, queue.get_nowait(), run, extra)
 
         await asyncio.gather(*(worker(position) for position in range(concurrency)))
     return run

@@ -102,7 +102,10 @@ async def build_stack(settings: Settings) -> Stack:
     sessions: SessionStore = local_sessions
     shared = None
     if settings.redis_url:
-        shared = redis_store.connect(settings, metrics, local_index, local_sessions)
+        local_responses = InMemorySessionStore(settings.affinity_ttl, settings.session_max)
+        shared = redis_store.connect(
+            settings, metrics, local_index, local_sessions, local_responses
+        )
         await shared.link.start()
         assert shared.link.up, "Redis did not answer"
         index, sessions = shared.index, shared.sessions

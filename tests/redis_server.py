@@ -23,6 +23,7 @@ from gateway.clock import Clock
 from gateway.processes import free_port
 from gateway.state.index import PrefixIndex
 from gateway.state.redis import KeySpace, RedisPrefixIndex, RedisSessionStore, open_client
+from gateway.state.redis.connection import RedisClient
 from gateway.state.sessions import SessionStore
 
 # Gateway flags for tests about sharing, not deadlines (test_redis_store.py checks those): a
@@ -47,7 +48,7 @@ def ping(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:
 class RedisServer:
     """`redis-server --port P --save '' --appendonly no`; `kill` and `start` keep the port."""
 
-    def __init__(self, *extra: str, port: int = 0, startup_seconds: float = 10.0) -> None:
+    def __init__(self, *extra: str, port: int = 0, startup_seconds: float = 30.0) -> None:
         self.port = port or free_port()
         self.extra = tuple(extra)
         self._startup_seconds = startup_seconds
@@ -216,19 +217,34 @@ class RedisClusterServers:
             node.__exit__(kind, error, trace)
 
 
+_opened: list[RedisClient] = []
+
+
+def _client(url: str) -> RedisClient:
+    client = open_client(url, timeout=1.0, max_connections=4)
+    _opened.append(client)
+    return client
+
+
+async def close_opened_clients() -> None:
+    """Close the clients the factories below opened, on the event loop that used them."""
+    while _opened:
+        await _opened.pop().aclose()
+
+
 def redis_index_factory(url: str) -> Callable[[Clock, float, int], PrefixIndex]:
     """A fresh RedisPrefixIndex per call, in a namespace of its own (the size is Redis's)."""
 
     def build(clock: Clock, ttl: float, size: int) -> PrefixIndex:
-        client = open_client(url, timeout=1.0, max_connections=4)
-        return RedisPrefixIndex(client, KeySpace(f"test-{uuid.uuid4().hex[:8]}"), ttl, clock)
+        keys = KeySpace(f"test-{uuid.uuid4().hex[:8]}")
+        return RedisPrefixIndex(_client(url), keys, ttl, clock)
 
     return build
 
 
 def redis_session_factory(url: str) -> Callable[[Clock, float, int], SessionStore]:
     def build(clock: Clock, ttl: float, size: int) -> SessionStore:
-        client = open_client(url, timeout=1.0, max_connections=4)
-        return RedisSessionStore(client, KeySpace(f"test-{uuid.uuid4().hex[:8]}"), ttl, clock)
+        keys = KeySpace(f"test-{uuid.uuid4().hex[:8]}")
+        return RedisSessionStore(_client(url), keys, ttl, clock)
 
     return build

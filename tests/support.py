@@ -2,17 +2,60 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+
+import httpx
 
 from gateway.processes import ChildProcess, free_port, metric_value
 
-__all__ = ["GatewayProcess", "free_port", "metric_value", "run_script"]
+__all__ = [
+    "GatewayProcess",
+    "eventually",
+    "free_port",
+    "metric_value",
+    "run_script",
+    "stall",
+    "wait_until",
+]
 
 ROOT = Path(__file__).resolve().parent.parent
+# Long enough for a busy 2-core machine: a condition that holds is met far sooner; one that
+# never holds fails with `what` instead of hanging the suite.
+PATIENCE_SECONDS = 30.0
+
+
+def wait_until(
+    check: Callable[[], object], what: str, seconds: float = PATIENCE_SECONDS, every: float = 0.05
+) -> None:
+    """Poll `check()` until it is true; fails saying `what` was awaited after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {seconds:g} s: {what}")
+        time.sleep(every)
+
+
+def stall(replica: ChildProcess, stalled: bool) -> None:
+    """Make an emulated replica hold (or release) every token, as a hung engine would."""
+    answer = httpx.post(replica.url + "/emulator/stall", json={"stalled": stalled}, timeout=30)
+    assert answer.json() == {"stalled": stalled}
+
+
+async def eventually(
+    check: Callable[[], object], what: str, seconds: float = PATIENCE_SECONDS, every: float = 0.01
+) -> None:
+    """`wait_until` for a test running on an event loop: the loop runs between polls."""
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {seconds:g} s: {what}")
+        await asyncio.sleep(every)
 
 
 def run_script(script: str, *args: str, timeout: float = 180) -> str:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from gateway.emulator.replicas import EmulatedReplicas
-from tests.support import GatewayProcess
+from tests.support import GatewayProcess, wait_until
 
 MODEL = "emulated-model"
 TOKEN = "fleet-admin-token"
@@ -27,7 +26,7 @@ def replicas() -> Iterator[EmulatedReplicas]:
 @pytest.fixture
 def gateway(replicas: EmulatedReplicas) -> Iterator[GatewayProcess]:
     with GatewayProcess(
-        replicas.urls[:2], "--admin-token", TOKEN, "--drain-timeout", "10"
+        replicas.urls[:2], "--admin-token", TOKEN, "--drain-timeout", "60"
     ) as started:
         yield started
 
@@ -40,14 +39,6 @@ def listing(gateway: GatewayProcess) -> dict[str, dict[str, object]]:
 
 def name_of(url: str) -> str:
     return url.removeprefix("http://")
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.02)
 
 
 def chat(gateway: GatewayProcess, session: str, max_tokens: int = 1) -> httpx.Response:
@@ -63,21 +54,44 @@ def chat(gateway: GatewayProcess, session: str, max_tokens: int = 1) -> httpx.Re
     )
 
 
-def test_the_fleet_api_needs_the_admin_token(gateway: GatewayProcess) -> None:
+def test_the_fleet_api_needs_the_admin_token(
+    gateway: GatewayProcess, replicas: EmulatedReplicas
+) -> None:
+    first = name_of(replicas.urls[0])
+    wait_until(lambda: all(item["healthy"] for item in listing(gateway).values()), "healthy")
+
+    def membership() -> dict[str, tuple[object, ...]]:
+        fields = ("url", "models", "healthy", "draining", "source")
+        return {name: tuple(item[key] for key in fields) for name, item in listing(gateway).items()}
+
+    pool = membership()
     assert httpx.get(gateway.url + "/admin/backends").status_code == 401
     wrong = {"Authorization": "Bearer nope"}
     assert httpx.get(gateway.url + "/admin/backends", headers=wrong).status_code == 403
-    response = httpx.post(gateway.url + "/admin/backends", json={"url": "http://x:1"})
-    assert response.status_code == 401
-    assert response.json()["error"]["type"] == "authentication_error"
-    assert httpx.delete(gateway.url + "/admin/backends/x:1").status_code == 401
+    refusals = (({}, 401, "authentication_error"), (wrong, 403, "permission_error"))
+    for headers, status, error_type in refusals:
+        calls = [
+            httpx.post(
+                gateway.url + "/admin/backends", headers=headers, json={"url": "http://x:1"}
+            ),
+            httpx.post(gateway.url + f"/admin/backends/{first}/drain", headers=headers),
+            httpx.post(gateway.url + f"/admin/backends/{first}/drain?wait=true", headers=headers),
+            httpx.delete(gateway.url + f"/admin/backends/{first}", headers=headers),
+        ]
+        for response in calls:
+            assert response.status_code == status, response.request.url
+            assert response.json()["error"]["type"] == error_type
+    # Refused calls changed nothing: the same backends, none draining, all still routed to.
+    assert membership() == pool
+    served = {chat(gateway, f"after-refusals-{n}").headers["x-gateway-backend"] for n in range(30)}
+    assert served == set(pool)
 
 
 def test_lists_adds_and_removes_backends(
     gateway: GatewayProcess, replicas: EmulatedReplicas
 ) -> None:
     first, second, third = (name_of(url) for url in replicas.urls)
-    wait_for(lambda: all(item["healthy"] for item in listing(gateway).values()))
+    wait_until(lambda: all(item["healthy"] for item in listing(gateway).values()), "healthy")
     backends = listing(gateway)
     assert set(backends) == {first, second}
     assert backends[first]["models"] == [MODEL]
@@ -123,7 +137,7 @@ def test_lists_adds_and_removes_backends(
 
 
 def test_drain_lets_the_stream_in_flight_finish(gateway: GatewayProcess) -> None:
-    wait_for(lambda: all(item["healthy"] for item in listing(gateway).values()))
+    wait_until(lambda: all(item["healthy"] for item in listing(gateway).values()), "healthy")
     chunks: list[bytes] = []
     started = threading.Event()
     backend_holder: list[str] = []
@@ -134,11 +148,11 @@ def test_drain_lets_the_stream_in_flight_finish(gateway: GatewayProcess) -> None
             gateway.url + "/v1/chat/completions",
             json={
                 "model": MODEL,
-                "max_tokens": 40,
+                "max_tokens": 200,  # five seconds: still running while its replica drains
                 "stream": True,
                 "messages": [{"role": "user", "content": "a long answer, please"}],
             },
-            timeout=20,
+            timeout=60,
         ) as response:
             backend_holder.append(response.headers["x-gateway-backend"])
             started.set()
@@ -157,18 +171,18 @@ def test_drain_lets_the_stream_in_flight_finish(gateway: GatewayProcess) -> None
     # New work goes elsewhere while the old stream runs on.
     for n in range(10):
         assert chat(gateway, f"during-drain-{n}").headers["x-gateway-backend"] != draining
-    reader.join(20)
+    reader.join(60)
     body = b"".join(chunks)
     assert body.rstrip().endswith(b"data: [DONE]"), "the stream was cut off"
-    assert body.count(b"data: ") >= 40
-    wait_for(lambda: draining not in listing(gateway))
+    assert body.count(b"data: ") >= 200
+    wait_until(lambda: draining not in listing(gateway), "the drained backend removed")
 
 
 def test_drain_and_wait_answers_once_the_backend_is_gone(
     gateway: GatewayProcess, replicas: EmulatedReplicas
 ) -> None:
     first = name_of(replicas.urls[0])
-    wait_for(lambda: all(item["healthy"] for item in listing(gateway).values()))
+    wait_until(lambda: all(item["healthy"] for item in listing(gateway).values()), "healthy")
     answer = httpx.post(
         gateway.url + f"/admin/backends/{first}/drain?wait=true", headers=AUTH, timeout=15
     )

@@ -14,7 +14,6 @@ import socket
 import ssl
 import subprocess
 import threading
-import time
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ from gateway.backends.pool import Backend, BackendPool
 from gateway.config import ConfigError, Settings
 from gateway.emulator.process import EmulatorProcess
 from gateway.processes import free_port
-from tests.support import GatewayProcess
+from tests.support import GatewayProcess, eventually, wait_until
 
 MODEL = "emulated-model"
 SERVICE = "llm"
@@ -251,22 +250,6 @@ class FakeKubernetes:
         self._thread.join(5)
 
 
-def wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.02)
-
-
-async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
-
-
 def mark_healthy(pool: BackendPool) -> Callable[[Backend], Coroutine[Any, Any, None]]:
     """Stands in for the health probe, which the end-to-end tests run for real."""
 
@@ -352,7 +335,7 @@ def test_membership_adds_drains_and_restores() -> None:
             assert names(pool) == {"10.9.9.9:8000", "10.0.0.1:8000"}
             await asyncio.sleep(0.05)
             assert pool.get("10.0.0.2:8000") is leaving, "removed with a request in flight"
-        await until(lambda: pool.get("10.0.0.2:8000") is None)
+        await eventually(lambda: pool.get("10.0.0.2:8000") is None, "the drained backend removed")
 
         # A replica that comes back while it drains is simply routed to again.
         returning = pool.get("10.0.0.1:8000")
@@ -380,7 +363,7 @@ def test_a_stuck_request_does_not_hold_a_drain_forever() -> None:
         assert backend.pinned_model == MODEL
         with pool.lease(backend):
             membership.update([])
-            await until(lambda: not pool.backends, timeout=2)
+            await eventually(lambda: not pool.backends, "the stuck drain given up")
 
     asyncio.run(scenario())
 
@@ -405,7 +388,10 @@ def test_dns_source_follows_a_and_aaaa_records() -> None:
         assert pool.backends[0].url == "http://10.0.0.1:8000"
 
         server.records["vllm.inference.svc"] = ["10.0.0.2", "fd00::3", "10.0.0.4"]
-        await until(lambda: names(pool) == {"10.0.0.2:8000", "[fd00::3]:8000", "10.0.0.4:8000"})
+        await eventually(
+            lambda: names(pool) == {"10.0.0.2:8000", "[fd00::3]:8000", "10.0.0.4:8000"},
+            "the new records followed",
+        )
 
         # An unanswered lookup changes nothing; a name that no longer exists empties the pool.
         server.silent = True
@@ -413,7 +399,7 @@ def test_dns_source_follows_a_and_aaaa_records() -> None:
         assert len(names(pool)) == 3
         server.silent = False
         del server.records["vllm.inference.svc"]
-        await until(lambda: not pool.backends)
+        await eventually(lambda: not pool.backends, "the pool emptied")
         await discovery.stop()
 
     with FakeDns() as server:
@@ -465,17 +451,21 @@ def test_kubernetes_source_routes_only_to_ready_endpoints(tmp_path: Path) -> Non
         assert names(pool) == {"10.0.0.1:8000", "10.0.1.1:8000"}
 
         api.put("llm-a", {"10.0.0.1": "terminating", "10.0.0.2": "ready"}, 8000)
-        await until(lambda: names(pool) == {"10.0.0.2:8000", "10.0.1.1:8000"})
+        await eventually(
+            lambda: names(pool) == {"10.0.0.2:8000", "10.0.1.1:8000"}, "the ready endpoints"
+        )
         api.delete("llm-b")
-        await until(lambda: names(pool) == {"10.0.0.2:8000"})
-        await until(lambda: len(pool.backends) == 1)
+        await eventually(lambda: names(pool) == {"10.0.0.2:8000"}, "the deleted slice's gone")
+        await eventually(lambda: len(pool.backends) == 1, "the drained endpoint removed")
 
         # After the watch expires the source lists again and misses nothing.
         lists = api.lists
         api.expire_watches()
         api.put("llm-c", {"10.0.2.1": "ready"}, 8000)
-        await until(lambda: names(pool) == {"10.0.0.2:8000", "10.0.2.1:8000"})
-        await until(lambda: api.lists > lists)
+        await eventually(
+            lambda: names(pool) == {"10.0.0.2:8000", "10.0.2.1:8000"}, "the new slice's endpoint"
+        )
+        await eventually(lambda: api.lists > lists, "a new listing")
         assert api.authorizations == {"Bearer secret-token"}
         await discovery.stop()
 
@@ -598,8 +588,10 @@ class Traffic:
     """Conversations sent one after another from a thread, with every answer recorded."""
 
     def __init__(self, url: str) -> None:
-        self._client = httpx.Client(base_url=url, timeout=10)
-        self.results: list[tuple[float, int, str, str]] = []
+        self._client = httpx.Client(base_url=url, timeout=30)
+        self.results: list[tuple[int, int, str, str]] = []
+        """(the request's number in sending order, status, backend, session)"""
+        self.sent = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -616,12 +608,11 @@ class Traffic:
         return response.status_code, response.headers.get("x-gateway-backend", "")
 
     def _run(self) -> None:
-        turn = 0
         while not self._stop.is_set():
-            session = f"s{turn % 24}"
+            number, session = self.sent, f"s{self.sent % 24}"
+            self.sent += 1
             status, backend = self.send(session)
-            self.results.append((time.monotonic(), status, backend, session))
-            turn += 1
+            self.results.append((number, status, backend, session))
 
     def __enter__(self) -> Traffic:
         self._thread.start()
@@ -629,30 +620,39 @@ class Traffic:
 
     def __exit__(self, *_: object) -> None:
         self._stop.set()
-        self._thread.join(10)
+        self._thread.join(30)
         self._client.close()
 
 
 def leave_mid_run(
     gateway: GatewayProcess, replicas: list[EmulatorProcess], leave: Callable[[], None]
 ) -> None:
-    wait_for(lambda: httpx.get(gateway.url + "/ready").status_code == 200)
-    wait_for(lambda: gateway.metric("gateway_backend_healthy") == len(replicas), timeout=10)
+    wait_until(lambda: httpx.get(gateway.url + "/ready").status_code == 200, "the gateway ready")
+    wait_until(
+        lambda: gateway.metric("gateway_backend_healthy") == len(replicas), "every replica healthy"
+    )
     leaving = f"{replicas[-1].host}:{replicas[-1].port}"
     with Traffic(gateway.url) as traffic:
         before = {session: traffic.send(session)[1] for session in (f"s{n}" for n in range(24))}
         assert leaving in before.values()
-        wait_for(lambda: len(traffic.results) > 10)
+        wait_until(lambda: len(traffic.results) > 10, "traffic flowing")
         leave()
-        left_at = time.monotonic()
-        wait_for(lambda: gateway.metric("gateway_backend_healthy", backend=leaving) == 0)
+        wait_until(
+            lambda: gateway.metric("gateway_backend_healthy", backend=leaving) == 0,
+            "the replica out of routing",
+        )
+        # Requests sent from here on were routed after the replica left.
+        left_before = traffic.sent
+        wait_until(
+            lambda: gateway.metric("gateway_backend_in_flight", backend=leaving) == 0,
+            "the replica's requests in flight finished",
+        )
         replicas[-1].stop()  # the pod is gone for good
-        settled = time.monotonic()
-        wait_for(lambda: any(stamp > settled + 0.5 for stamp, *_ in traffic.results))
+        wait_until(lambda: len(traffic.results) > left_before + 10, "traffic after the leave")
         after = {session: traffic.send(session)[1] for session in before}
     statuses = {status for _, status, _, _ in traffic.results}
     assert statuses == {200}, "a request failed while a replica left"
-    late = [backend for stamp, _, backend, _ in traffic.results if stamp > left_at + 0.5]
+    late = [backend for number, _, backend, _ in traffic.results if number >= left_before]
     assert late and leaving not in late
     # Only the sessions of the replica that left moved; every other session stayed put.
     for session, backend in before.items():

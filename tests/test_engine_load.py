@@ -13,6 +13,7 @@ from gateway.backends.engine_load import (
 )
 from gateway.backends.pool import Backend, BackendPool
 from gateway.emulator import EmulatorProcess
+from tests.support import eventually, stall
 
 VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -56,27 +57,34 @@ def test_scrapes_a_live_replica_under_load() -> None:
 
         async def scenario() -> None:
             loop = asyncio.get_running_loop()
-            # Three requests that another gateway sent: one runs, two wait.
+            # Three requests that another gateway sent: one runs, two wait, all held there
+            # while the replica is stalled.
+            stall(replica, True)
             calls = [
                 loop.run_in_executor(
                     None,
-                    lambda: client.completions.create(model="m", prompt="x y", max_tokens=20),
+                    lambda: client.completions.create(model="m", prompt="x y", max_tokens=5),
                 )
                 for _ in range(3)
             ]
-            for _ in range(250):  # until the replica has all three
-                await asyncio.sleep(0.02)
-                running = replica.metric("vllm:num_requests_running")
-                if running + replica.metric("vllm:num_requests_waiting") == 3:
-                    break
-            async with httpx.AsyncClient() as http:
-                scraper = EngineLoadScraper(pool, http, interval=0)
-                await scraper.scrape_all()
-                assert backend.queued == 0  # one scrape could be a request just ending
-                await scraper.scrape_all()
-                assert backend.queued == 3
-                assert backend.load == 3
-                assert scraper.kv_cache_usage["r"] > 0
+            try:
+                await eventually(
+                    lambda: (
+                        replica.metric("vllm:num_requests_running") == 1
+                        and replica.metric("vllm:num_requests_waiting") == 2
+                    ),
+                    "the replica holding all three",
+                )
+                async with httpx.AsyncClient() as http:
+                    scraper = EngineLoadScraper(pool, http, interval=0)
+                    await scraper.scrape_all()
+                    assert backend.queued == 0  # one scrape could be a request just ending
+                    await scraper.scrape_all()
+                    assert backend.queued == 3
+                    assert backend.load == 3
+                    assert scraper.kv_cache_usage["r"] > 0
+            finally:
+                stall(replica, False)
             await asyncio.gather(*calls)
 
         asyncio.run(scenario())

@@ -145,6 +145,10 @@ def test_the_endpoint_is_given_or_inferred(admin: GatewayProcess) -> None:
     assert explain(admin, completion).json()["endpoint"] == "/v1/completions"
     embedding = {"model": MODEL, "input": "one"}
     assert explain(admin, embedding).json()["endpoint"] == "/v1/embeddings"
+    response = {"model": MODEL, "input": "one", "instructions": "be brief"}
+    assert explain(admin, response).json()["endpoint"] == "/v1/responses"
+    tokenize = explain(admin, {"model": MODEL, "prompt": "x"}, "?endpoint=/tokenize").json()
+    assert (tokenize["endpoint"], tokenize["route"]) == ("/tokenize", "least_loaded")
     given = explain(admin, completion, "?endpoint=/v1/completions").json()
     assert given["endpoint"] == "/v1/completions"
 
@@ -192,3 +196,18 @@ def test_explain_leaves_a_round_robin_turn_where_it_was() -> None:
         return [*explained, routed.backend.name, after.routed.backend.name]
 
     assert asyncio.run(scenario()) == ["a:1", "a:1", "a:1", "a:1", "b:1"]
+
+
+def test_explain_sends_a_follow_up_to_the_replica_holding_its_response(
+    admin: GatewayProcess,
+) -> None:
+    body = {"model": MODEL, "input": words(50, "xr"), "max_output_tokens": 2}
+    created = httpx.post(admin.url + "/v1/responses", json=body, timeout=10)
+    assert created.status_code == 200
+    follow_up = {"model": MODEL, "input": "more", "previous_response_id": created.json()["id"]}
+    explained = explain(admin, follow_up).json()
+    assert explained["endpoint"] == "/v1/responses"
+    assert explained["route"] == "previous_response"
+    assert explained["backend"] == created.headers["x-gateway-backend"]
+    unknown = explain(admin, {**follow_up, "previous_response_id": "resp_unknown"})
+    assert unknown.status_code == 404

@@ -212,8 +212,10 @@ def test_the_openapi_schema_fuzzed_never_gets_a_5xx(target: GatewayProcess) -> N
 
 def test_the_schema_describes_the_inference_routes(http: httpx.Client) -> None:
     paths = http.get("/openapi.json").json()["paths"]
-    for route in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
+    for route in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"):
         assert "post" in paths[route]
+    assert {"get", "delete"} <= set(paths["/v1/responses/{response_id}"])
+    assert "post" in paths["/v1/responses/{response_id}/cancel"] and "post" in paths["/tokenize"]
 
 
 def test_the_gateway_survived_the_fuzzing(http: httpx.Client, target: GatewayProcess) -> None:

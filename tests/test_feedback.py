@@ -15,7 +15,8 @@ from gateway.prompt.parsing import Endpoint, parse_request
 from gateway.proxy.usage import Observation
 from gateway.routing.feedback import Agreement, ChainLinks, chars_per_token, judge
 from gateway.routing.policies import build_policy
-from gateway.routing.router import Routed, Router
+from gateway.routing.routed import Routed
+from gateway.routing.router import Router
 from gateway.routing.types import Outcome
 from gateway.state.index import InMemoryPrefixIndex
 from gateway.state.sessions import InMemorySessionStore

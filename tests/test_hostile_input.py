@@ -305,6 +305,39 @@ def test_a_body_over_the_limit_gets_413(edge: GatewayProcess) -> None:
     traffic.assert_served()
 
 
+def test_the_responses_paths_and_model_only_endpoints_keep_the_bounds(
+    edge: GatewayProcess,
+) -> None:
+    long_id = "r" * 129
+    with NormalTraffic(edge) as traffic:
+        too_large = {
+            (method, path): httpx.request(
+                method, edge.url + path, content=b"x" * (MAX_BODY + 1), timeout=30
+            ).json()["error"]["code"]
+            for method, path in (
+                ("POST", "/v1/responses"),
+                ("GET", "/v1/responses/resp_1"),
+                ("DELETE", "/v1/responses/resp_1"),
+                ("POST", "/v1/responses/resp_1/cancel"),
+                ("POST", "/tokenize"),
+            )
+        }
+        by_long_id = httpx.get(edge.url + "/v1/responses/" + long_id)
+        follow_up = {"model": MODEL, "input": "hi", "previous_response_id": long_id}
+        long_previous = httpx.post(edge.url + "/v1/responses", json=follow_up)
+        many = b'{"model":"m","input":[' + b",".join([b"{}"] * 10_001) + b"]}"
+        many_items = httpx.post(edge.url + "/v1/responses", content=many)
+        nested = b'{"model":"m","input":' + b"[" * 300 + b"]" * 300 + b"}"
+        deep = httpx.post(edge.url + "/v1/responses", content=nested)
+    assert set(too_large.values()) == {"body_too_large"}, too_large
+    assert by_long_id.status_code == 400 and long_previous.status_code == 400
+    assert by_long_id.json()["error"]["code"] == "invalid_response_id"
+    assert long_previous.json()["error"]["param"] == "previous_response_id"
+    assert many_items.status_code == 400 and many_items.json()["error"]["code"] == "too_many_items"
+    assert deep.status_code == 400 and deep.json()["error"]["code"] == "too_deep"
+    traffic.assert_served()
+
+
 def test_connections_past_the_cap_get_503_and_idle_ones_are_closed(
     fleet: EmulatedReplicas,
 ) -> None:
@@ -575,6 +608,27 @@ def test_tenants_neither_hit_nor_probe_each_others_prefixes(fleet: EmulatedRepli
         ]
         assert cached[0] == 0 and cached[1] > 0  # a tenant hits its own cache
         assert cached[2] == 0  # and never another's, even on the same replica
+
+
+def test_a_tenants_stored_responses_are_its_own(fleet: EmulatedReplicas) -> None:
+    with GatewayProcess(
+        fleet.urls, "--api-key", "tenant-a", "--api-key", "tenant-b", "--isolate-tenants"
+    ) as gateway:
+        as_a = openai.OpenAI(base_url=gateway.url + "/v1", api_key="tenant-a", max_retries=0)
+        as_b = openai.OpenAI(base_url=gateway.url + "/v1", api_key="tenant-b", max_retries=0)
+        stored = as_a.responses.create(model=MODEL, input="a secret", max_output_tokens=2)
+        assert as_a.responses.retrieve(stored.id).id == stored.id
+        with pytest.raises(openai.NotFoundError):
+            as_b.responses.retrieve(stored.id)
+        with pytest.raises(openai.NotFoundError):
+            as_b.responses.create(
+                model=MODEL, input="more", previous_response_id=stored.id, max_output_tokens=2
+            )
+        # The engines' endpoints outside /v1/ need a key as well.
+        body = {"model": MODEL, "prompt": "x"}
+        assert httpx.post(gateway.url + "/tokenize", json=body).status_code == 401
+        keyed = {"authorization": "Bearer tenant-b"}
+        assert httpx.post(gateway.url + "/tokenize", json=body, headers=keyed).status_code == 200
 
 
 def test_tenant_isolation_needs_client_keys() -> None:

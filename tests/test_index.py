@@ -14,6 +14,7 @@ from gateway.state.sessions import InMemorySessionStore, SessionStore
 from tests.redis_server import (
     RedisClusterServers,
     RedisServer,
+    close_opened_clients,
     redis_index_factory,
     redis_session_factory,
 )
@@ -40,7 +41,13 @@ SHARED_SESSIONS: dict[str, Callable[[str], SessionFactory]] = {
 
 
 def run(coroutine: Coroutine[Any, Any, Any]) -> Any:
-    return asyncio.run(coroutine)
+    async def then_close() -> Any:
+        try:
+            return await coroutine
+        finally:
+            await close_opened_clients()
+
+    return asyncio.run(then_close())
 
 
 @pytest.fixture(scope="module")

@@ -304,3 +304,29 @@ def test_a_stream_cut_upstream_still_ends_in_an_error_event() -> None:
     assert events[-1] == b""
     assert [event.startswith(b"data: {") for event in events[:-1]] == [True, True, True]
     assert b'"stream_broken"' in events[2]
+
+
+def response_event(kind: str, **fields: object) -> bytes:
+    payload = orjson.dumps({"type": kind, **fields})
+    return b"event: " + kind.encode() + b"\ndata: " + payload + b"\n\n"
+
+
+def test_responses_events_give_the_id_the_answer_and_the_usage() -> None:
+    usage = {"input_tokens": 40, "input_tokens_details": {"cached_tokens": 32}, "output_tokens": 2}
+    events = b"".join(
+        [
+            response_event("response.created", response={"id": "resp_7", "usage": None}),
+            response_event("response.output_text.delta", output_index=0, delta="he"),
+            response_event("response.output_text.delta", output_index=0, delta="llo"),
+            response_event("response.completed", response={"id": "resp_7", "usage": usage}),
+        ]
+    )
+    for size in (1, 7, len(events)):
+        observer = StreamObserver()
+        seen = observer.seen
+        for start in range(0, len(events), size):
+            assert observer.feed(events[start : start + size]) == events[start : start + size]
+            if seen.response_id is None:
+                assert not seen.complete and seen.cached_tokens is None
+        assert (seen.response_id, seen.answer) == ("resp_7", "hello")
+        assert (seen.prompt_tokens, seen.cached_tokens, seen.complete) == (40, 32, True)

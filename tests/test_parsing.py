@@ -114,3 +114,77 @@ def test_bad_input_is_a_clear_400(body: bytes, code: str) -> None:
     error = orjson.loads(caught.value.body())["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "invalid_request_error"
+
+
+def responses(**fields: object) -> bytes:
+    return orjson.dumps({"model": "m", "input": "hi"} | fields)
+
+
+def test_responses_input_reads_as_chat_messages() -> None:
+    as_string = parse_request(Endpoint.RESPONSES, responses(instructions="S", input="q"), None)
+    as_items = parse_request(
+        Endpoint.RESPONSES,
+        responses(
+            instructions="S",
+            input=[
+                {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "q"}],
+                }
+            ],
+        ),
+        None,
+    )
+    as_chat = parse_request(
+        Endpoint.CHAT,
+        chat(messages=[{"role": "system", "content": "S"}, {"role": "user", "content": "q"}]),
+        None,
+    )
+    assert as_string.canonical == as_items.canonical == as_chat.canonical
+    assert as_string.canonical[as_string.distinct_from :] == message_segment("user", "q")
+
+
+def test_a_responses_conversation_resent_whole_extends_the_previous_prompt_and_answer() -> None:
+    turn1: list[dict[str, object]] = [{"role": "user", "content": "q1"}]
+    answer = {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "status": "completed",
+        "content": [{"type": "output_text", "text": "a1", "annotations": []}],
+    }
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}", "id": "fc"}
+    output = {"type": "function_call_output", "call_id": "c1", "output": "sunny"}
+    turn2 = [*turn1, answer, call, output, {"role": "user", "content": "q2"}]
+    first = parse_request(Endpoint.RESPONSES, responses(input=turn1, tools=[{"type": "x"}]), None)
+    second = parse_request(Endpoint.RESPONSES, responses(input=turn2, tools=[{"type": "x"}]), None)
+    assert second.canonical.startswith(first.canonical + message_segment("assistant", "a1"))
+    # An item's id and status are not part of the prompt.
+    renamed = [*turn1, {**answer, "id": "msg_2", "status": "incomplete"}, call, output]
+    third = parse_request(Endpoint.RESPONSES, responses(input=renamed, tools=[{"type": "x"}]), None)
+    assert second.canonical.startswith(third.canonical)
+
+
+def test_responses_bodies_are_checked() -> None:
+    previous = parse_request(Endpoint.RESPONSES, responses(previous_response_id="resp_1"), None)
+    assert previous.previous_response_id == "resp_1"
+    for bad in (
+        responses(input=7),
+        responses(input=[{"type": "message", "content": "no role"}]),
+        responses(instructions=["x"]),
+        responses(previous_response_id="r" * 129),
+        responses(previous_response_id="resp 1"),
+        responses(input=[{}] * 5),
+    ):
+        with pytest.raises(BadRequest):
+            parse_request(Endpoint.RESPONSES, bad, None, limits=Limits(messages=4))
+
+
+def test_model_only_endpoints_carry_no_prompt() -> None:
+    body = orjson.dumps({"model": "m", "prompt": "a long prompt", "previous_response_id": "x"})
+    for endpoint in (Endpoint.TOKENIZE, Endpoint.RERANK_V1, Endpoint.SCORE_V1):
+        parsed = parse_request(endpoint, body, None)
+        assert (parsed.canonical, parsed.previous_response_id) == (b"", None)
+        assert not endpoint.by_prefix and not endpoint.generates
+    assert Endpoint.RESPONSES.by_prefix and Endpoint.RESPONSES.generates

@@ -1,8 +1,9 @@
 """End to end: a request whose prefix is still being computed on its replica waits for it.
 
-One emulated replica with a slow prefill (a 2,000-token system prompt takes about 0.4 s), the
-gateway on a real port, the official `openai` client streaming. The second request, sent while
-the first is in prefill, finds the system prompt cached when it is held — and computes it a
+One emulated replica with a slow prefill (a 2,000-token system prompt takes about 0.4 s) whose
+first tokens the tests hold back while they need a prefill in progress, the gateway on a real
+port, the official `openai` client streaming. The second request, sent while the first is in
+prefill, finds the system prompt cached when it is held — and computes it a
 second time when it is not (`--prefill-wait 0`). The backend's pending prefill, which the
 policy reads, counts a request's prompt from its routing to its first byte, and a client that
 hangs up before then takes its count away with it.
@@ -12,8 +13,7 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import openai
@@ -23,11 +23,13 @@ import pytest
 from gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
 from tests.fault_servers import FaultServer
-from tests.support import GatewayProcess, metric_value
+from tests.support import GatewayProcess, metric_value, stall, wait_until
 from tests.test_feedback_pruning import admitted
 from tests.words import words
 
 SYSTEM_TOKENS = 2000
+# The tests hold first tokens back on purpose: not a stall to act on.
+NO_STALLS = ("--stall-seconds", "600")
 
 
 @pytest.fixture
@@ -52,30 +54,50 @@ def streamed_cached_tokens(client: openai.OpenAI, system: str, question: str) ->
     return cached
 
 
-def two_requests_at_once(gateway: GatewayProcess) -> tuple[int, int]:
-    """Cached tokens of a first request and of a second sent 0.1 s later, same system prompt
-    (in the order the replica computed them)."""
+def two_requests_in_one_prefill(
+    gateway: GatewayProcess, fleet: EmulatedReplicas, second_arrived: Callable[[], bool]
+) -> tuple[int, int]:
+    """Cached tokens of a first request and of a second with the same system prompt, sent
+    while the first is still in prefill (its replica holds its first token until
+    `second_arrived()`)."""
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
     streamed_cached_tokens(client, words(10, "warm"), "up")  # connections open, client loaded
+    replica = fleet.replicas[0]
     system = words(SYSTEM_TOKENS, "sys")
     results: dict[str, int] = {}
 
-    def first() -> None:
-        results["first"] = streamed_cached_tokens(client, system, words(20, "q1"))
+    def ask(name: str) -> threading.Thread:
+        def run() -> None:
+            results[name] = streamed_cached_tokens(client, system, words(20, name))
 
-    thread = threading.Thread(target=first)
-    thread.start()
-    time.sleep(0.1)
-    results["second"] = streamed_cached_tokens(client, system, words(20, "q2"))
-    thread.join(10)
-    earlier, later = sorted((results["first"], results["second"]))
-    return earlier, later
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    stall(replica, True)
+    try:
+        first = ask("first")
+        wait_until(
+            lambda: replica.metric("vllm:num_requests_running") == 1, "the first on the replica"
+        )
+        second = ask("second")
+        wait_until(second_arrived, "the second request where it waits")
+    finally:
+        stall(replica, False)
+    first.join(60)
+    second.join(60)
+    return results["first"], results["second"]
 
 
 def test_a_request_waits_for_its_prefix_in_prefill(replica: EmulatedReplicas) -> None:
-    with GatewayProcess(replica.urls) as gateway:
-        admitted_gateway = admitted(gateway, 1)
-        first, second = two_requests_at_once(admitted_gateway)
+    # A wait no busy machine outlasts: the test releases the prefill.
+    with GatewayProcess(replica.urls, "--prefill-wait", "60", *NO_STALLS) as gateway:
+        admitted(gateway, 1)
+
+        def held_by_the_gateway() -> bool:
+            return gateway.metric("gateway_backend_in_flight") == 2
+
+        first, second = two_requests_in_one_prefill(gateway, replica, held_by_the_gateway)
         text = gateway.metrics()
     assert first == 0
     assert second >= SYSTEM_TOKENS - 16  # the whole system prompt, to the engine's block
@@ -84,8 +106,14 @@ def test_a_request_waits_for_its_prefix_in_prefill(replica: EmulatedReplicas) ->
 
 
 def test_without_waiting_the_prefix_is_computed_twice(replica: EmulatedReplicas) -> None:
-    with GatewayProcess(replica.urls, "--prefill-wait", "0") as gateway:
-        first, second = two_requests_at_once(admitted(gateway, 1))
+    with GatewayProcess(replica.urls, "--prefill-wait", "0", *NO_STALLS) as gateway:
+        admitted(gateway, 1)
+        engine = replica.replicas[0]
+
+        def on_the_replica() -> bool:
+            return engine.metric("vllm:num_requests_running") == 2
+
+        first, second = two_requests_in_one_prefill(gateway, replica, on_the_replica)
         text = gateway.metrics()
     assert (first, second) == (0, 0)
     assert metric_value(text, "gateway_prefill_waits_total") == 0
@@ -97,21 +125,28 @@ def pending_prefill(gateway: GatewayProcess) -> int:
 
 
 def test_pending_prefill_counts_a_prompt_until_its_first_byte(replica: EmulatedReplicas) -> None:
-    with GatewayProcess(replica.urls) as gateway:
+    with GatewayProcess(replica.urls, *NO_STALLS) as gateway:
         client = openai.OpenAI(
             base_url=admitted(gateway, 1).url + "/v1", api_key="unused", max_retries=0
         )
         streamed_cached_tokens(client, words(10, "warm"), "up")
         assert pending_prefill(gateway) == 0
         system = words(SYSTEM_TOKENS, "pending")
+        engine = replica.replicas[0]
         thread = threading.Thread(
             target=streamed_cached_tokens, args=(client, system, words(20, "q"))
         )
-        thread.start()
-        time.sleep(0.15)
-        during = pending_prefill(gateway)
-        gauge_during = metric_value(gateway.metrics(), "gateway_backend_pending_prefill_blocks")
-        thread.join(10)
+        stall(engine, True)  # no first byte until released
+        try:
+            thread.start()
+            wait_until(
+                lambda: engine.metric("vllm:num_requests_running") == 1, "the request in prefill"
+            )
+            during = pending_prefill(gateway)
+            gauge_during = metric_value(gateway.metrics(), "gateway_backend_pending_prefill_blocks")
+        finally:
+            stall(engine, False)
+        thread.join(60)
         after = pending_prefill(gateway)
         gauge_after = metric_value(gateway.metrics(), "gateway_backend_pending_prefill_blocks")
     # The whole prompt, in the gateway's blocks (a block is several characters of text).
@@ -142,12 +177,6 @@ def test_a_client_gone_before_the_first_byte_leaves_no_pending_prefill() -> None
                 + f"content-length: {len(payload)}\r\n\r\n".encode()
                 + payload
             )
-            deadline = time.monotonic() + 5
-            while replica.stalled == 0:
-                assert time.monotonic() < deadline, "the request never reached the replica"
-                time.sleep(0.02)
+            wait_until(lambda: replica.stalled == 1, "the request on the replica")
             assert pending_prefill(gateway) > 0
-        deadline = time.monotonic() + 5
-        while pending_prefill(gateway) != 0:
-            assert time.monotonic() < deadline, "the pending prefill was never taken back"
-            time.sleep(0.05)
+        wait_until(lambda: pending_prefill(gateway) == 0, "the pending prefill taken back")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import httpx
 import openai
 import pytest
@@ -9,7 +11,7 @@ import pytest
 from gateway.emulator.replicas import EmulatedReplicas
 from gateway.processes import free_port
 from tests.conftest import MODEL
-from tests.support import GatewayProcess, metric_value
+from tests.support import GatewayProcess, metric_value, stall, wait_until
 from tests.words import words
 
 
@@ -60,22 +62,40 @@ def test_models_and_embeddings(client: openai.OpenAI) -> None:
     assert len(vectors.data) == 2 and vectors.data[0].embedding
 
 
-def test_stream_chunks_are_not_held_back(gateway: GatewayProcess, fleet: EmulatedReplicas) -> None:
-    """The first chunk is relayed as it arrives: no buffering, no Nagle-style stall."""
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": words(30)}],
-        "max_tokens": 3,
-        "stream": True,
-    }
+def test_stream_chunks_are_relayed_while_the_replica_still_generates() -> None:
+    """Every chunk the replica has sent reaches the client while the replica sends nothing more:
+    a gateway that held chunks back would leave the client waiting for them."""
     with (
-        httpx.Client(base_url=gateway.url, timeout=10) as http,
-        http.stream("POST", "/v1/chat/completions", json=body) as response,
+        EmulatedReplicas(1, MODEL, ["--decode-ms-per-token", "20"]) as single,
+        GatewayProcess(single.urls) as gateway,
     ):
-        assert response.headers["content-type"].startswith("text/event-stream")
-        events = [line for line in response.iter_lines() if line.startswith("data:")]
-    assert events[-1] == "data: [DONE]"
-    assert len(events) >= 4
+        replica = single.replicas[0]
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": words(30)}],
+            "max_tokens": 3000,  # a minute of decoding
+            "stream": True,
+        }
+        with httpx.stream(
+            "POST", gateway.url + "/v1/chat/completions", json=body, timeout=30
+        ) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            tokens = (line for line in response.iter_lines() if line.startswith('data: {"id"'))
+            for _ in range(3):
+                next(tokens)
+            stall(replica, True)
+            produced = int(replica.metric("vllm:generation_tokens_total"))
+            assert replica.metric("vllm:num_requests_running") == 1
+            assert replica.metric("vllm:request_success_total", finished_reason="length") == 0
+            # The replica now produces nothing: the rest of what it did produce must come.
+            received = 3 + sum(1 for _ in itertools.islice(tokens, produced - 3))
+            assert received == produced
+            assert replica.metric("vllm:generation_tokens_total") == produced
+            stall(replica, False)
+        wait_until(
+            lambda: replica.metric("vllm:request_success_total", finished_reason="abort") == 1,
+            "the replica aborting the stream its client left",
+        )
 
 
 BAD_REQUESTS = [

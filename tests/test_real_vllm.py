@@ -29,6 +29,7 @@ from engines.replica import VLLMReplica
 from engines.tiny_model import ensure_model
 from engines.venv import VLLMVenv
 from tests.support import GatewayProcess, metric_value
+from tests.test_responses import WEATHER_TOOL
 
 pytestmark = pytest.mark.real_vllm
 
@@ -111,6 +112,8 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealFleet]:
             served_model_names=(MODEL, ONLY[index]),
             cpu_cores=str(index),
             extra_args=("--kv-events-config", events_config(endpoints[index])),
+            # Stored responses (vLLM ignores `store` without it): previous_response_id works.
+            env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"},
         )
         for index in range(2)
     ]
@@ -128,13 +131,17 @@ def client(real: RealFleet) -> openai.OpenAI:
 
 
 def ask(
-    client: openai.OpenAI, messages: list[dict[str, str]], model: str = MODEL, **extra: Any
+    client: openai.OpenAI,
+    messages: list[dict[str, str]],
+    model: str = MODEL,
+    max_tokens: int = 8,
+    **extra: Any,
 ) -> tuple[Any, str]:
-    """One non-streamed chat completion of 8 tokens; the reply and the replica that answered."""
+    """One non-streamed chat completion (8 tokens); the reply and the replica that answered."""
     raw = client.chat.completions.with_raw_response.create(
         model=model,
         messages=messages,  # type: ignore[arg-type]
-        max_tokens=8,
+        max_tokens=max_tokens,
         extra_body={"ignore_eos": True, **extra},
     )
     return raw.parse(), raw.headers["x-gateway-backend"]
@@ -357,3 +364,116 @@ def test_responses_api_through_the_replica(real: RealFleet) -> None:
     assert body["object"] == "response"
     assert body["usage"]["output_tokens"] == 4
     assert "cached_tokens" in body["usage"]["input_tokens_details"]
+
+
+def respond(client: openai.OpenAI, **fields: Any) -> tuple[Any, str, str]:
+    """One response of at most 4 tokens: the object, its replica and the gateway's route."""
+    raw = client.responses.with_raw_response.create(
+        model=MODEL, instructions=SYSTEM, max_output_tokens=4, **fields
+    )
+    headers = raw.headers
+    parsed = raw.parse()
+    if fields.get("stream"):
+        events = list(parsed)
+        assert events[0].type == "response.created" and events[-1].type == "response.completed"
+        parsed = events[-1].response
+    return parsed, headers["x-gateway-backend"], headers["x-gateway-route"]
+
+
+def test_responses_through_the_gateway_and_a_chain_on_the_storing_replica(
+    client: openai.OpenAI, real: RealFleet
+) -> None:
+    """Plain, streamed and with tools; then five follow-ups by previous_response_id, each on
+    the replica that stored its predecessor (only it can answer), hitting its cache; then the
+    stored response's own routes at that replica."""
+    plain, _, _ = respond(client, input=text(12, "responses plain"))
+    assert plain.object == "response" and plain.usage.output_tokens >= 1
+    streamed, _, _ = respond(client, input=text(12, "responses streamed"), stream=True)
+    assert streamed.usage is not None and streamed.usage.input_tokens > 0
+    tooled, _, _ = respond(client, input=text(12, "responses tools"), tools=[WEATHER_TOOL])
+    assert tooled.status in ("completed", "incomplete")
+    response, first, _ = respond(client, input=text(12, "responses chain"))
+    for turn in range(5):
+        previous = response.id
+        response, backend, route = respond(
+            client, previous_response_id=previous, input=text(6, f"turn {turn}"), stream=turn == 2
+        )
+        assert (backend, route) == (first, "previous_response"), turn
+        assert response.previous_response_id == previous
+        # At least the instructions' full blocks were cached where the chain is stored.
+        assert response.usage.input_tokens_details.cached_tokens >= BLOCK
+    assert client.responses.retrieve(response.id).id == response.id
+    url = f"{real.gateway.url}/v1/responses/{response.id}"
+    answers = {method: httpx.request(method, url, timeout=60) for method in ("GET", "DELETE")}
+    answers["cancel"] = httpx.post(url + "/cancel", timeout=60)
+    assert {method: answer.headers["x-gateway-backend"] for method, answer in answers.items()} == {
+        "GET": first,
+        "DELETE": first,
+        "cancel": first,
+    }
+    # vLLM 0.32 has no DELETE for responses, and cancels only background ones.
+    assert [answers[name].status_code for name in ("GET", "DELETE", "cancel")] == [200, 405, 400]
+
+
+@pytest.fixture(scope="module")
+def tokens_gateway(real: RealFleet) -> Iterator[GatewayProcess]:
+    """A second gateway in front of the same replicas, tokenizing as they do and following
+    their KV-cache events (learned from their /kv_event_sources)."""
+    args = ("--tokenizer", str(model_folder()), "--engine-block-size", str(BLOCK), "--kv-events")
+    with GatewayProcess(real.urls, *args) as gateway:
+        backends = [f"{replica.host}:{replica.port}" for replica in real.replicas]
+
+        def live() -> bool:
+            text = gateway.metrics()
+            return all(
+                metric_value(text, "gateway_kv_events_live", backend=name) == 1 for name in backends
+            )
+
+        wait_until(live, 60, "both replicas' events flow into the gateway")
+        yield gateway
+
+
+def test_with_the_tokenizer_predicted_matched_tokens_are_the_cached_tokens(
+    tokens_gateway: GatewayProcess,
+) -> None:
+    client = openai.OpenAI(base_url=tokens_gateway.url + "/v1", api_key="unused", max_retries=0)
+    before = tokens_gateway.metrics()
+    messages = [{"role": "system", "content": text(120, "tokenizer-system")}]
+    hits = []
+    for turn in range(5):
+        messages.append({"role": "user", "content": text(30, f"tokenizer-{turn}")})
+        reply, _ = ask(client, messages, max_tokens=40)
+        hits.append(cached(reply))
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    after = tokens_gateway.metrics()
+
+    def grown(name: str) -> float:
+        return metric_value(after, name) - metric_value(before, name)
+
+    predicted = grown("gateway_matched_tokens_predicted_total")
+    reported = grown("gateway_upstream_cached_tokens_total")
+    assert reported == sum(hits) > 0
+    assert abs(predicted - reported) <= 0.05 * reported, (predicted, reported, hits)
+
+
+def test_kv_events_show_blocks_the_gateway_never_sent(
+    real: RealFleet, tokens_gateway: GatewayProcess
+) -> None:
+    # Sent to one replica directly: only its events can tell the gateway it holds the prompt.
+    replica = real.replicas[1]
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text(150, "behind-the-gateway")}],
+        "max_tokens": 1,
+    }
+    reply = httpx.post(replica.url + "/v1/chat/completions", json=body, timeout=60).json()
+    full_blocks = reply["usage"]["prompt_tokens"] // BLOCK
+    assert full_blocks >= 4
+    name = f"{replica.host}:{replica.port}"
+
+    def matched() -> dict[str, int]:
+        explained = httpx.post(tokens_gateway.url + "/admin/explain", json=body, timeout=10)
+        return {row["backend"]: row["matched_blocks"] for row in explained.json()["candidates"]}
+
+    wait_until(lambda: matched().get(name) == full_blocks, 10, f"{name} holds {full_blocks}")
+    assert sum(matched().values()) == full_blocks  # the other replica holds none of it

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -33,7 +33,7 @@ from gateway.state.redis.index import pack_hashes
 from gateway.state.redis.keys import HASH_BYTES
 from gateway.state.sessions import InMemorySessionStore
 from tests.redis_server import RedisServer
-from tests.support import free_port, metric_value
+from tests.support import eventually, free_port, metric_value
 
 TIMEOUT = 0.05
 MODEL = "m"
@@ -70,13 +70,6 @@ class Gateway:
         """Wait for the background writes in flight."""
         while self.link.pending:
             await asyncio.sleep(0.005)
-
-
-async def eventually(condition: Callable[[], bool], seconds: float = 5.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -134,19 +127,18 @@ def test_a_slow_redis_costs_one_timeout_then_nothing_until_it_answers(server: Re
         await gateway.settle()
         server.cli("client", "pause", "1500", "all")
         paused_at = time.monotonic()
-        began = time.perf_counter()
         # The local index answers once the deadline passes.
         assert await gateway.index.match(MODEL, CHAIN) == {"a:1": 40}
-        assert time.perf_counter() - began < 0.5
         assert not gateway.link.up
-        began = time.perf_counter()
         assert await gateway.sessions.get("nobody") is None
-        assert time.perf_counter() - began < 0.01  # known to be away: not asked at all
+        # Known to be away: not asked at all, so no second timeout was waited out.
+        assert gateway.count("gateway_redis_errors_total") == 1
+        assert gateway.count("gateway_redis_operation_seconds_count", operation="session_get") == 0
         assert gateway.count("gateway_redis_errors_total", operation="match") == 1
         assert gateway.count("gateway_redis_fallbacks_total", operation="match") == 1
         assert gateway.count("gateway_redis_fallbacks_total", operation="session_get") == 1
         assert gateway.count("gateway_redis_up") == 0
-        await eventually(lambda: gateway.link.up)
+        await eventually(lambda: gateway.link.up, "the link up again")
         assert time.monotonic() - paused_at > 1.0
         assert gateway.count("gateway_redis_up") == 1
         await gateway.link.close()
@@ -165,7 +157,7 @@ def test_a_restarted_empty_redis_is_backed_by_the_local_index(server: RedisServe
         assert not gateway.link.up
         await gateway.learn(MODEL, "b:2", CHAIN[:10])  # local only while it is away
         server.start()
-        await eventually(lambda: gateway.link.up)
+        await eventually(lambda: gateway.link.up, "the link up again")
         # Redis lost everything; what this gateway learned still routes.
         assert await gateway.index.match(MODEL, CHAIN) == {"a:1": 40, "b:2": 10}
         await gateway.learn(MODEL, "c:3", CHAIN)
@@ -185,14 +177,12 @@ def test_a_gateway_started_while_redis_is_away_serves_and_connects_later() -> No
 
     async def scenario() -> None:
         gateway = Gateway(f"redis://127.0.0.1:{port}/0", "ns")
-        began = time.perf_counter()
-        await gateway.link.start()
-        assert time.perf_counter() - began < 0.5
+        await gateway.link.start()  # refused: it serves from local state at once
         assert not gateway.link.up
         await gateway.learn(MODEL, "a:1", CHAIN)
         assert await gateway.index.match(MODEL, CHAIN) == {"a:1": 40}
         with RedisServer(port=port):
-            await eventually(lambda: gateway.link.up)
+            await eventually(lambda: gateway.link.up, "the link up again")
             await gateway.learn(MODEL, "a:1", CHAIN)
             await gateway.settle()
             assert await gateway.index.shared.match(MODEL, CHAIN) == {"a:1": 40}

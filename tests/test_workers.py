@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from gateway.config import ConfigError, load_settings
 from gateway.emulator.replicas import EmulatedReplicas
 from gateway.server import WORKER_HEADER
 from tests.conftest import MODEL
-from tests.support import GatewayProcess, metric_value
+from tests.support import GatewayProcess, metric_value, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -78,24 +77,24 @@ def chat(base_url: str, text: str) -> str:
         return raw.headers[WORKER_HEADER]
 
 
-def scrape_each_worker(gateway: GatewayProcess) -> dict[str, str]:
-    """`/metrics` as answered by each worker, on fresh connections until both have answered."""
-    answers: dict[str, str] = {}
+def each_worker(gateway: GatewayProcess, path: str) -> dict[str, httpx.Response]:
+    """`GET path` as answered by each worker, on fresh connections until both have answered."""
+    answers: dict[str, httpx.Response] = {}
     for _ in range(200):
-        response = httpx.get(gateway.url + "/metrics", timeout=5)
-        answers.setdefault(response.headers[WORKER_HEADER], response.text)
+        response = httpx.get(gateway.url + path, timeout=5)
+        answers.setdefault(response.headers[WORKER_HEADER], response)
         if len(answers) == 2:
             return answers
-    raise AssertionError(f"only workers {sorted(answers)} answered /metrics")
+    raise AssertionError(f"only workers {sorted(answers)} answered {path}")
 
 
-def wait_for(check: Callable[[], bool], what: str, seconds: float = 20.0) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"not within {seconds} s: {what}")
+def scrape_each_worker(gateway: GatewayProcess) -> dict[str, str]:
+    return {worker: answer.text for worker, answer in each_worker(gateway, "/metrics").items()}
+
+
+def readiness(gateway: GatewayProcess) -> set[int]:
+    """The `/ready` statuses of both workers."""
+    return {answer.status_code for answer in each_worker(gateway, "/ready").values()}
 
 
 def test_both_workers_serve_and_every_scrape_counts_all_requests(
@@ -129,10 +128,10 @@ def test_a_killed_worker_is_restarted_and_counted_and_requests_keep_succeeding(
     os.kill(victim, signal.SIGKILL)
     # Served throughout: by the survivor, then by both.
     served_by = Counter(chat(gateway.url, f"after the kill {tag}") for tag in range(30))
-    wait_for(lambda: len(worker_pids(gateway)) == 2, "a new worker")
+    wait_until(lambda: len(worker_pids(gateway)) == 2, "a new worker")
     replacement = (set(worker_pids(gateway)) - {survivor}).pop()
     assert replacement != victim and not exists(victim)
-    wait_for(
+    wait_until(
         lambda: metric_value(gateway.metrics(), "gateway_workers") == 2, "the replacement serving"
     )
     with ThreadPoolExecutor(8) as pool:
@@ -163,24 +162,26 @@ def test_sigterm_to_the_supervisor_stops_every_worker_gracefully(
 ) -> None:
     stale_counter_file(tmp_path)
     env = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
-    args = ("--workers", "2", "--shutdown-delay", "2")
+    # A delay no busy machine outlasts: the second signal below ends it.
+    args = ("--workers", "2", "--shutdown-delay", "120")
     with GatewayProcess(replicas.urls, *args, env=env) as gateway:
         chat(gateway.url, "one request")
         # The earlier run's file was removed before the workers started.
         assert metric_value(gateway.metrics(), "gateway_requests_total") == 1
-        wait_for(lambda: len(worker_pids(gateway)) == 2, "both workers")
+        wait_until(lambda: len(worker_pids(gateway)) == 2, "both workers")
+        wait_until(lambda: readiness(gateway) == {200}, "both workers ready")
         family = children(gateway.pid)
         os.kill(gateway.pid, signal.SIGTERM)
-        time.sleep(0.3)
-        # Every worker says no at once and still serves through the shutdown delay.
-        ready = {httpx.get(gateway.url + "/ready").status_code for _ in range(10)}
-        assert ready == {503}
+        # Every worker says no, keeps the port open and still serves through the delay.
+        wait_until(lambda: readiness(gateway) == {503}, "both workers saying not ready")
         assert chat(gateway.url, "during the delay") in {"0", "1"}
-        wait_for(lambda: not gateway.running, "the supervisor's exit", 10)
+        assert gateway.running and all(exists(pid) for pid in family)
+        os.kill(gateway.pid, signal.SIGTERM)  # the second signal skips the rest of the delay
+        wait_until(lambda: not gateway.running, "the supervisor's exit")
         assert gateway.stop() == 0
         with pytest.raises(httpx.ConnectError):
             httpx.get(gateway.url + "/health")
-    wait_for(lambda: not any(exists(pid) for pid in family), "no process left", 5)
+    wait_until(lambda: not any(exists(pid) for pid in family), "no process left")
 
 
 def test_workers_must_be_at_least_one() -> None:

@@ -5,7 +5,7 @@ The policy's name is checked where policies are registered (`gateway.routing.pol
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -43,6 +43,22 @@ class Settings:
     load_floor: int = _opt(2, "in-flight requests every backend may take whatever the mean")
     block_tokens: int = _opt(16, "tokens per prefix block")
     chars_per_token: float = _opt(4.0, "characters per token assumed by the block chunking")
+    tokenizer: str = _opt(
+        "",
+        "the served model's folder (tokenizer.json, tokenizer_config.json) or tokenizer.json:"
+        " prompts are tokenized as the engine does and hashed in its blocks of token ids"
+        " (empty: blocks of characters, at --chars-per-token)",
+    )
+    engine_block_size: int = _opt(
+        0,
+        "the engines' KV-cache block size in tokens (vLLM's --block-size), for --tokenizer:"
+        " it replaces --block-tokens (0: keep --block-tokens)",
+    )
+    kv_events: bool = _opt(
+        False,
+        "with --tokenizer: subscribe to each replica's KV-cache events (found at its"
+        " /kv_event_sources) and route on the blocks it holds while they flow",
+    )
     affinity_tokens: int = _opt(256, "tokens hashed into the affinity key of the hash ring")
     min_match_tokens: int = _opt(64, "shortest indexed prefix match worth routing on")
     recent_cap: float = _opt(
@@ -75,7 +91,9 @@ class Settings:
     )
     affinity_ttl: float = _opt(600.0, "seconds an index entry or sticky session lives unused")
     index_max_blocks: int = _opt(2_000_000, "prefix blocks the in-memory index keeps at most")
-    session_max: int = _opt(1_000_000, "sticky sessions the in-memory store keeps at most")
+    session_max: int = _opt(
+        1_000_000, "sticky sessions (and stored responses' replicas) kept at most in memory"
+    )
     session_from_user: bool = _opt(False, "use the request's `user` field as a session key")
     cache_feedback: bool = _opt(
         True,
@@ -273,6 +291,15 @@ class Settings:
         self._validate_policy()
         if self.block_tokens < 1 or self.chars_per_token <= 0:
             raise ConfigError("block_tokens and chars_per_token must be positive")
+        if self.engine_block_size < 0:
+            raise ConfigError("engine_block_size must not be negative")
+        if self.kv_events and (not self.tokenizer or self.isolate_tenants):
+            raise ConfigError(
+                "kv_events needs --tokenizer (events carry token ids), and tenants' chains are"
+                " seeded apart from the engine's (no --isolate-tenants)"
+            )
+        if self.tokenizer and not os.path.exists(self.tokenizer):
+            raise ConfigError(f"tokenizer {self.tokenizer!r} is neither a folder nor a file")
         if not (self.backend or self.backend_dns or self.k8s_service) and self.emulate <= 0:
             raise ConfigError(
                 "no backends: give --backend URL (or GATEWAY_BACKENDS), --backend-dns HOST:PORT,"
@@ -291,6 +318,8 @@ class Settings:
                 "redis_timeout and claim_ttl must be positive, redis_max_connections at least 2"
             )
         self._validate_reliability()
+        if self.engine_block_size:
+            return replace(self, block_tokens=self.engine_block_size)
         return self
 
     def _validate_policy(self) -> None:

@@ -16,7 +16,8 @@ from gateway.control.access import AdminRoute, Guard
 from gateway.errors import BadRequest
 from gateway.prompt.parsing import ENDPOINTS, Endpoint, Limits, parse_request
 from gateway.routing.policies import Route
-from gateway.routing.router import Explanation, Routed
+from gateway.routing.routed import Routed
+from gateway.routing.router import Explanation
 
 _REASONS = {
     Route.SESSION: "the session key's backend {backend} is a candidate within the load bound",
@@ -49,7 +50,14 @@ _REASONS = {
         "on the ring from the request's key, or the least loaded if none is"
     ),
     Route.RETRY: "{backend} is the next candidate after a failed attempt",
-    Route.LEAST_LOADED: "policy least_loaded: {backend} has the fewest requests in flight",
+    Route.LEAST_LOADED: (
+        "policy least_loaded, or an endpoint routed by model alone: {backend} has the fewest"
+        " requests in flight"
+    ),
+    Route.PREVIOUS_RESPONSE: (
+        "{backend} stored the response the request names in previous_response_id: only it can"
+        " answer"
+    ),
     Route.ROUND_ROBIN: "policy round_robin: {backend} is next in turn",
     Route.RANDOM: "policy random: {backend} was drawn",
 }
@@ -77,6 +85,7 @@ def build_explain_router(components: Components, guard: Guard) -> APIRouter:
             settings.default_model,
             settings.session_from_user,
             Limits.of(settings),
+            tokenizer=components.router.tokenizer,
         )
         explanation = await components.router.explain(parsed)
         return Response(
@@ -104,6 +113,9 @@ def _endpoint(given: str | None, body: bytes) -> Endpoint:
         for field, endpoint in (
             ("messages", Endpoint.CHAT),
             ("prompt", Endpoint.COMPLETIONS),
+            # Only the Responses API has these beside `input`.
+            ("instructions", Endpoint.RESPONSES),
+            ("previous_response_id", Endpoint.RESPONSES),
             ("input", Endpoint.EMBEDDINGS),
         ):
             if field in payload:
@@ -159,7 +171,7 @@ def _render(explained: Explanation, components: Components) -> dict[str, Any]:
         "route": decision.route.value,
         "reason": reason,
         "matched_tokens": decision.matched_blocks * block_tokens,
-        "prompt_tokens_estimated": round(len(request.canonical) / settings.chars_per_token),
+        "prompt_tokens_estimated": round(request.estimated_tokens(settings.chars_per_token)),
         "prompt_blocks": len(routed.chain),
         "block_tokens": block_tokens,
         "load_bound": bound,

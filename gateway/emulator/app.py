@@ -8,7 +8,7 @@ import asyncio
 import itertools
 import os
 import time
-from collections.abc import Awaitable, Callable, Coroutine, MutableMapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, MutableMapping, Sequence
 from typing import Any, TypeVar
 
 from gateway.emulator.config import EmulatorConfig
@@ -28,8 +28,17 @@ from gateway.emulator.protocol import (
     parse_chat,
     parse_completion,
     parse_embedding,
+    parse_tokenize,
 )
-from gateway.emulator.responses import DONE, Envelope, Usage, embeddings_body, models_body
+from gateway.emulator.responses import (
+    DONE,
+    Envelope,
+    Usage,
+    embeddings_body,
+    models_body,
+    tokenize_body,
+)
+from gateway.emulator.responses_api import ResponsesAPI
 from gateway.emulator.sampler import Sampler
 from gateway.emulator.timing import TimeModel
 
@@ -42,6 +51,7 @@ _T = TypeVar("_T")
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 _JSON = b"application/json"
+_STORED_RESPONSE = "/v1/responses/"
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -67,10 +77,13 @@ class EmulatorApp:
         self._created = int(time.time())
         self._serial = itertools.count()
         self._id_prefix = os.urandom(4).hex()
+        self.responses = ResponsesAPI(self.engine, config)
         self._routes: dict[str, tuple[str, Handler]] = {
             "/v1/chat/completions": ("POST", self._chat),
             "/v1/completions": ("POST", self._completions),
             "/v1/embeddings": ("POST", self._embeddings),
+            "/v1/responses": ("POST", self._create_response),
+            "/tokenize": ("POST", self._tokenize),
             "/v1/models": ("GET", self._models),
             "/health": ("GET", self._health),
             "/metrics": ("GET", self._metrics),
@@ -86,9 +99,13 @@ class EmulatorApp:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            route = self._routes.get(scope["path"])
+            path: str = scope["path"]
+            if path.startswith(_STORED_RESPONSE):
+                await self._stored_response(scope["method"], path, send)
+                return
+            route = self._routes.get(path)
             if route is None:
-                raise NotFound(f"Not Found: {scope['path']}")
+                raise NotFound(f"Not Found: {path}")
             method, handler = route
             if scope["method"] != method and not (method == "GET" and scope["method"] == "HEAD"):
                 raise MethodNotAllowed(f"Method Not Allowed: use {method}")
@@ -115,6 +132,36 @@ class EmulatorApp:
             request.inputs,
             request.base64,
         )
+        await _respond(send, 200, body)
+
+    async def _tokenize(self, receive: Receive, send: Send) -> None:
+        ids = parse_tokenize(parse_body(await _read_body(receive)), self.config)
+        await _respond(send, 200, tokenize_body(ids, self.config.max_model_len))
+
+    async def _create_response(self, receive: Receive, send: Send) -> None:
+        body = parse_body(await _read_body(receive))
+        await _until_disconnect(receive, self._answer_response(body, send))
+
+    async def _answer_response(self, body: dict[str, Any], send: Send) -> None:
+        created = await self.responses.create(body)
+        if isinstance(created, bytes):
+            await _respond(send, 200, created)
+        else:
+            await _send_events(send, created)
+
+    async def _stored_response(self, method: str, path: str, send: Send) -> None:
+        """`GET`/`DELETE /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`."""
+        response_id, _, action = path[len(_STORED_RESPONSE) :].partition("/")
+        if action == "cancel" and method == "POST":
+            body = self.responses.cancel(response_id)
+        elif action == "" and method in ("GET", "HEAD"):
+            body = self.responses.retrieve(response_id)
+        elif action == "" and method == "DELETE":
+            body = self.responses.delete(response_id)
+        elif action in ("", "cancel"):
+            raise MethodNotAllowed("Method Not Allowed")
+        else:
+            raise NotFound(f"Not Found: {path}")
         await _respond(send, 200, body)
 
     async def _models(self, receive: Receive, send: Send) -> None:
@@ -214,6 +261,13 @@ async def _until_disconnect(receive: Receive, work: Coroutine[Any, Any, None]) -
             await asyncio.wait((task,))
     if not task.cancelled():
         task.result()
+
+
+async def _send_events(send: Send, events: AsyncIterator[bytes]) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+    async for event in events:
+        await send({"type": "http.response.body", "body": event, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _disconnected(receive: Receive) -> None:

@@ -46,6 +46,7 @@ class Run:
         clock: Callable[[], float],
         sleep: Callable[[float], Awaitable[None]],
         flowing: asyncio.Event,
+        stats: EngineStats,
     ) -> None:
         self.prompt_tokens = prompt_tokens
         self.cached_tokens = cached_tokens
@@ -56,6 +57,7 @@ class Run:
         self._clock = clock
         self._sleep = sleep
         self._flowing = flowing
+        self._stats = stats
 
     @property
     def max_tokens(self) -> int:
@@ -72,6 +74,8 @@ class Run:
                 await self._sleep_until(self._time.token_time(self._first_token_at, index))
             await self._flowing.wait()
             self.produced = index + 1
+            # Counted as each token is produced, as vLLM counts each step's tokens.
+            self._stats.generation_tokens += 1
             yield token
 
     async def complete(self) -> str:
@@ -80,6 +84,7 @@ class Run:
             last = self._time.token_time(self._first_token_at, len(self._tokens) - 1)
             await self._sleep_until(last)
         self.produced = len(self._tokens)
+        self._stats.generation_tokens += self.produced
         return "".join(self._tokens)
 
     async def _sleep_until(self, deadline: float) -> None:
@@ -180,6 +185,7 @@ class Engine:
                 self._clock,
                 self._sleep,
                 self._flowing,
+                self.stats,
             )
             yield run
         finally:
@@ -194,15 +200,13 @@ class Engine:
         arrival: float,
     ) -> None:
         reason = "abort"
-        if run is not None:
-            self.stats.generation_tokens += run.produced
-            if run.produced == run.max_tokens:
-                reason = "length"
-                # Like vLLM, the last generated token's KV is never computed.
-                held = [*prompt_ids, *token_ids(run.generated[:-1])]
-                self.cache.publish(lease, block_hashes(held, self.cache.block_size, hashes))
-                if self._observer is not None:
-                    self._observer.finished(self._clock() - arrival)
+        if run is not None and run.produced == run.max_tokens:
+            reason = "length"
+            # Like vLLM, the last generated token's KV is never computed.
+            held = [*prompt_ids, *token_ids(run.generated[:-1])]
+            self.cache.publish(lease, block_hashes(held, self.cache.block_size, hashes))
+            if self._observer is not None:
+                self._observer.finished(self._clock() - arrival)
         self.stats.finished[reason] += 1
         self._release(lease)
 

@@ -30,6 +30,21 @@ class NotFound(EmulatorError):
     error_type = "NotFoundError"
 
 
+class ResponseNotFound(EmulatorError):
+    """vLLM's answer for a stored response it does not hold (also for `previous_response_id`)."""
+
+    status = 404
+    error_type = "invalid_request_error"
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(f"Response with id '{response_id}' not found.", param="response_id")
+
+
+class InvalidResponseRequest(EmulatorError):
+    status = 400
+    error_type = "invalid_request_error"
+
+
 class MethodNotAllowed(EmulatorError):
     status = 405
     error_type = "MethodNotAllowed"

@@ -17,7 +17,7 @@ class EmulatorProcess(ChildProcess):
         name: str = "emulated-model",
         host: str = "127.0.0.1",
         port: int = 0,
-        startup_seconds: float = 15.0,
+        startup_seconds: float = 60.0,
         stop_seconds: float = 5.0,
         end_with_parent: bool = False,
     ) -> None:

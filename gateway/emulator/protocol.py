@@ -56,16 +56,16 @@ def check_model(body: Mapping[str, Any], config: EmulatorConfig) -> None:
 def parse_chat(body: Mapping[str, Any], config: EmulatorConfig) -> GenerationRequest:
     check_model(body, config)
     prompt = chat_prompt_ids(body.get("messages"), body.get("tools"), config.chat_template)
-    requested = _optional_positive_int(body, "max_completion_tokens")
+    requested = optional_positive_int(body, "max_completion_tokens")
     if requested is None:
-        requested = _optional_positive_int(body, "max_tokens")
+        requested = optional_positive_int(body, "max_tokens")
     return _generation("chat", [prompt], requested, body, config)
 
 
 def parse_completion(body: Mapping[str, Any], config: EmulatorConfig) -> GenerationRequest:
     check_model(body, config)
     prompts = completion_prompts(body.get("prompt"))
-    requested = _optional_positive_int(body, "max_tokens")
+    requested = optional_positive_int(body, "max_tokens")
     return _generation("completion", prompts, requested, body, config)
 
 
@@ -82,6 +82,14 @@ def parse_embedding(body: Mapping[str, Any], config: EmulatorConfig) -> Embeddin
             param="dimensions",
         )
     return EmbeddingRequest(inputs=inputs, base64=encoding == "base64")
+
+
+def parse_tokenize(body: Mapping[str, Any], config: EmulatorConfig) -> list[int]:
+    """The token ids of `/tokenize`'s `messages` (as chat renders them) or `prompt`."""
+    check_model(body, config)
+    if "messages" in body:
+        return chat_prompt_ids(body.get("messages"), body.get("tools"), config.chat_template)
+    return completion_prompts(body.get("prompt"))[0]
 
 
 def _generation(
@@ -105,13 +113,14 @@ def _generation(
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise InvalidRequest("cache_salt must be a non-empty string", param="cache_salt")
     prompt_param = "messages" if kind == "chat" else "prompt"
-    limits = [_max_tokens(len(prompt), requested, config, prompt_param) for prompt in prompts]
+    limits = [completion_limit(len(prompt), requested, config, prompt_param) for prompt in prompts]
     return GenerationRequest(kind, prompts, limits, stream, include_usage, salt)
 
 
-def _max_tokens(
+def completion_limit(
     prompt_tokens: int, requested: int | None, config: EmulatorConfig, prompt_param: str
 ) -> int:
+    """The tokens to generate: as `requested` (or the default), if the context has room."""
     room = config.max_model_len - prompt_tokens
     if prompt_tokens < 1:
         raise InvalidRequest("the prompt is empty: it has no tokens", param=prompt_param)
@@ -128,7 +137,7 @@ def _max_tokens(
     return requested
 
 
-def _optional_positive_int(body: Mapping[str, Any], name: str) -> int | None:
+def optional_positive_int(body: Mapping[str, Any], name: str) -> int | None:
     value = body.get(name)
     if value is None:
         return None

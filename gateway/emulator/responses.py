@@ -156,6 +156,13 @@ def models_body(model: str, created: int, max_model_len: int) -> bytes:
     )
 
 
+def tokenize_body(ids: list[int], max_model_len: int) -> bytes:
+    """vLLM's `/tokenize` answer (this tokenizer has no token strings to give)."""
+    return orjson.dumps(
+        {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": None}
+    )
+
+
 def _event(obj: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 

@@ -4,6 +4,8 @@ cache sees it; a batch is marked so it is never taken for one long prompt.
 
     chat        [TOOLS "tools" FIELD json] (MESSAGE role FIELD content [FIELD tool_calls])*
     content     text, and PART json for a part that is not text (images, audio, files)
+    responses   as chat: `instructions` a system message, then each input item a message
+                (a function call an assistant's FIELD json, its output a tool's content)
     completion  text | TOKENS json
     batch       text (MESSAGE text)+ | TOKENS json of lists
 """
@@ -21,6 +23,8 @@ FIELD = b"\x1f"
 TOOLS = b"\x1d"
 TOKENS = b"\x1c"
 PART = b"\x1a"
+_TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
+"""Part types an engine renders as their text (the last two are the Responses API's)."""
 
 
 def message_segment(role: str, content: Any, extra: bytes = b"") -> bytes:
@@ -74,7 +78,7 @@ def _content_bytes(content: Any) -> bytes:
             if not isinstance(part, dict):
                 raise TypeError("content parts must be objects")
             kind = part.get("type")
-            if kind == "text":
+            if kind in _TEXT_PARTS:
                 text = part.get("text")
                 if not isinstance(text, str):
                     raise TypeError("a text part needs a string `text`")

@@ -21,14 +21,44 @@ from gateway.prompt.canonical import (
     tools_block,
 )
 from gateway.prompt.hashing import key_hash
+from gateway.prompt.responses import checked_response_id, responses_canonical
+from gateway.prompt.tokens import TOKEN_BYTES, EngineTokenizer, pack
 
 
 class Endpoint(Enum):
+    """The POST endpoints of the proxy path (docs/endpoints.md says how each is routed)."""
+
     CHAT = "/v1/chat/completions"
     COMPLETIONS = "/v1/completions"
     EMBEDDINGS = "/v1/embeddings"
+    RESPONSES = "/v1/responses"
+    # Routed by model alone: what they carry is not a prompt an engine caches for later.
+    TOKENIZE = "/tokenize"
+    DETOKENIZE = "/detokenize"
+    SCORE = "/score"
+    SCORE_V1 = "/v1/score"
+    RERANK = "/rerank"
+    RERANK_V1 = "/v1/rerank"
+    RERANK_V2 = "/v2/rerank"
+    POOLING = "/pooling"
+    CLASSIFY = "/classify"
+    EMBED_V2 = "/v2/embed"
+
+    @property
+    def by_prefix(self) -> bool:
+        """Routed by its prompt's prefix (else by model alone, to the least loaded replica)."""
+        return self in _BY_PREFIX
+
+    @property
+    def generates(self) -> bool:
+        """Generates text: a stream's usage and a tenant's `cache_salt` apply to it."""
+        return self in _GENERATES
 
 
+_BY_PREFIX = frozenset(
+    {Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.EMBEDDINGS, Endpoint.RESPONSES}
+)
+_GENERATES = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES})
 ENDPOINTS = {endpoint.value: endpoint for endpoint in Endpoint}
 
 
@@ -70,6 +100,24 @@ class RoutingInput:
     wants_usage: bool
     tenant: str | None = None
     """Whose cache namespace the request is in, under tenant isolation."""
+    previous_response_id: str | None = None
+    """A Responses request's `previous_response_id`: only the replica that stored it can
+    answer."""
+    tokens: bytes | None = None
+    """The prompt's token ids as the engine has them, packed (with `--tokenizer`): hashed in
+    the engine's blocks instead of `canonical`."""
+
+    def estimated_tokens(self, chars_per_token: float) -> float:
+        """The prompt's tokens: counted with the engine's tokenizer, else estimated."""
+        if self.tokens is not None:
+            return len(self.tokens) / TOKEN_BYTES
+        return len(self.canonical) / chars_per_token
+
+    def hashed(self, block_chars: int, block_tokens: int) -> tuple[bytes, int]:
+        """The bytes whose blocks are hashed, and a block's length in them."""
+        if self.tokens is not None:
+            return self.tokens, block_tokens * TOKEN_BYTES
+        return self.canonical, block_chars
 
 
 def parse_request(
@@ -80,9 +128,11 @@ def parse_request(
     session_from_user: bool = False,
     limits: Limits = Limits(),
     tenant: str | None = None,
+    tokenizer: EngineTokenizer | None = None,
 ) -> RoutingInput:
     """What routing needs of `body`; a `BadRequest` for anything malformed or past `limits`
-    (its values are counted before it is parsed, its depth checked before it is walked)."""
+    (its values are counted before it is parsed, its depth checked before it is walked). With
+    `tokenizer`, also the prompt's token ids."""
     containers = body.count(b"[") + body.count(b"{")
     if containers + body.count(b",") > limits.values:
         raise BadRequest(
@@ -116,14 +166,22 @@ def parse_request(
         raise BadRequest("stream_options must be an object", param="stream_options")
     wants_usage = bool(options and options.get("include_usage"))
 
+    previous = None
     if endpoint is Endpoint.CHAT:
         canonical, distinct_from = _chat_canonical(payload, limits.messages)
     elif endpoint is Endpoint.COMPLETIONS:
         prompt = payload.get("prompt")
         canonical, distinct_from = _completion_canonical(prompt, "prompt", limits.prompts), 0
-    else:
+    elif endpoint is Endpoint.EMBEDDINGS:
         given = payload.get("input")
         canonical, distinct_from = _completion_canonical(given, "input", limits.prompts), 0
+    elif endpoint is Endpoint.RESPONSES:
+        canonical, distinct_from = responses_canonical(payload, limits.messages)
+        given_previous = payload.get("previous_response_id")
+        if given_previous is not None:
+            previous = checked_response_id(given_previous, "previous_response_id")
+    else:
+        canonical, distinct_from = b"", 0
 
     return RoutingInput(
         endpoint=endpoint,
@@ -134,7 +192,30 @@ def parse_request(
         stream=bool(stream),
         wants_usage=wants_usage,
         tenant=tenant,
+        previous_response_id=previous,
+        tokens=None if tokenizer is None else _tokens(endpoint, payload, tokenizer),
     )
+
+
+def _tokens(
+    endpoint: Endpoint, payload: dict[str, Any], tokenizer: EngineTokenizer
+) -> bytes | None:
+    """The packed ids of a chat's or a single completion's prompt (None for a batch, whose
+    prompts are cached apart, or a chat the template cannot render)."""
+    if endpoint is Endpoint.CHAT:
+        return tokenizer.chat(payload["messages"], payload.get("tools"))
+    if endpoint is Endpoint.COMPLETIONS:
+        prompt = payload["prompt"]
+        if isinstance(prompt, str):
+            return tokenizer.text(prompt)
+        if isinstance(prompt[0], int):  # already token ids (checked by the canonical stream)
+            try:
+                return pack(prompt)
+            except OverflowError:  # not ids any tokenizer makes: the engine refuses them
+                return None
+        if len(prompt) == 1 and isinstance(prompt[0], str):
+            return tokenizer.text(prompt[0])
+    return None
 
 
 def _check_depth(payload: dict[str, Any], limit: int) -> None:

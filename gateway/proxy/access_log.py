@@ -14,7 +14,7 @@ import orjson
 
 from gateway.config import Settings
 from gateway.errors import GatewayError
-from gateway.routing.router import Routed
+from gateway.routing.routed import Routed
 from gateway.routing.types import Outcome
 
 LOGGER = "gateway.access"
@@ -91,7 +91,7 @@ class AccessLog:
                 "status": outcome.status,
                 "stream": request.stream,
                 "attempts": len(outcome.tried),
-                "prompt_tokens_estimated": round(len(request.canonical) / self._chars_per_token),
+                "prompt_tokens_estimated": round(request.estimated_tokens(self._chars_per_token)),
                 "matched_tokens_estimated": decision.matched_blocks * self._block_tokens,
                 "prompt_tokens": outcome.prompt_tokens,
                 "cached_tokens": outcome.cached_tokens,

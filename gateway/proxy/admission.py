@@ -42,7 +42,10 @@ class Admission:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
-            await asyncio.wait_for(asyncio.shield(waiter), self.queue_timeout)
+            # Not `wait_for`: before Python 3.12 it swallows a cancellation that comes as the
+            # slot is handed over, and a client that left would take the slot.
+            async with asyncio.timeout(self.queue_timeout):
+                await asyncio.shield(waiter)
         except TimeoutError:
             if waiter.done() and not waiter.cancelled():
                 return None  # a slot was handed over just as the wait ran out

@@ -22,14 +22,16 @@ from gateway.proxy.attempt import Attempt
 from gateway.proxy.deadlines import Exchange, Interrupted, Why
 from gateway.proxy.http1 import Response
 from gateway.proxy.prefills import Prefills
-from gateway.proxy.relay import Limits, Relay, Relayed
+from gateway.proxy.relay import Limits, Relay, Relayed, Remember
 from gateway.proxy.reply import Headers, Reply
 from gateway.proxy.rewrite import request_usage, with_cache_salt
 from gateway.proxy.upstream import Upstream, UpstreamError, failure, response_headers
-from gateway.routing.router import Routed
+from gateway.routing.routed import Routed
 from gateway.routing.types import Decision, Outcome
 
 _RETRY_STATUSES = frozenset({429, 502, 503, 504})
+# Where `--observe-usage` asks a stream for usage (the Responses API's streams always carry it).
+_USAGE_ASKED = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
 _CLIENT_GONE = (Why.DISCONNECTED, Why.CLIENT_STALLED)
 
 GatewayHeaders = Callable[[Decision], Headers]
@@ -72,19 +74,25 @@ class Forwarder:
         exchange: Exchange,
         reply: Reply,
         gateway_headers: GatewayHeaders,
+        *,
+        method: bytes = b"POST",
+        path: str | None = None,
+        remember: Remember | None = None,
     ) -> Outcome:
+        """Forward `routed`: `body` POSTed to its endpoint, or sent with `method` to `path`;
+        `remember` is told the id of a Responses API response (see `Relay`)."""
         request = routed.request
         strip_usage = (
             self._observe_usage
             and request.stream
             and not request.wants_usage
-            and request.endpoint is not Endpoint.EMBEDDINGS
+            and request.endpoint in _USAGE_ASKED
         )
         if strip_usage:
             body = request_usage(body)
-        if request.tenant is not None and request.endpoint is not Endpoint.EMBEDDINGS:
+        if request.tenant is not None and request.endpoint.generates and method == b"POST":
             body = with_cache_salt(body, request.tenant)
-        tries = _Tries(routed)
+        tries = _Tries(routed, method, path or request.endpoint.value, remember)
         try:
             with exchange.guard():
                 relayed = await self._attempts(
@@ -108,6 +116,7 @@ class Forwarder:
             seen.answer,
             seen.sent_at,
             tries.first_byte_at,
+            seen.completion_tokens,
         )
 
     async def _attempts(
@@ -121,7 +130,6 @@ class Forwarder:
         strip_usage: bool,
     ) -> Relayed:
         routed = tries.routed
-        path = routed.request.endpoint.value
         backend = routed.backend
         pause = 0.0
         while True:
@@ -142,7 +150,11 @@ class Forwarder:
                 try:
                     with exchange.guard():
                         response = await self.upstream.send(
-                            backend.url + path, body, headers, backend.source != "admin"
+                            backend.url + tries.path,
+                            body,
+                            headers,
+                            backend.source != "admin",
+                            tries.method,
                         )
                 except UpstreamError as unsent:
                     relayed, retry = Relayed(0, failure=unsent), None
@@ -209,7 +221,7 @@ class Forwarder:
         out_headers.extend(gateway_headers(tries.decision))
         stream = tries.routed.request.stream
         relayed = await self._relay(
-            attempt, exchange, response, out_headers, reply, stream, strip_usage
+            attempt, exchange, response, out_headers, reply, stream, strip_usage, tries.remember
         )
         return relayed, None
 
@@ -271,10 +283,17 @@ class Forwarder:
 class _Tries:
     """The attempts so far: the decision of the latest and every backend tried."""
 
-    __slots__ = ("decision", "first_byte_at", "routed", "tried", "upcoming")
+    __slots__ = (
+        "decision", "first_byte_at", "method", "path", "remember", "routed", "tried", "upcoming"
+    )
 
-    def __init__(self, routed: Routed) -> None:
+    def __init__(
+        self, routed: Routed, method: bytes, path: str, remember: Remember | None
+    ) -> None:
         self.routed = routed
+        self.method = method
+        self.path = path
+        self.remember = remember
         self.decision = routed.decision
         self.tried = [routed.backend.name]
         self.upcoming: tuple[Backend, Decision] | None = None

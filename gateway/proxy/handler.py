@@ -1,6 +1,7 @@
-"""The proxy path: one lean ASGI handler for the OpenAI inference endpoints, which takes a
-request one way through (docs/architecture.md). The body is read before admission, so that a
-slow client holds no slot; a client's `x-request-id` is used only if it is a short token.
+"""The proxy path: one lean ASGI handler for the OpenAI inference endpoints and the Responses
+API's stored responses, which takes a request one way through (docs/architecture.md). The body
+is read before admission, so that a slow client holds no slot; a client's `x-request-id` is
+used only if it is a short token.
 """
 
 from __future__ import annotations
@@ -28,17 +29,21 @@ from gateway.errors import (
 from gateway.metrics import Metrics
 from gateway.prompt.parsing import (
     ENDPOINTS,
+    Endpoint,
     Limits,
     RoutingInput,
     parse_request,
     session_hash,
 )
+from gateway.prompt.responses import checked_response_id, response_target
 from gateway.proxy.access_log import AccessLog
 from gateway.proxy.admission import Admission, PendingBodies
 from gateway.proxy.asgi import Receive, Scope, Send, header, read_body, too_many_pending_bodies
 from gateway.proxy.deadlines import DeadlineWatch, Exchange, Interrupted, Why
 from gateway.proxy.forwarder import Forwarder
+from gateway.proxy.relay import Remember
 from gateway.proxy.reply import Headers, Reply
+from gateway.routing.routed import Routed
 from gateway.routing.router import Router
 from gateway.routing.types import Decision
 
@@ -186,9 +191,19 @@ class ProxyHandler:
         exchange: Exchange,
         reply: Reply,
     ) -> None:
+        path: str = scope["path"]
+        remember: Remember | None = None
         try:
-            request, issued = self._parse(scope["path"], headers, body, scope.get(TENANT))
-            routed = await self._router.route(request)
+            target = response_target(path)
+            if target is None:
+                request, issued = self._parse(path, headers, body, scope.get(TENANT))
+                routed = await self._router.route(request)
+                if request.endpoint is Endpoint.RESPONSES:
+                    remember = self._remembering(request.tenant)
+            else:
+                routed, issued = await self._to_holder(scope, target[0]), None
+                query: bytes = scope.get("query_string", b"")
+                path += "?" + query.decode("latin-1") if query else ""
         except GatewayError as error:
             await self._reject(scope, request_id, error, reply)
             return
@@ -205,6 +220,9 @@ class ProxyHandler:
                 exchange,
                 reply,
                 lambda decision: self._gateway_headers(decision, request_id, issued),
+                method=scope["method"].encode(),
+                path=path,
+                remember=remember,
             )
         finally:
             watcher.cancel()
@@ -218,6 +236,30 @@ class ProxyHandler:
         ).inc()
         self._access_log.answered(routed, outcome, request_id, began)
         await self._router.learn(routed, outcome)
+
+    async def _to_holder(self, scope: Scope, given_id: str) -> Routed:
+        """A request about a stored response, to the replica that holds it."""
+        response_id = checked_response_id(given_id, "response_id")
+        query: bytes = scope.get("query_string", b"")
+        request = RoutingInput(
+            endpoint=Endpoint.RESPONSES,
+            model="",
+            canonical=b"",
+            distinct_from=0,
+            session_key=None,
+            stream=b"stream=true" in query.lower(),
+            wants_usage=False,
+            tenant=scope.get(TENANT),
+        )
+        return await self._router.route_to_holder(request, response_id)
+
+    def _remembering(self, tenant: str | None) -> Remember:
+        holders = self._router.responses
+
+        async def remember(response_id: str, backend: str) -> None:
+            await holders.remember(response_id, tenant, backend)
+
+        return remember
 
     def _parse(
         self, path: str, headers: list[tuple[bytes, bytes]], body: bytes, tenant: str | None
@@ -236,6 +278,7 @@ class ProxyHandler:
             settings.session_from_user,
             self._limits,
             tenant,
+            self._router.tokenizer,
         )
         issued = None
         if cookie and request.session_key is None:

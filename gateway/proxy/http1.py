@@ -41,6 +41,9 @@ def client_tls(ca_file: str = "", verify: bool = True) -> ssl.SSLContext:
     return context
 
 
+_MAX_HEADS = 4096
+
+
 class ConnectionPool:
     """Idle keep-alive connections per (host, port), reused most recent first."""
 
@@ -59,7 +62,7 @@ class ConnectionPool:
         self._connect_timeout = connect_timeout
         self._max_idle = max_idle_per_host
         self._idle: dict[Origin, list[Connection]] = {}
-        self._heads: dict[str, tuple[Origin, bytes]] = {}
+        self._heads: dict[tuple[bytes, str], tuple[Origin, bytes]] = {}
         self._tls = tls
         self._on_resend = on_resend
         self._max_head_bytes = max_head_bytes
@@ -70,10 +73,11 @@ class ConnectionPool:
         url: str,
         headers: Iterable[tuple[bytes, bytes]],
         body: bytes,
+        method: bytes = b"POST",
     ) -> Response:
-        """POST `body` to `url`; returns once the response's status and headers are in (the
-        caller bounds the wait)."""
-        key, head = self._origin(url)
+        """POST `body` to `url` (or send it with `method`); returns once the response's status
+        and headers are in (the caller bounds the wait)."""
+        key, head = self._origin(method, url)
         request = b"".join(
             [
                 head,
@@ -119,8 +123,8 @@ class ConnectionPool:
                 connection.idle = False
                 connection.close()
 
-    def _origin(self, url: str) -> tuple[Origin, bytes]:
-        cached = self._heads.get(url)
+    def _origin(self, method: bytes, url: str) -> tuple[Origin, bytes]:
+        cached = self._heads.get((method, url))
         if cached is None:
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -128,8 +132,10 @@ class ConnectionPool:
             tls = parts.scheme == "https"
             port = parts.port or (443 if tls else 80)
             path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-            head = f"POST {path} HTTP/1.1\r\nhost: {parts.netloc}\r\n".encode()
-            cached = self._heads[url] = ((parts.hostname, port, tls), head)
+            head = method + f" {path} HTTP/1.1\r\nhost: {parts.netloc}\r\n".encode()
+            if len(self._heads) >= _MAX_HEADS:
+                self._heads.clear()  # paths naming a response each come once
+            cached = self._heads[(method, url)] = ((parts.hostname, port, tls), head)
         return cached
 
     def _take(self, key: Origin) -> Connection | None:

@@ -50,7 +50,8 @@ class Prefills:
         began = time.perf_counter()
         outcome = "computed"
         try:
-            await asyncio.wait_for(done.wait(), self.max_wait)
+            async with asyncio.timeout(self.max_wait):  # `wait_for` may swallow a cancellation
+                await done.wait()
         except TimeoutError:
             outcome = "timeout"
         self._metrics.prefill_waits.labels(outcome).inc()

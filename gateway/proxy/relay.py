@@ -6,6 +6,7 @@ stream that breaks later ends with an SSE error event.
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from gateway.metrics import Metrics
@@ -26,6 +27,10 @@ class Relayed:
     seen: Observation = field(default_factory=Observation)
     failure: UpstreamError | None = None
     """Why the response failed, if it did; with status 0 the attempt may fail over."""
+
+
+Remember = Callable[[str, str], Awaitable[None]]
+"""Told `(response id, backend)` of a Responses API response before the client can use the id."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,11 +54,15 @@ class Relay:
         reply: Reply,
         stream: bool,
         strip_usage: bool,
+        remember: Remember | None = None,
     ) -> Relayed:
-        """Relay `response`; with `strip_usage` the usage the gateway asked for is held back."""
+        """Relay `response`; with `strip_usage` the usage the gateway asked for is held back;
+        `remember` is told the id of a Responses API response before the client has it."""
         status = response.status
         if stream and status == 200:
-            return await self._stream(attempt, exchange, response, headers, reply, strip_usage)
+            return await self._stream(
+                attempt, exchange, response, headers, reply, strip_usage, remember
+            )
         try:
             with exchange.guard():
                 payload = await response.read()
@@ -63,9 +72,16 @@ class Relay:
             return Relayed(0, failure=self._first_byte_missed(stop))
         exchange.finish()
         self._first_byte(attempt)
+        seen = None
+        if remember is not None and status == 200:
+            # Read before the client has the body: its response id must be known first.
+            seen = observe_body(payload)
+            if seen.response_id is not None:
+                await remember(seen.response_id, attempt.backend.name)
         await reply.whole(status, headers, payload)
         self._ended(attempt)
-        seen = observe_body(payload) if status == 200 else Observation()
+        if seen is None:
+            seen = observe_body(payload) if status == 200 else Observation()
         seen.sent_at = attempt.started
         return Relayed(status, seen)
 
@@ -77,6 +93,7 @@ class Relay:
         headers: Headers,
         reply: Reply,
         strip_usage: bool,
+        remember: Remember | None,
     ) -> Relayed:
         try:
             with exchange.guard():
@@ -106,6 +123,10 @@ class Relay:
                         exchange.phase = Why.IDLE
                     if not strip_usage:
                         observer.feed(chunk)
+                    if remember is not None and seen.response_id is not None:
+                        # Once, at `response.created`: long before the client could name it.
+                        await remember(seen.response_id, backend.name)
+                        remember = None
                     chunk = await response.readany()
                     now = clock()
                     exchange.due = now + idle

@@ -140,16 +140,21 @@ class Upstream:
         return forwarded
 
     async def send(
-        self, url: str, body: bytes, headers: list[tuple[bytes, bytes]], credentials: bool
+        self,
+        url: str,
+        body: bytes,
+        headers: list[tuple[bytes, bytes]],
+        credentials: bool,
+        method: bytes = b"POST",
     ) -> UpstreamResponse:
-        """POST `body` unchanged and return once the response headers have arrived;
-        `credentials`: the replica is one the operator configured or discovery found, and
-        gets the gateway's upstream key."""
+        """POST `body` unchanged (or send it with `method`) and return once the response
+        headers have arrived; `credentials`: the replica is one the operator configured or
+        discovery found, and gets the gateway's upstream key."""
         assert self._pool is not None, "Upstream.start() was not awaited"
         if credentials and self._added:
             headers = headers + self._added
         try:
-            return await self._pool.post(url, headers, body)
+            return await self._pool.post(url, headers, body, method)
         except HTTPClientError as exc:
             raise failure_of(exc) from exc
 

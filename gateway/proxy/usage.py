@@ -1,4 +1,5 @@
-"""Reading what a response says about the cache: usage, cached tokens and the answer text.
+"""Reading what a response says about the cache: usage, cached tokens and the answer text, in
+the shapes of chat and completions and of the Responses API (its id too).
 
 Responses are relayed untouched, except that a stream whose usage the gateway asked for itself
 (`--observe-usage`) loses its usage-only event (docs/routing.md).
@@ -26,21 +27,42 @@ class Observation:
     sent_at: float = math.inf
     """`time.perf_counter()` when the request went to the replica that answered (inf: unknown)."""
     complete: bool = False
-    """A stream's `data: [DONE]` went by: the client has the whole answer."""
+    """A stream's `data: [DONE]` (or `response.completed`) went by: the client has it all."""
+    response_id: str | None = None
+    """A Responses API response's id."""
+    completion_tokens: int | None = None
 
     @property
     def answer(self) -> str:
         return "".join(self.answer_parts)
 
     def take_usage(self, usage: Any) -> None:
+        """Chat's usage (`prompt_tokens`...) or the Responses API's (`input_tokens`...)."""
         if not isinstance(usage, dict):
             return
-        prompt = usage.get("prompt_tokens")
+        prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
         if isinstance(prompt, int):
             self.prompt_tokens = prompt
-        details = usage.get("prompt_tokens_details")
+        completion = usage.get("completion_tokens", usage.get("output_tokens"))
+        if isinstance(completion, int):
+            self.completion_tokens = completion
+        details = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
             self.cached_tokens = details["cached_tokens"]
+
+    def take_response(self, response: Any) -> None:
+        """A Responses API response object: its id, usage and first message's text."""
+        if not isinstance(response, dict):
+            return
+        if isinstance(response.get("id"), str):
+            self.response_id = response["id"]
+        self.take_usage(response.get("usage"))
+        for item in response.get("output") or ():
+            if isinstance(item, dict) and item.get("type") == "message":
+                for part in item.get("content") or ():
+                    if isinstance(part, dict) and isinstance(part.get("text"), str):
+                        self.answer_parts.append(part["text"])
+                return
 
 
 def observe_body(body: bytes) -> Observation:
@@ -51,6 +73,9 @@ def observe_body(body: bytes) -> Observation:
     except orjson.JSONDecodeError:
         return seen
     if not isinstance(payload, dict):
+        return seen
+    if payload.get("object") == "response":
+        seen.take_response(payload)
         return seen
     seen.take_usage(payload.get("usage"))
     choices = payload.get("choices")
@@ -131,6 +156,10 @@ class StreamObserver:
                 continue
             if not isinstance(message, dict):
                 continue
+            kind = message.get("type")
+            if isinstance(kind, str) and kind.startswith("response."):
+                self._response_event(kind, message)
+                continue
             choices = message.get("choices")
             if message.get("usage"):
                 self.seen.take_usage(message["usage"])
@@ -148,3 +177,22 @@ class StreamObserver:
                     if isinstance(content, str):
                         self.seen.answer_parts.append(content)
         return usage_only
+
+    def _response_event(self, kind: str, message: dict[str, Any]) -> None:
+        """One of the Responses API's typed events."""
+        seen = self.seen
+        if kind == "response.output_text.delta":
+            if isinstance(message.get("delta"), str):
+                seen.answer_parts.append(message["delta"])
+        elif kind == "response.created":
+            response = message.get("response")
+            if isinstance(response, dict) and isinstance(response.get("id"), str):
+                seen.response_id = response["id"]
+        elif kind in _RESPONSE_ENDS:
+            response = message.get("response")
+            if isinstance(response, dict):
+                seen.take_usage(response.get("usage"))
+            seen.complete = True
+
+
+_RESPONSE_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})

@@ -33,6 +33,18 @@ class LeastLoadedPolicy:
         return Decision(best, Route.LEAST_LOADED, state.matched.get(best, 0))
 
 
+class LeastLoadedInTurnPolicy:
+    """The least loaded, ties taken in turn: for requests no replica can serve better than
+    another (`/tokenize`, `/v1/score`...)."""
+
+    def choose(self, state: RoutingState) -> Decision:
+        candidates = state.candidates
+        start = state.sequence % len(candidates)
+        turn = [*candidates[start:], *candidates[:start]]
+        best = min(turn, key=lambda name: state.loads.get(name, 0))
+        return Decision(best, Route.LEAST_LOADED)
+
+
 class RoundRobinPolicy:
     def choose(self, state: RoutingState) -> Decision:
         name = state.candidates[state.sequence % len(state.candidates)]

@@ -21,6 +21,7 @@ from gateway.config import Settings
 from gateway.metrics import Metrics
 from gateway.prompt.canonical import is_batch
 from gateway.prompt.parsing import Endpoint, RoutingInput
+from gateway.prompt.tokens import TOKEN_BYTES
 from gateway.routing import types
 from gateway.state.index import PrefixIndex
 
@@ -205,6 +206,7 @@ class CacheFeedback:
         self._index = index
         self._metrics = metrics
         self._block_chars = settings.block_chars
+        self._block_tokens = settings.block_tokens
         self._chars_per_token = settings.chars_per_token
         self.tolerance_tokens = settings.block_tokens + _SLACK_TOKENS
         self.links = ChainLinks()
@@ -229,14 +231,15 @@ class CacheFeedback:
     ) -> None:
         model, backend = request.model, outcome.decision.backend
         cached_tokens = outcome.cached_tokens or 0
-        ratio = chars_per_token(
-            len(request.canonical), outcome.prompt_tokens, self._chars_per_token
-        )
+        # With the engine's tokens, "characters" are packed ids: the ratio is their width.
+        hashed, block = request.hashed(self._block_chars, self._block_tokens)
+        assumed = self._chars_per_token if request.tokens is None else TOKEN_BYTES
+        ratio = chars_per_token(len(hashed), outcome.prompt_tokens, assumed)
         verdict = judge(
             outcome.decision.matched_blocks,
             cached_tokens,
             ratio,
-            self._block_chars,
+            block,
             self.tolerance_tokens,
             _SLACK_FRACTION,
         )

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Collection
-from dataclasses import dataclass, field, replace
+from collections.abc import Awaitable
+from dataclasses import dataclass
 
 from gateway.backends.pool import Backend, BackendPool, ModelPool
 from gateway.clock import Clock, monotonic
@@ -18,6 +18,8 @@ from gateway.metrics import Metrics
 from gateway.prompt.canonical import message_segment
 from gateway.prompt.hashing import chain_hashes, extend_hashes, key_hash
 from gateway.prompt.parsing import Endpoint, RoutingInput
+from gateway.prompt.tokens import TOKEN_BYTES, EngineTokenizer
+from gateway.routing.baselines import LeastLoadedInTurnPolicy
 from gateway.routing.conversations import (
     AffinityMiss,
     ConversationTracker,
@@ -27,69 +29,15 @@ from gateway.routing.conversations import (
     miss_cause,
 )
 from gateway.routing.feedback import CacheFeedback
+from gateway.routing.responses import ResponseHolders, not_found
 from gateway.routing.ring import load_bound, within_bound
+from gateway.routing.routed import Routed
 from gateway.routing.traffic import Traffic
 from gateway.routing.types import Decision, Outcome, Policy, Route, RoutingState
 from gateway.state.agreement import Agreement, FleetView
+from gateway.state.engine_blocks import EventFedIndex
 from gateway.state.index import PrefixIndex
-from gateway.state.sessions import SessionStore
-
-
-@dataclass(slots=True, eq=False)
-class Routed:
-    """A request, where the policy sent it, and what the policy saw to decide."""
-
-    request: RoutingInput
-    chain: list[int]
-    """The prompt's block hashes."""
-    decision: Decision
-    backend: Backend
-    serving: ModelPool
-    state: RoutingState
-    sticky: str | None
-    policy: Policy = field(repr=False)
-    index: PrefixIndex = field(repr=False)
-    fleet: FleetView | None = None  # what the fleet answered through Redis, if it did
-    claim_key: int | None = None  # its shared prompt's, when it has one and claims are on
-    turn: Turn | None = None
-    """The request's place in its conversation (chat, or any request with a session key)."""
-    accepted_by: set[str] = field(default_factory=set)
-    """Backends that accepted the request (answered 2xx): its prompt is theirs for good."""
-
-    def accepted(self, backend: str) -> None:
-        """`backend` answered 2xx: the other gateways learn where the prompt is."""
-        if backend not in self.accepted_by:
-            self.accepted_by.add(backend)
-            if self.request.endpoint is not Endpoint.EMBEDDINGS:
-                self.index.share(self.request.model, backend, self.chain)
-
-    @property
-    def affinity_key(self) -> int:
-        return self.state.affinity_key
-
-    def fallback(self, tried: Collection[str]) -> tuple[Backend, Decision] | None:
-        """The policy's next choice (route `retry`) among the backends not yet `tried`."""
-        left = [
-            backend
-            for backend in self.serving.backends
-            if backend.name not in tried and backend.healthy and not backend.draining
-        ]
-        if not left:
-            return None
-        serving = ModelPool(left)
-        state = replace(
-            self.state,
-            candidates=serving.names,
-            members=serving.members,
-            loads=serving.loads,
-            total_load=serving.total_load,
-            recent_total=None,
-            pending_prefill=serving.pending_prefill,
-            sticky=None,
-        )
-        choice = self.policy.choose(state)
-        retry = Decision(choice.backend, Route.RETRY, choice.matched_blocks, choice.load_bound)
-        return serving.by_name[choice.backend], retry
+from gateway.state.sessions import InMemorySessionStore, SessionStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,16 +58,29 @@ class Router:
         policy: Policy,
         metrics: Metrics,
         clock: Clock = monotonic,
+        responses: SessionStore | None = None,
+        tokenizer: EngineTokenizer | None = None,
+        engine_index: EventFedIndex | None = None,
         agreement: Agreement | None = None,
         fleet_share: frozenset[str] = frozenset({"claims", "prompts"}),
     ) -> None:
+        """`responses`: where the replica of each stored response is kept (by default in
+        memory, like sessions)."""
         self.pool = pool
+        self.tokenizer = tokenizer
+        """The engine's tokenizer (`--tokenizer`), which request parsing uses too."""
+        self._engine_index = engine_index
+        """The index fed by the replicas' KV events (`--kv-events`), when `index` is it."""
         self.index = index
         self.sessions = sessions
         self._claims = "claims" in fleet_share
         self._count_prompts = "prompts" in fleet_share
         self.agreement = agreement if self._claims or self._count_prompts else None
         self.policy = policy
+        if responses is None:
+            responses = InMemorySessionStore(settings.affinity_ttl, settings.session_max, clock)
+        self.responses = ResponseHolders(pool, responses)
+        self._by_model = LeastLoadedInTurnPolicy()
         self.metrics = metrics
         self.traffic = Traffic(clock, settings)
         self.conversations = ConversationTracker(
@@ -128,6 +89,7 @@ class Router:
         self.feedback = CacheFeedback(index, metrics, settings) if settings.cache_feedback else None
         self._settings = settings
         self._block_chars = settings.block_chars
+        self._block_tokens = settings.block_tokens
         self._max_blocks = settings.max_prompt_blocks
         self._affinity_chars = round(settings.affinity_tokens * settings.chars_per_token)
         self._decision_seconds = metrics.decision_seconds.labels(settings.policy)
@@ -136,6 +98,12 @@ class Router:
     async def route(self, request: RoutingInput) -> Routed:
         """Decide where `request` goes and record it there."""
         began = time.perf_counter()
+        if request.previous_response_id is not None:
+            routed = await self.route_to_holder(
+                request, request.previous_response_id, "previous_response_id"
+            )
+            self._decision_seconds.observe(time.perf_counter() - began)
+            return routed
         routed = await self.decide(request, count=True)
         self._decision_seconds.observe(time.perf_counter() - began)
         self._routed += 1
@@ -153,7 +121,7 @@ class Router:
             fleet is not None
             and fleet.claimed is None
             and claim_key is not None
-            and routed.decision.matched_blocks < min(routed.state.private_from, len(routed.chain))
+            and routed.decision.matched_blocks < _shared_end(routed.state)
             and self._cold(routed.state.shared_share, routed.serving)
         ):
             # This backend computes the shared prompt now: the other gateways count it as
@@ -162,14 +130,50 @@ class Router:
             self.agreement.claim(request.model, routed.chain[0], claim_key, backend)
         return routed
 
+    async def route_to_holder(
+        self, request: RoutingInput, response_id: str, param: str = "response_id"
+    ) -> Routed:
+        """`request` (naming a stored response in `param`) to the replica holding
+        `response_id`; a 404 when no gateway saw it produced for this tenant (no replica is
+        tried: one might hold another tenant's), or its replica is gone."""
+        holder = await self.responses.holder(response_id, request.tenant, param)
+        if holder is None:
+            raise not_found(response_id, param)
+        return self.pinned(request, holder)
+
+    def pinned(self, request: RoutingInput, backend: Backend) -> Routed:
+        """`request` to `backend` whatever its load: it holds what the request names. The
+        prompt it computes starts with the stored conversation, which the gateway never saw
+        whole: nothing of it is recorded in the index."""
+        serving = ModelPool([backend])
+        state = RoutingState(candidates=serving.names, loads=serving.loads)
+        decision = Decision(backend.name, Route.PREVIOUS_RESPONSE)
+        return Routed(
+            request,
+            [],
+            decision,
+            backend,
+            serving,
+            state,
+            None,
+            self.policy,
+            self.index,
+            pinned=True,
+        )
+
     async def decide(self, request: RoutingInput, count: bool = False) -> Routed:
         """The policy's decision for `request` now; with `count` it counts in its shared
         prompt's traffic (routed, not explained). Records nothing else."""
         serving = self.serving(request.model)
-        chain = chain_hashes(
-            request.canonical, self._block_chars, _seed(request), limit=self._max_blocks
-        )
+        if not request.endpoint.by_prefix:
+            return self._least_loaded(request, serving)
+        hashed, block = request.hashed(self._block_chars, self._block_tokens)
+        chain = chain_hashes(hashed, block, _seed(request), limit=self._max_blocks)
         private_from = request.distinct_from // self._block_chars
+        if request.tokens is not None and request.canonical:
+            # Where the first user message begins, in tokens, at the prompt's own ratio.
+            share = request.distinct_from / len(request.canonical)
+            private_from = int(share * len(hashed)) // block
         affinity_key = self._affinity_key(request)
         prompt_key = self.traffic.shared_prompt(chain, private_from)
         claim_key = prompt_key if self._claims else None
@@ -235,15 +239,32 @@ class Router:
             claim_key,
         )
 
+    def _least_loaded(self, request: RoutingInput, serving: ModelPool) -> Routed:
+        state = RoutingState(candidates=serving.names, loads=serving.loads, sequence=self._routed)
+        decision = self._by_model.choose(state)
+        backend = serving.by_name[decision.backend]
+        return Routed(
+            request, [], decision, backend, serving, state, None, self._by_model, self.index
+        )
+
     async def explain(self, request: RoutingInput) -> Explanation:
         """The decision `route` would make for `request` now, recording nothing."""
-        routed = await self.decide(request)
-        prompt = fingerprint(request.canonical) if request.endpoint is Endpoint.CHAT else None
+        previous = request.previous_response_id
+        if previous is not None:
+            routed = await self.route_to_holder(request, previous, "previous_response_id")
+        else:
+            routed = await self.decide(request)
+        prompt = fingerprint(request.canonical) if request.endpoint in _CONVERSATIONS else None
         return Explanation(routed, self.conversations.peek(request.session_key, prompt))
 
     async def learn(self, routed: Routed, outcome: Outcome) -> None:
         """Take in what came back: failover, the answer's blocks, cached tokens, affinity."""
         request = routed.request
+        if routed.pinned or not request.endpoint.by_prefix:
+            self._observed(outcome, request.model)
+            if len(outcome.tried) > 1:
+                self.metrics.child(self.metrics.failovers, request.model).inc()
+            return
         served = outcome.decision.backend
         first = routed.backend.name
         if first not in routed.accepted_by and request.endpoint is not Endpoint.EMBEDDINGS:
@@ -262,17 +283,14 @@ class Router:
         metrics = self.metrics
         settings = self._settings
         metrics.child(metrics.prompt_tokens_estimated, model).inc(
-            len(request.canonical) / settings.chars_per_token
+            request.estimated_tokens(settings.chars_per_token)
         )
         metrics.child(metrics.matched_tokens_predicted, model).inc(
             outcome.decision.matched_blocks * settings.block_tokens
         )
-        if outcome.prompt_tokens is not None:
-            metrics.child(metrics.upstream_prompt_tokens, model, served).inc(outcome.prompt_tokens)
-        if outcome.cached_tokens is not None:
-            metrics.child(metrics.upstream_cached_tokens, model, served).inc(outcome.cached_tokens)
+        self._observed(outcome, model)
         segment = message_segment("assistant", outcome.answer) if outcome.answer else b""
-        chain = self._with_answer(routed, segment)
+        chain = self._with_answer(routed, outcome, segment)
         if self.feedback is not None:
             # Before the answer is recorded: pruning looks at what was known before it.
             await self.feedback.observe(request, routed.chain, outcome, chain)
@@ -280,6 +298,19 @@ class Router:
         if chain is not routed.chain:
             await self.index.record(model, served, chain)
             self.index.share(model, served, chain)
+        if self._engine_index is not None:
+            # The request is over: what the replica stored of it, its events have told.
+            self._engine_index.settle(served, chain)
+
+    def _observed(self, outcome: Outcome, model: str) -> None:
+        """Count the prompt and cached tokens the replica reported for an answered request."""
+        if outcome.status != 200:
+            return
+        metrics, served = self.metrics, outcome.decision.backend
+        if outcome.prompt_tokens is not None:
+            metrics.child(metrics.upstream_prompt_tokens, model, served).inc(outcome.prompt_tokens)
+        if outcome.cached_tokens is not None:
+            metrics.child(metrics.upstream_cached_tokens, model, served).inc(outcome.cached_tokens)
 
     def _cold(self, share: float, serving: ModelPool) -> bool:
         """A shared prompt the owner rule keeps in one place: at most c / n of recent requests."""
@@ -318,6 +349,8 @@ class Router:
         return key if request.tenant is None else key ^ key_hash(request.tenant)
 
     async def _record(self, request: RoutingInput, backend: str, chain: list[int]) -> None:
+        if not request.endpoint.by_prefix:
+            return
         if request.endpoint is not Endpoint.EMBEDDINGS:
             await self.index.record(request.model, backend, chain)
         if request.session_key is not None:
@@ -326,7 +359,7 @@ class Router:
     def _follow(self, routed: Routed) -> Turn | None:
         """Place the request in its conversation; count a cache break when it has one."""
         request = routed.request
-        is_chat = request.endpoint is Endpoint.CHAT
+        is_chat = request.endpoint in _CONVERSATIONS
         if not is_chat and request.session_key is None:
             return None
         prompt = fingerprint(request.canonical) if is_chat else None
@@ -345,14 +378,23 @@ class Router:
             )
         return turn
 
-    def _with_answer(self, routed: Routed, segment: bytes) -> list[int]:
+    def _with_answer(self, routed: Routed, outcome: Outcome, segment: bytes) -> list[int]:
         """The chain of the prompt and its answer, which a chat's next turn extends."""
-        if routed.request.endpoint is not Endpoint.CHAT or not segment:
+        if routed.request.endpoint not in _CONVERSATIONS or not segment:
             return routed.chain
-        history = routed.request.canonical + segment
-        chain = extend_hashes(
-            routed.chain, history, self._block_chars, _seed(routed.request), self._max_blocks
-        )
+        request = routed.request
+        hashed, block = request.hashed(self._block_chars, self._block_tokens)
+        if request.tokens is not None and self.tokenizer is not None:
+            answer = self.tokenizer.text(outcome.answer, add_special_tokens=False)
+            generated = outcome.completion_tokens
+            if generated is not None and len(answer) != generated * TOKEN_BYTES:
+                # The engine cached the ids it generated, which this text does not encode back
+                # to (it encodes to as many, as a rule, when they are the same).
+                return routed.chain
+            history = hashed + answer
+        else:
+            history = hashed + segment
+        chain = extend_hashes(routed.chain, history, block, _seed(request), self._max_blocks)
         # An answer too short to complete a block adds nothing routing did not record.
         return chain if len(chain) > len(routed.chain) else routed.chain
 
@@ -379,8 +421,17 @@ class Router:
         self.metrics.child(self.metrics.affinity_misses, model, miss.value).inc()
 
 
+_CONVERSATIONS = frozenset({Endpoint.CHAT, Endpoint.RESPONSES})
+"""Endpoints whose prompts are messages, each turn extending the last with its answer."""
+
+
 async def _nothing() -> None:
     return None
+
+
+def _shared_end(state: RoutingState) -> int:
+    """The block where the request's shared prompt ends."""
+    return min(state.private_from, len(state.hashes))
 
 
 def _seed(request: RoutingInput) -> int:

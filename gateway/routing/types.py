@@ -19,6 +19,8 @@ class Route(Enum):
     OVERFLOW = "overflow"
     FALLBACK = "fallback"
     RETRY = "retry"
+    PREVIOUS_RESPONSE = "previous_response"
+    """To the replica that stored the response a request names: no other can answer it."""
     LEAST_LOADED = "least_loaded"
     ROUND_ROBIN = "round_robin"
     RANDOM = "random"
@@ -97,3 +99,4 @@ class Outcome:
     """`time.perf_counter()` when the answering attempt was sent."""
     first_byte_at: float = 0.0
     """`time.perf_counter()` when its first byte came back (0: none came)."""
+    completion_tokens: int | None = None

@@ -24,6 +24,8 @@ class SharedState:
     link: RedisLink
     index: FallbackPrefixIndex
     sessions: FallbackSessionStore
+    responses: FallbackSessionStore
+    """The replica that stored each response, by its id's hash."""
     keys: KeySpace
     agreement: FallbackAgreement
 
@@ -33,6 +35,7 @@ def connect(
     metrics: Metrics,
     index: InMemoryPrefixIndex,
     sessions: InMemorySessionStore,
+    responses: InMemorySessionStore,
 ) -> SharedState:
     """Build (without I/O) the link and the Redis-backed stores; `link.start()` connects."""
     client = open_client(settings.redis_url, settings.redis_timeout, settings.redis_max_connections)
@@ -42,10 +45,14 @@ def connect(
     keys = KeySpace(settings.redis_prefix)
     shared_index = RedisPrefixIndex(client, keys, settings.affinity_ttl)
     shared_sessions = RedisSessionStore(client, keys, settings.affinity_ttl)
+    shared_responses = RedisSessionStore(
+        client, keys, settings.affinity_ttl, key_of=KeySpace.response
+    )
     return SharedState(
         link,
         FallbackPrefixIndex(index, shared_index, link, settings.affinity_ttl),
         FallbackSessionStore(sessions, shared_sessions, link),
+        FallbackSessionStore(responses, shared_responses, link, "response", patient=True),
         keys,
         FallbackAgreement(
             RedisAgreement(client, keys, settings.claim_ttl, settings.recent_half_life), link

@@ -85,7 +85,8 @@ def open_client(url: str, timeout: float, max_connections: int) -> RedisClient:
         # One immediate retry replaces a pooled connection that died with a restarted server.
         retry=Retry(NoBackoff(), 1),
     )
-    return Redis(connection_pool=pool)
+    # The client owns the pool, so closing the client closes its connections too.
+    return Redis.from_pool(pool)
 
 
 class RedisLink:
@@ -203,14 +204,24 @@ class RedisLink:
         self._metrics.redis_up.set(0)
         await self.client.aclose()
 
-    async def _write(self, operation: str, work: Callable[[], Awaitable[object]]) -> None:
+    @property
+    def write_timeout(self) -> float:
+        """A write's deadline: a burst of long prompts' writes queued in Redis may take longer
+        than a lookup's deadline without the link being down."""
+        return max(_WRITE_TIMEOUT_FACTOR * self.timeout, 0.5)
+
+    async def write(self, operation: str, work: Callable[[], Awaitable[object]]) -> bool:
+        """Write now, within the write deadline; False (counted) when Redis did not take it."""
         try:
-            # No request waits on a write: a burst of long prompts' writes queued in Redis may
-            # take longer than a lookup's deadline without the link being down.
-            await self.call(operation, work, max(_WRITE_TIMEOUT_FACTOR * self.timeout, 0.5))
+            await self.call(operation, work, self.write_timeout)
         except RedisUnavailable:
             self._lost_write_at = time.monotonic()
             self.fell_back(operation)
+            return False
+        return True
+
+    async def _write(self, operation: str, work: Callable[[], Awaitable[object]]) -> None:
+        await self.write(operation, work)
 
     async def _ping_once(self) -> None:
         # redis-py types its commands for both clients (`Awaitable[bool] | bool`).

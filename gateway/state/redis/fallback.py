@@ -88,12 +88,25 @@ class FallbackPrefixIndex:
 
 
 class FallbackSessionStore:
+    """Sessions, or (`name="response"`) the replicas of stored responses, which are `patient`:
+    a miss there fails the request rather than slowing it, so a lookup waits for Redis up to
+    a write's deadline and a `put` is awaited (a client may name a response at another gateway
+    as soon as it has it)."""
+
     def __init__(
-        self, local: InMemorySessionStore, shared: RedisSessionStore, link: RedisLink
+        self,
+        local: InMemorySessionStore,
+        shared: RedisSessionStore,
+        link: RedisLink,
+        name: str = "session",
+        patient: bool = False,
     ) -> None:
         self.local = local
         self.shared = shared
         self._link = link
+        self._get = f"{name}_get"
+        self._put = f"{name}_put"
+        self._patient = patient
 
     def __len__(self) -> int:
         return len(self.local)
@@ -101,12 +114,16 @@ class FallbackSessionStore:
     async def get(self, key: str) -> str | None:
         local = await self.local.get(key)
         try:
-            shared = await self._link.call("session_get", lambda: self.shared.get(key))
+            deadline = self._link.write_timeout if self._patient else None
+            shared = await self._link.call(self._get, lambda: self.shared.get(key), deadline)
         except RedisUnavailable:
-            self._link.fell_back("session_get")
+            self._link.fell_back(self._get)
             return local
         return shared if shared is not None else local
 
     async def put(self, key: str, backend: str) -> None:
         await self.local.put(key, backend)
-        self._link.submit("session_put", lambda: self.shared.put(key, backend))
+        if self._patient:
+            await self._link.write(self._put, lambda: self.shared.put(key, backend))
+        else:
+            self._link.submit(self._put, lambda: self.shared.put(key, backend))

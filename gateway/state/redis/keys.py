@@ -1,6 +1,6 @@
 """Key names in Redis (docs/redis.md): blocks, claims and prompt counts under a hash tag of model
-and first block, so a lookup's keys share one Redis Cluster slot; sessions; the fleet's load
-hash.
+and first block, so a lookup's keys share one Redis Cluster slot; sessions; stored responses'
+replicas; the fleet's load hash.
 """
 
 from __future__ import annotations
@@ -41,6 +41,10 @@ class KeySpace:
 
     def session(self, key: str) -> str:
         return f"{self.namespace}:s:{key_hash(key):016x}"
+
+    def response(self, key: str) -> str:
+        """Where the replica holding a stored response is kept (`key`: its id's hash)."""
+        return f"{self.namespace}:r:{key_hash(key):016x}"
 
     def fleet_load(self) -> str:
         return f"{self.namespace}:load"

@@ -1,0 +1,147 @@
+"""KV-event feeds against a stand-in for vLLM's publisher: an HTTP server answering
+`/kv_event_sources` as vLLM 0.32 does and a ZeroMQ PUB socket sending the recorded sample's
+frames (tests/data/vllm_kv_events.msgpack) exactly as received from a real replica."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+import zmq
+
+from engines.kv_events import load_sample
+from gateway.backends.kv_events import KVEventFeeds, sources, subscribe_address
+from gateway.backends.pool import BackendPool
+from gateway.metrics import Metrics
+
+SAMPLE = Path(__file__).parent / "data" / "vllm_kv_events.msgpack"
+
+
+class Publisher:
+    """vLLM's side: its event-source answer on HTTP, its PUB socket on ipc."""
+
+    def __init__(self, folder: Path) -> None:
+        self.endpoint = f"ipc://{folder}/events.sock"
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.PUB)
+        self.socket.bind(self.endpoint)
+        answer = json.dumps(
+            {
+                "0": {
+                    "enable_kv_cache_events": True,
+                    "publisher": "zmq",
+                    "endpoint": self.endpoint,
+                    "topic": "kv-events",
+                }
+            }
+        ).encode()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                found = self.path == "/kv_event_sources"
+                self.send_response(200 if found else 404)
+                self.send_header("content-length", str(len(answer) if found else 0))
+                self.end_headers()
+                if found:
+                    self.wfile.write(answer)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.http.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http.server_address[1]}"
+
+    def send(self, frames: list[tuple[bytes, int, bytes]]) -> None:
+        for topic, seq, payload in frames:
+            self.socket.send_multipart([topic, seq.to_bytes(8, "big"), payload])
+
+    def close(self) -> None:
+        self.socket.close(0)
+        self.context.term()
+        self.http.shutdown()
+        self.http.server_close()
+
+
+@pytest.fixture
+def publisher(tmp_path: Path) -> Iterator[Publisher]:
+    publisher = Publisher(tmp_path)
+    yield publisher
+    publisher.close()
+
+
+async def until(check: object, what: str, seconds: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not check():  # type: ignore[operator]
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"not true after {seconds:.0f} s: {what}")
+        await asyncio.sleep(0.05)
+
+
+def test_sources_and_where_to_connect() -> None:
+    answer = {
+        "0": {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": "tcp://*:5557",
+            "topic": "kv-events",
+        }
+    }
+    assert sources(answer) == [("tcp://*:5557", "kv-events")]
+    assert sources({}) == []
+    assert subscribe_address("tcp://*:5557", "http://10.0.0.7:8000") == "tcp://10.0.0.7:5557"
+    assert subscribe_address("tcp://10.0.0.9:5557", "http://10.0.0.7:8000") == "tcp://10.0.0.9:5557"
+    assert subscribe_address("ipc:///tmp/e.sock", "http://10.0.0.7:8000") == "ipc:///tmp/e.sock"
+
+
+def test_a_feed_follows_the_publisher_then_falls_back_when_it_goes(
+    publisher: Publisher,
+) -> None:
+    frames = load_sample(SAMPLE)
+
+    async def scenario() -> None:
+        pool = BackendPool.from_specs((publisher.url,))
+        name = pool.backends[0].name
+        metrics = Metrics()
+        stored: list[int] = []
+        async with httpx.AsyncClient() as client:
+            feeds = KVEventFeeds(
+                pool, client, 32, metrics, lambda _, blocks: stored.extend(blocks), interval=0.1
+            )
+            feeds.start()
+            try:
+                await until(lambda: name in feeds.live(), "the feed is live")
+                # The subscription takes a moment to reach the publisher: send until heard.
+                for _ in range(50):
+                    publisher.send(frames[:1])
+                    await asyncio.sleep(0.1)
+                    if stored:
+                        break
+                assert stored, "the first stored blocks were heard"
+
+                def sample(series: str, **labels: str) -> float | None:
+                    return metrics.registry.get_sample_value(series, {"backend": name, **labels})
+
+                received = sample("gateway_kv_events_messages_total")
+                assert received is not None
+                publisher.send(
+                    [(topic, seq + 1000, payload) for topic, seq, payload in frames[1:2]]
+                )
+                await until(lambda: name not in feeds.live(), "a skipped sequence number")
+                assert sample("gateway_kv_events_fallbacks_total", reason="missed") == 1
+                assert sample("gateway_kv_events_messages_total") == received + 1
+                assert sample("gateway_kv_events_live") == 0
+            finally:
+                await feeds.stop()
+
+    asyncio.run(scenario())
