@@ -54,6 +54,8 @@ class Tally:
     cached: int = 0
     requests: int = 0
     failed: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
+    """Failed requests by status code or exception."""
     per_replica: dict[str, int] = field(default_factory=dict)
     routes: dict[str, int] = field(default_factory=dict)
     holders: dict[str, set[str]] = field(default_factory=dict)
@@ -62,6 +64,10 @@ class Tally:
     moved: int = 0
     """Later turns of a conversation served by another replica than the turn before."""
     latencies: list[float] = field(default_factory=list)
+
+    def fail(self, why: str) -> None:
+        self.failed += 1
+        self.failures[why] = self.failures.get(why, 0) + 1
 
     def copies(self) -> float:
         """Replicas per system prompt: how many computed each, on average."""
@@ -90,11 +96,12 @@ async def _session(
         began = time.perf_counter()
         try:
             response = await http.post(url + "/v1/chat/completions", json=body)
-        except httpx.HTTPError:
-            tally.failed += 1
+        except httpx.HTTPError as error:
+            tally.fail(type(error).__name__)
             return
         if response.status_code != 200:
-            tally.failed += 1
+            shown = response.text[:80].replace("|", "/").replace("\n", " ")
+            tally.fail(f"{response.status_code} {shown}")
             return
         tally.latencies.append(time.perf_counter() - began)
         reply = response.json()
@@ -292,9 +299,12 @@ def print_row(row: Row) -> None:
     requests = max(1, tally.requests)
     routes = ", ".join(f"{name} {number}" for name, number in sorted(tally.routes.items()))
     moved = f"{tally.moved} of {tally.later_turns}" if tally.later_turns else "–"
+    failed = str(tally.failed)
+    if tally.failures:
+        failed += " (" + "; ".join(f"{why}: {n}" for why, n in tally.failures.items()) + ")"
     label = row.redis if not row.resumed else f"{row.redis}, killed ({row.resumed})"
     print(
-        f"| {row.workload} | {row.gateways} | {label} | {tally.requests} | {tally.failed} "
+        f"| {row.workload} | {row.gateways} | {label} | {tally.requests} | {failed} "
         f"| {tally.cached / max(1, tally.prompt):.1%} | {tally.balance(4):.2f} "
         f"| {tally.copies():.2f} | {moved} | {routes} "
         f"| {row.round_trips / requests:.2f} | {commands / requests:.1f} "

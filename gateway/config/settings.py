@@ -252,14 +252,14 @@ class Settings:
     fleet_share: tuple[str, ...] = _opt(
         ("claims", "traffic", "prompts"),
         "what gateways on one Redis tell each other besides the index, the sessions and their"
-        " requests in flight: `claims` (where a new prompt was placed first), `traffic` (pending"
+        " requests in flight: `claims` (where a shared prompt was sent first), `traffic` (pending"
         " prefill and recent requests per replica), `prompts` (each shared prompt's recent"
         " requests); `none` for none of them; repeat for several",
     )
     claim_ttl: float = _opt(
         10.0,
-        "seconds the first placement of a new prompt binds the other gateways (through Redis)"
-        " until its index entries land",
+        "seconds a shared prompt counts as held, for every gateway on the Redis, by the backend"
+        " it was first sent to, until the index shows it there",
     )
     sticky_cookie: str = _opt(
         "", "cookie name: issue a session key as a cookie that then acts like x-session-id"

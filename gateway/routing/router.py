@@ -122,6 +122,7 @@ class Router:
             and fleet.claimed is None
             and claim_key is not None
             and routed.decision.matched_blocks < _shared_end(routed.state)
+            and self._cold(routed.state.shared_share, routed.serving)
         ):
             # This backend computes the shared prompt now: the other gateways count it as
             # held there until the index says so (it is shared once the replica accepts it).
@@ -185,23 +186,25 @@ class Router:
         if request.session_key is None and agreement is None:
             matched = await self.index.match(request.model, chain)
         else:
-            session: Awaitable[str | None] = _nothing()
-            if request.session_key is not None:
-                session = self.sessions.get(request.session_key)
-            consulted: Awaitable[FleetView | None] = _nothing()
-            if agreement is not None and prompt_key is not None:
-                consulted = agreement.consult(
-                    request.model, chain[0], prompt_key, fleet_prompt, count
-                )
+            key = request.session_key
+            session = self.sessions.get(key) if key is not None else _nothing()
+            consulted: Awaitable[FleetView | None] = (
+                agreement.consult(request.model, chain[0], prompt_key, fleet_prompt, count)
+                if agreement is not None and prompt_key is not None
+                else _nothing()
+            )
             # At once: with Redis they are round trips that need not wait in turn.
             matched, sticky, fleet = await asyncio.gather(
                 self.index.match(request.model, chain), session, consulted
             )
-            claimed = fleet.claimed if fleet is not None and self._claims else None
-            shared_end = min(private_from, len(chain))
-            if claimed is not None and matched.get(claimed, 0) < shared_end:
-                # Its claimant is computing the shared prompt: as good as indexed there.
-                matched = {**matched, claimed: shared_end}
+        share = self.traffic.prompt_share(
+            chain, private_from, count, fleet.prompt_count if fleet is not None else None
+        )
+        claimed = fleet.claimed if fleet is not None and self._claims else None
+        end = min(private_from, len(chain))
+        if claimed and matched.get(claimed, 0) < end and self._cold(share, serving):
+            # Its claimant computes the shared prompt: as if indexed there (a hot one spreads).
+            matched = {**matched, claimed: end}
         recent = self.traffic.recent
         state = RoutingState(
             candidates=serving.names,
@@ -216,9 +219,7 @@ class Router:
             members=serving.members,
             total_load=serving.total_load,
             recent_total=recent.sum_over(serving.members),
-            shared_share=self.traffic.prompt_share(
-                chain, private_from, count, fleet.prompt_count if fleet is not None else None
-            ),
+            shared_share=share,
             sequence=self._routed,
             pending_prefill=serving.pending_prefill,
         )
@@ -310,6 +311,10 @@ class Router:
             metrics.child(metrics.upstream_prompt_tokens, model, served).inc(outcome.prompt_tokens)
         if outcome.cached_tokens is not None:
             metrics.child(metrics.upstream_cached_tokens, model, served).inc(outcome.cached_tokens)
+
+    def _cold(self, share: float, serving: ModelPool) -> bool:
+        """A shared prompt the owner rule keeps in one place: at most c / n of recent requests."""
+        return share <= self._settings.load_factor / max(1, len(serving.names))
 
     def load_bounds(self) -> dict[str, int]:
         """The bound a new request meets at each serving backend now (largest over its models)."""

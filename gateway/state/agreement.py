@@ -1,6 +1,7 @@
-"""What the gateways of a fleet agree on besides the index and the sessions: which backend a new
-prompt was placed on first (a claim: the first writer wins, for a short while), and how many
-recent requests carried each shared prompt. One gateway alone has nothing to agree with.
+"""What the gateways of a fleet agree on besides the index and the sessions: which backend a
+shared prompt was first sent to while the index did not show it (a claim: the first writer
+wins, for a short while), and how many recent requests carried each shared prompt. One gateway
+alone has nothing to agree with.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ class FleetView:
     """The fleet's answer for one request."""
 
     claimed: str | None = None
-    """The backend another gateway (or this one) placed the request's new prompt on, while
-    that placement still binds."""
+    """The backend a gateway (this one or another) sent the request's shared prompt to first,
+    while the claim lives: it counts as holding the prompt."""
     prompt_count: float | None = None
     """The fleet's decaying count of requests that carried the request's shared prompt (this
     one included when counted); None when it has none."""
@@ -31,5 +32,5 @@ class Agreement(Protocol):
         ...
 
     def claim(self, model: str, first_block: int, claim_key: int, backend: str) -> None:
-        """Place `claim_key` on `backend` unless someone did first (in the background)."""
+        """Claim `claim_key` for `backend` unless someone did first (in the background)."""
         ...

@@ -1,6 +1,6 @@
-"""The fleet's agreement in Redis (docs/redis.md, fleet agreement): claims of new prompts, set
-with `SET NX PX` by the gateway that placed one first, and each shared prompt's decaying count
-of recent requests, both read in one script call beside the index lookup.
+"""The fleet's agreement in Redis (docs/redis.md, fleet agreement): claims of shared prompts,
+set with `SET NX PX` by the gateway that sent one to a backend first, and each shared prompt's
+decaying count of recent requests, both read in one script call beside the index lookup.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from gateway.state.redis.index import wall_clock
 from gateway.state.redis.keys import KeySpace
 
 AGREE_SCRIPT = """
--- The fleet's view of one request: who claimed its new prompt, and its shared prompt's count.
--- KEYS[1]  the claim key of the request's new prompt
+-- The fleet's view of one request: who claimed its shared prompt, and the prompt's count.
+-- KEYS[1]  the claim key of the request's shared prompt
 -- KEYS[2]  (optional) the count key of its shared prompt, in KEYS[1]'s slot
 -- ARGV[1]  now (unix ms, the gateway's clock)
 -- ARGV[2]  decay per ms (ln 2 / half-life in ms)
