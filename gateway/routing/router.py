@@ -19,18 +19,22 @@ from gateway.prompt.canonical import message_segment
 from gateway.prompt.hashing import chain_hashes, extend_hashes, key_hash
 from gateway.prompt.parsing import Endpoint, RoutingInput
 from gateway.prompt.tokens import TOKEN_BYTES, EngineTokenizer
+from gateway.routing.affinity import (
+    CONVERSATIONS,
+    count_reported,
+    follow_turn,
+    move_cause,
+    settle_turn,
+)
 from gateway.routing.baselines import LeastLoadedInTurnPolicy
 from gateway.routing.conversations import (
-    AffinityMiss,
     ConversationTracker,
     Turn,
-    answer_hash,
     fingerprint,
-    miss_cause,
 )
 from gateway.routing.feedback import CacheFeedback
 from gateway.routing.responses import ResponseHolders, not_found
-from gateway.routing.ring import load_bound, within_bound
+from gateway.routing.ring import load_bound
 from gateway.routing.routed import Routed
 from gateway.routing.traffic import Traffic
 from gateway.routing.types import Decision, Outcome, Policy, Route, RoutingState
@@ -109,11 +113,11 @@ class Router:
         self._routed += 1
         sticky, backend = routed.sticky, routed.backend.name
         if sticky is not None and sticky != backend:
-            cause = _move_cause(sticky, routed.serving, routed.decision)
+            cause = move_cause(sticky, routed.serving, routed.decision)
             self.metrics.session_moves.labels(cause).inc()
         if routed.decision.route is Route.OVERFLOW:
             self.metrics.child(self.metrics.overflows, request.model).inc()
-        routed.turn = self._follow(routed)
+        routed.turn = follow_turn(self.conversations, self.metrics, routed)
         self.traffic.recent.add(backend)
         await self._record(request, backend, routed.chain)
         fleet, claim_key = routed.fleet, routed.claim_key
@@ -254,14 +258,14 @@ class Router:
             routed = await self.route_to_holder(request, previous, "previous_response_id")
         else:
             routed = await self.decide(request)
-        prompt = fingerprint(request.canonical) if request.endpoint in _CONVERSATIONS else None
+        prompt = fingerprint(request.canonical) if request.endpoint in CONVERSATIONS else None
         return Explanation(routed, self.conversations.peek(request.session_key, prompt))
 
     async def learn(self, routed: Routed, outcome: Outcome) -> None:
         """Take in what came back: failover, the answer's blocks, cached tokens, affinity."""
         request = routed.request
         if routed.pinned or not request.endpoint.by_prefix:
-            self._observed(outcome, request.model)
+            count_reported(self.metrics, outcome, request.model)
             if len(outcome.tried) > 1:
                 self.metrics.child(self.metrics.failovers, request.model).inc()
             return
@@ -288,29 +292,19 @@ class Router:
         metrics.child(metrics.matched_tokens_predicted, model).inc(
             outcome.decision.matched_blocks * settings.block_tokens
         )
-        self._observed(outcome, model)
+        count_reported(self.metrics, outcome, model)
         segment = message_segment("assistant", outcome.answer) if outcome.answer else b""
         chain = self._with_answer(routed, outcome, segment)
         if self.feedback is not None:
             # Before the answer is recorded: pruning looks at what was known before it.
             await self.feedback.observe(request, routed.chain, outcome, chain)
-        self._settle(routed, outcome, segment)
+        settle_turn(self.metrics, routed, outcome, segment)
         if chain is not routed.chain:
             await self.index.record(model, served, chain)
             self.index.share(model, served, chain)
         if self._engine_index is not None:
             # The request is over: what the replica stored of it, its events have told.
             self._engine_index.settle(served, chain)
-
-    def _observed(self, outcome: Outcome, model: str) -> None:
-        """Count the prompt and cached tokens the replica reported for an answered request."""
-        if outcome.status != 200:
-            return
-        metrics, served = self.metrics, outcome.decision.backend
-        if outcome.prompt_tokens is not None:
-            metrics.child(metrics.upstream_prompt_tokens, model, served).inc(outcome.prompt_tokens)
-        if outcome.cached_tokens is not None:
-            metrics.child(metrics.upstream_cached_tokens, model, served).inc(outcome.cached_tokens)
 
     def _cold(self, share: float, serving: ModelPool) -> bool:
         """A shared prompt the owner rule keeps in one place: at most c / n of recent requests."""
@@ -356,31 +350,9 @@ class Router:
         if request.session_key is not None:
             await self.sessions.put(request.session_key, backend)
 
-    def _follow(self, routed: Routed) -> Turn | None:
-        """Place the request in its conversation; count a cache break when it has one."""
-        request = routed.request
-        is_chat = request.endpoint in _CONVERSATIONS
-        if not is_chat and request.session_key is None:
-            return None
-        prompt = fingerprint(request.canonical) if is_chat else None
-        chosen = routed.backend.name
-        turn = self.conversations.follow(request.session_key, prompt, chosen)
-        if turn.cause is not None:
-            self.metrics.child(self.metrics.cache_breaks, request.model, turn.cause.value).inc()
-        previous = turn.previous_backend
-        if turn.continues and previous is not None and previous != chosen:
-            turn.miss = miss_cause(
-                previous,
-                routed.serving.loads,
-                routed.decision.load_bound,
-                routed.state.matched,
-                chosen,
-            )
-        return turn
-
     def _with_answer(self, routed: Routed, outcome: Outcome, segment: bytes) -> list[int]:
         """The chain of the prompt and its answer, which a chat's next turn extends."""
-        if routed.request.endpoint not in _CONVERSATIONS or not segment:
+        if routed.request.endpoint not in CONVERSATIONS or not segment:
             return routed.chain
         request = routed.request
         hashed, block = request.hashed(self._block_chars, self._block_tokens)
@@ -398,32 +370,6 @@ class Router:
         # An answer too short to complete a block adds nothing routing did not record.
         return chain if len(chain) > len(routed.chain) else routed.chain
 
-    def _settle(self, routed: Routed, outcome: Outcome, segment: bytes) -> None:
-        """Once answered: count failover and affinity, remember who answered and what."""
-        model = routed.request.model
-        served = outcome.decision.backend
-        if len(outcome.tried) > 1:
-            self.metrics.child(self.metrics.failovers, model).inc()
-        turn = routed.turn
-        if turn is None:
-            return
-        turn.record.backend = served
-        if segment:
-            turn.record.answer = answer_hash(segment)
-        if not turn.continues:
-            return
-        if turn.previous_backend == served:
-            self.metrics.child(self.metrics.affinity_hits, model).inc()
-            return
-        miss = turn.miss or AffinityMiss.SPREAD
-        if turn.previous_backend in outcome.tried:
-            miss = AffinityMiss.FAILOVER
-        self.metrics.child(self.metrics.affinity_misses, model, miss.value).inc()
-
-
-_CONVERSATIONS = frozenset({Endpoint.CHAT, Endpoint.RESPONSES})
-"""Endpoints whose prompts are messages, each turn extending the last with its answer."""
-
 
 async def _nothing() -> None:
     return None
@@ -437,13 +383,3 @@ def _shared_end(state: RoutingState) -> int:
 def _seed(request: RoutingInput) -> int:
     """Where a request's chain starts: a tenant's own chains share no block with another's."""
     return 0 if request.tenant is None else key_hash(request.tenant)
-
-
-def _move_cause(sticky: str, serving: ModelPool, decision: Decision) -> str:
-    """Why a session left its backend: gone from the candidates, over the bound, or the policy."""
-    backend = serving.by_name.get(sticky)
-    if backend is None:
-        return "unhealthy"
-    if decision.load_bound > 0 and not within_bound(backend.load, decision.load_bound):
-        return "load_bound"
-    return "policy"
