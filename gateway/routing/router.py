@@ -185,14 +185,17 @@ class Router:
         if request.session_key is None and agreement is None:
             matched = await self.index.match(request.model, chain)
         else:
-            session: Awaitable[str | None] = _nothing()
-            if request.session_key is not None:
-                session = self.sessions.get(request.session_key)
-            consulted: Awaitable[FleetView | None] = _nothing()
-            if agreement is not None and prompt_key is not None:
-                consulted = agreement.consult(
-                    request.model, chain[0], prompt_key, fleet_prompt, count
-                )
+            # Each coroutine made only if it will be awaited: one dropped unawaited warns.
+            session: Awaitable[str | None] = (
+                self.sessions.get(request.session_key)
+                if request.session_key is not None
+                else _nothing()
+            )
+            consulted: Awaitable[FleetView | None] = (
+                agreement.consult(request.model, chain[0], prompt_key, fleet_prompt, count)
+                if agreement is not None and prompt_key is not None
+                else _nothing()
+            )
             # At once: with Redis they are round trips that need not wait in turn.
             matched, sticky, fleet = await asyncio.gather(
                 self.index.match(request.model, chain), session, consulted
