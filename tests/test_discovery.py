@@ -155,6 +155,7 @@ class FakeKubernetes:
         self._ready.set()
         self._loop.run_forever()
         self._loop.run_until_complete(self._runner.cleanup())
+        self._loop.close()  # its own sockets too, not left to the collector
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         self.authorizations.add(request.headers.get("Authorization", ""))
