@@ -56,9 +56,8 @@ class GatewayApp:
                     return
                 if self._isolate_tenants:
                     scope[TENANT] = tenant_of(key)
-            target = None if path in ENDPOINTS else response_target(path)
-            if path in ENDPOINTS or target is not None:
-                allowed = b"POST" if target is None or target[1] else b"GET, DELETE"
+            allowed = _proxied_methods(path)
+            if allowed is not None:
                 if passed_through(scope["headers"]):
                     loop = LoopDetected(
                         "this request already passed through the gateway: a backend points back"
@@ -66,12 +65,12 @@ class GatewayApp:
                         code="loop_detected",
                     )
                     await self._refuse(loop, send, [])
-                elif scope["method"].encode() in allowed.split(b", "):
+                elif scope["method"] in allowed:
                     await self.components.proxy(scope, receive, send)
                 else:
-                    use = allowed.decode().replace(", ", " or ")
+                    use = " or ".join(allowed)
                     wrong = MethodNotAllowed(f"use {use} for {path}", code="http_405")
-                    await send_error(send, wrong, [(b"allow", allowed)])
+                    await send_error(send, wrong, [(b"allow", ", ".join(allowed).encode())])
             elif path == "/ready" and self.shutting_down:
                 body = orjson.dumps({"ready": False, "shutting_down": True})
                 await send_json(send, 503, body)
@@ -197,3 +196,17 @@ def _declare_inference_routes(app: FastAPI) -> None:
             summary = f"{path} (vLLM), routed by model to the least loaded replica"
             app.add_api_route(path, by_model, methods=["POST"], summary=summary, tags=["engine"])
     app.openapi_schema = None
+
+
+_POST = ("POST",)
+_STORED_RESPONSE = ("GET", "DELETE")
+
+
+def _proxied_methods(path: str) -> tuple[str, ...] | None:
+    """The methods the proxy path takes at `path`, or None when it is the control plane's."""
+    if path in ENDPOINTS:
+        return _POST
+    target = response_target(path)
+    if target is None:
+        return None
+    return _POST if target[1] else _STORED_RESPONSE
