@@ -1,7 +1,8 @@
-"""The routing benchmark in front of two real vLLM replicas (CPU build, the tiny model).
+"""The routing benchmark in front of real vLLM replicas (CPU build, the tiny model).
 
-Two replicas are started once (pinned to cores 0 and 1, finite KV caches, serving the
-benchmark's model name); for every workload and router both prefix caches are emptied
+`--replicas` (2 by default) replicas are started once (replica i pinned to core i modulo the
+cores here, finite KV caches, serving the benchmark's model name); for every workload and
+router every prefix cache is emptied
 (`POST /reset_prefix_cache`, which `VLLM_SERVER_DEV_MODE=1` opens), the router is started in
 front and the workload driven through it with `ignore_eos` (fixed answer lengths). One table:
 prompt and prefilled tokens and hit rate from the replicas' own `cached_tokens`, requests per
@@ -24,6 +25,8 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import os
+import random
 import sys
 import tempfile
 from pathlib import Path
@@ -79,6 +82,23 @@ def reset_caches(replicas: list[VLLMReplica]) -> None:
         httpx.post(replica.url + "/reset_prefix_cache", timeout=30).raise_for_status()
 
 
+def warm_up(replicas: list[VLLMReplica]) -> None:
+    """A few prompts of growing length on every replica before anything is measured: a CPU
+    engine's first batches of each size run slower, which would land on the first router."""
+    rng = random.Random(0)
+    for replica in replicas:
+        for words in (50, 200, 800, 1500):
+            prompt = " ".join(rng.choice(("alpha", "beta", "gamma", "delta")) for _ in range(words))
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 8,
+                "ignore_eos": True,
+            }
+            response = httpx.post(replica.url + "/v1/chat/completions", json=body, timeout=120)
+            response.raise_for_status()
+
+
 def finished(replicas: list[VLLMReplica]) -> list[float]:
     return [replica.metric("vllm:request_success_total") for replica in replicas]
 
@@ -89,6 +109,7 @@ def run_one(
     model: Path,
     workload: str,
     router: str,
+    repetition: int,
 ) -> dict[str, object]:
     sessions = [
         shorten(session, args.words) for session in build_workload(workload, args.seed, args.scale)
@@ -119,19 +140,21 @@ def run_one(
     ttfts = [outcome.ttft * 1000 for outcome in run.outcomes if outcome.status == 200]
     row["ttft_p90"] = percentile(ttfts, 0.9)
     row["predicted"], row["observed"] = predicted, observed
-    print(f"done: {workload} / {router}", file=sys.stderr, flush=True)
+    row["run"] = repetition
+    print(f"done: {workload} / {router} (run {repetition})", file=sys.stderr, flush=True)
     return row
 
 
 def print_table(rows: list[dict[str, object]]) -> None:
     print(
-        "| workload | router | requests | failed | prompt tok | prefilled tok | hit rate "
+        "| workload | run | router | requests | failed | prompt tok | prefilled tok | hit rate "
         "| max/mean req | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms |"
     )
-    print("|" + "---|" * 11)
+    print("|" + "---|" * 12)
     for row in rows:
         print(
-            f"| {row['workload']} | {row['policy']} | {row['requests']} | {row['failed']} "
+            f"| {row['workload']} | {row['run']} | {row['policy']} | {row['requests']} "
+            f"| {row['failed']} "
             f"| {row['prompt']:,} | {row['prefilled']:,} | {row['hit_rate']:.1%} "
             f"| {row['max_mean']:.2f} | {row['ttft_p50']:.0f} | {row['ttft_p90']:.0f} "
             f"| {row['ttft_p99']:.0f} |",
@@ -141,16 +164,18 @@ def print_table(rows: list[dict[str, object]]) -> None:
 
 def print_predictions(rows: list[dict[str, object]]) -> None:
     print(
-        "| workload | router | predicted matched tok | cached tok reported | predicted / reported |"
+        "| workload | run | router | predicted matched tok | cached tok reported "
+        "| predicted / reported |"
     )
-    print("|" + "---|" * 5)
+    print("|" + "---|" * 6)
     for row in rows:
         predicted, observed = row["predicted"], row["observed"]
         if not isinstance(predicted, float) or not isinstance(observed, float):
             continue
         ratio = f"{predicted / observed:.3f}" if observed else "-"
         print(
-            f"| {row['workload']} | {row['policy']} | {predicted:,.0f} | {observed:,.0f} "
+            f"| {row['workload']} | {row['run']} | {row['policy']} | {predicted:,.0f} "
+            f"| {observed:,.0f} "
             f"| {ratio} |",
             flush=True,
         )
@@ -166,10 +191,17 @@ def main() -> None:
     parser.add_argument("--words", type=float, default=0.25, help="share of words kept")
     parser.add_argument("--stagger", type=float, default=0.2)
     parser.add_argument("--kv-cache-mib", type=int, default=16)
+    parser.add_argument(
+        "--runs", type=int, default=1, help="repetitions; each starts the routers one later"
+    )
+    parser.add_argument(
+        "--replicas", type=int, default=2, help="replicas, pinned to the cores in turn"
+    )
     args = parser.parse_args()
     venv = VLLMVenv().ensure()
     model = ensure_model(venv.python, model_folder())
     logs = Path(tempfile.mkdtemp(prefix="real-bench-"))
+    cores = os.cpu_count() or 1
     replicas = [
         VLLMReplica(
             model,
@@ -177,25 +209,34 @@ def main() -> None:
             served_model_names=(MODEL,),
             block_size=BLOCK,
             kv_cache_bytes=args.kv_cache_mib * MIB,
-            cpu_cores=str(index),
+            cpu_cores=str(index % cores),
             env={"VLLM_SERVER_DEV_MODE": "1"},
             extra_args=("--kv-events-config", events_config(f"ipc://{logs}/events-{index}.sock")),
             log_path=logs / f"replica-{index}.log",
         )
-        for index in range(2)
+        for index in range(args.replicas)
     ]
     print(
-        f"# 2 real vLLM replicas (tiny model, {BLOCK}-token blocks, {args.kv_cache_mib} MiB KV "
+        f"# {args.replicas} real vLLM replicas (tiny model, {BLOCK}-token blocks, "
+        f"{args.kv_cache_mib} MiB KV "
         f"cache = {args.kv_cache_mib * MIB // TOKEN_KV_BYTES // BLOCK} blocks each); "
         f"{args.concurrency} concurrent sessions started {args.stagger} s apart; seed "
         f"{args.seed}, sessions x{args.scale}, words x{args.words}",
         flush=True,
     )
     rows = []
+    workloads, routers = args.workloads.split(","), args.routers.split(",")
     with VLLMFleet(replicas) as fleet:
-        for workload in args.workloads.split(","):
-            for router in args.routers.split(","):
-                rows.append(run_one(args, fleet.replicas, model, workload, router))
+        warm_up(fleet.replicas)
+        for workload in workloads:
+            for repetition in range(1, args.runs + 1):
+                # Each repetition starts one router later, so none is always first or last.
+                shift = (repetition - 1) % len(routers)
+                for router in routers[shift:] + routers[:shift]:
+                    rows.append(run_one(args, fleet.replicas, model, workload, router, repetition))
+    rows.sort(
+        key=lambda row: (workloads.index(str(row["workload"])), routers.index(str(row["policy"])))
+    )
     print_table(rows)
     print()
     print_predictions(rows)

@@ -45,5 +45,6 @@ def gateway(fleet: EmulatedReplicas) -> Iterator[GatewayProcess]:
 
 
 @pytest.fixture
-def client(gateway: GatewayProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+def client(gateway: GatewayProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0) as api:
+        yield api

@@ -59,8 +59,9 @@ def client_of(gateway: GatewayProcess) -> openai.OpenAI:
 
 
 @pytest.fixture
-def client(gateway: GatewayProcess) -> openai.OpenAI:
-    return client_of(gateway)
+def client(gateway: GatewayProcess) -> Iterator[openai.OpenAI]:
+    with client_of(gateway) as api:
+        yield api
 
 
 def ask(client: openai.OpenAI, messages: list[Message]) -> tuple[str, str, int]:

@@ -4,8 +4,10 @@ template, made here with `tokenizers` (the same files real vLLM serves in test_r
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import openai
 import orjson
 import pytest
 from tokenizers import Tokenizer
@@ -13,6 +15,7 @@ from tokenizers import Tokenizer
 from engines.tiny_model import Shape, make_tokenizer
 from gateway.backends.pool import BackendPool
 from gateway.config import ConfigError, Settings
+from gateway.emulator.replicas import EmulatedReplicas
 from gateway.metrics import Metrics
 from gateway.prompt.parsing import Endpoint, parse_request
 from gateway.prompt.tokens import TOKEN_BYTES, EngineTokenizer, unpack
@@ -21,6 +24,8 @@ from gateway.routing.router import Routed, Router
 from gateway.routing.types import Outcome
 from gateway.state.index import InMemoryPrefixIndex
 from gateway.state.sessions import InMemorySessionStore
+from tests.conftest import MODEL
+from tests.support import GatewayProcess
 
 SYSTEM = "You are a patient assistant for a hardware shop; name the aisle of every item. " * 4
 
@@ -169,3 +174,56 @@ def test_the_router_indexes_the_engines_blocks_and_answers_that_encode_back(
     # As many: the answer's blocks are the engine's too.
     prompt_tokens, prompt_blocks, matched = matched_after(answer_tokens)
     assert matched == (prompt_tokens + answer_tokens) // 32 > prompt_blocks
+
+
+def test_the_piece_cache_shared_by_threads_encodes_as_a_whole_encoding_does(
+    folder: Path,
+) -> None:
+    engine = EngineTokenizer.load(folder)  # its own cache, filled only by the threads below
+    prompts = [
+        [
+            {"role": "system", "content": SYSTEM * (1 + index % 3)},
+            {"role": "user", "content": f"where are the screws of size {index}?"},
+        ]
+        for index in range(48)
+    ]
+    with ThreadPoolExecutor(4) as threads:
+        packed = list(threads.map(lambda messages: engine.chat(messages, None), prompts))
+    assert engine.pieces is not None and engine.pieces.hits > 0
+    for messages, ids in zip(prompts, packed, strict=True):
+        assert ids is not None and unpack(ids) == plain_ids(folder, rendered_text(messages))
+
+
+def rendered_text(messages: list[dict[str, str]]) -> str:
+    """The tiny model's chat template, written out (the first test checks it)."""
+    turns = "".join(f"<|{item['role']}|>\n{item['content']}<|end|>\n" for item in messages)
+    return f"<|bos|>{turns}<|assistant|>\n"
+
+
+@pytest.mark.parametrize("system_words", [40, 2000], ids=["on-the-loop", "beside-the-loop"])
+def test_through_the_gateway_a_repeated_prompt_matches_its_full_blocks_of_tokens(
+    folder: Path, engine: EngineTokenizer, system_words: int
+) -> None:
+    # Bodies of 4 KiB and more are tokenized on the gateway's tokenizing thread, smaller ones
+    # on its event loop: both must give the engine's tokens.
+    system = " ".join(f"aisle{index % 97} shelf{index % 13}" for index in range(system_words))
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "nails?"}]
+    tokens = len(engine.chat(messages, None) or b"") // TOKEN_BYTES
+    body_bytes = len(orjson.dumps({"model": MODEL, "messages": messages}))
+    assert (body_bytes >= 4096) == (system_words == 2000)
+    args = ("--tokenizer", str(folder), "--engine-block-size", "32")
+    with EmulatedReplicas(2, MODEL) as fleet, GatewayProcess(fleet.urls, *args) as gateway:
+        with openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0) as client:
+            answers = [
+                client.chat.completions.with_raw_response.create(
+                    model=MODEL,
+                    messages=messages,  # type: ignore[arg-type]
+                    max_tokens=2,
+                )
+                for _ in range(2)
+            ]
+        routes = [answer.headers["x-gateway-route"] for answer in answers]
+        backends = {answer.headers["x-gateway-backend"] for answer in answers}
+        predicted = gateway.metric("gateway_matched_tokens_predicted_total", model=MODEL)
+    assert routes[0] == "hash" and routes[1] in {"owner", "prefix"} and len(backends) == 1
+    assert predicted == tokens // 32 * 32 > 0

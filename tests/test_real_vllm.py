@@ -124,10 +124,11 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealFleet]:
 
 
 @pytest.fixture
-def client(real: RealFleet) -> openai.OpenAI:
-    return openai.OpenAI(
+def client(real: RealFleet) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(
         base_url=real.gateway.url + "/v1", api_key="unused", max_retries=0, timeout=120
-    )
+    ) as api:
+        yield api
 
 
 def ask(
@@ -256,17 +257,21 @@ def test_client_that_hangs_up_mid_stream_aborts_generation(real: RealFleet) -> N
         lines = reply.iter_lines()
         received = [line for line in (next(lines) for _ in range(12)) if line.startswith("data:")]
         assert received and "[DONE]" not in received[-1]
+        # Generating: its tokens counted (the running gauge alone lags on a busy machine).
         wait_until(
-            lambda: replica.metric("vllm:num_requests_running") >= 1,
+            lambda: replica.metric("vllm:generation_tokens_total") > generated_before,
             60,
-            "the replica reports the stream's request running",
+            "the replica counts the stream's generated tokens",
         )
     # The client has hung up: the replica must abort the request, not generate 3000 tokens.
-    wait_until(
-        lambda: replica.metric("vllm:num_requests_running") == 0,
-        60,
-        "vllm:num_requests_running back to 0",
-    )
+    counts: list[float] = []
+
+    def stopped() -> bool:
+        counts.append(replica.metric("vllm:generation_tokens_total"))
+        idle = replica.metric("vllm:num_requests_running") == 0
+        return idle and len(counts) >= 5 and counts[-1] == counts[-5]  # still for a second
+
+    wait_until(stopped, 60, "vllm:num_requests_running back to 0, no more tokens generated")
     # Not finished but aborted: far fewer than the 3000 tokens asked for were generated. (vLLM
     # does not count requests aborted by a client in vllm:request_success_total{abort}.)
     assert replica.metric("vllm:generation_tokens_total") - generated_before < 3000
@@ -433,18 +438,22 @@ def tokens_gateway(real: RealFleet) -> Iterator[GatewayProcess]:
         yield gateway
 
 
+@pytest.mark.parametrize("system_words", [120, 800], ids=["on-the-loop", "beside-the-loop"])
 def test_with_the_tokenizer_predicted_matched_tokens_are_the_cached_tokens(
-    tokens_gateway: GatewayProcess,
+    tokens_gateway: GatewayProcess, system_words: int
 ) -> None:
-    client = openai.OpenAI(base_url=tokens_gateway.url + "/v1", api_key="unused", max_retries=0)
+    # From 4 KiB a body is tokenized on the gateway's tokenizing thread, below on its loop.
+    url = tokens_gateway.url + "/v1"
     before = tokens_gateway.metrics()
-    messages = [{"role": "system", "content": text(120, "tokenizer-system")}]
+    messages = [{"role": "system", "content": text(system_words, "tokenizer-system")}]
     hits = []
-    for turn in range(5):
-        messages.append({"role": "user", "content": text(30, f"tokenizer-{turn}")})
-        reply, _ = ask(client, messages, max_tokens=40)
-        hits.append(cached(reply))
-        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    with openai.OpenAI(base_url=url, api_key="unused", max_retries=0) as client:
+        for turn in range(5):
+            question = text(30, f"tokenizer-{system_words}-{turn}")
+            messages.append({"role": "user", "content": question})
+            reply, _ = ask(client, messages, max_tokens=40)
+            hits.append(cached(reply))
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
     after = tokens_gateway.metrics()
 
     def grown(name: str) -> float:

@@ -9,16 +9,21 @@ as 4-byte words, so the chained block hashing of `hashing.py` works on them unch
 of `TOKEN_BYTES * block_size` bytes.
 
 Encoding costs about a microsecond a token, and most of a prompt was seen before (a shared
-system prompt, a conversation's earlier turns). The tokenizer splits text at its added tokens
-before anything else, so the text between two of them is encoded the same alone: those pieces
-are encoded once and kept (`PieceCache`). Whether that holds for a tokenizer is checked when it
-is loaded; where it does not, every prompt is encoded whole.
+system prompt, a conversation's earlier turns). Every encode goes through `encode_batch`, which
+releases the GIL while it runs (`encode` holds it): a long prompt tokenized on a worker thread
+leaves the event loop free meanwhile (see `gateway.proxy.handler`).
+
+The tokenizer splits text at its added tokens before anything else, so the text between two of
+them is encoded the same alone: those pieces are encoded once and kept (`PieceCache`). Whether
+that holds for a tokenizer is checked when it is loaded; where it does not, every prompt is
+encoded whole.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -52,6 +57,11 @@ class TokenizerError(ConfigError):
 def pack(ids: Sequence[int]) -> bytes:
     """Token ids as the bytes that block hashing chains (4 bytes each, native order)."""
     return array("I", ids).tobytes()
+
+
+def encoded(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> bytes:
+    """The packed ids of `text`, encoded without holding the GIL."""
+    return pack(tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
 
 def unpack(packed: bytes) -> list[int]:
@@ -121,7 +131,7 @@ class EngineTokenizer:
             return None
         if self._pieces is not None:
             return self._pieces.encode(rendered)
-        return pack(self._tokenizer.encode(rendered, add_special_tokens=False).ids)
+        return encoded(self._tokenizer, rendered, False)
 
     @property
     def pieces(self) -> PieceCache | None:
@@ -130,7 +140,7 @@ class EngineTokenizer:
 
     def text(self, prompt: str, add_special_tokens: bool = True) -> bytes:
         """The packed ids of a completion's prompt (or, without special tokens, of an answer)."""
-        return pack(self._tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids)
+        return encoded(self._tokenizer, prompt, add_special_tokens)
 
     def _render(self, messages: list[Any], tools: list[Any] | None = None) -> str:
         assert self._template is not None
@@ -141,7 +151,8 @@ class EngineTokenizer:
 
 class PieceCache:
     """Encodes text piece by piece between the tokenizer's added tokens, keeping the most
-    recently used pieces' ids (bounded in pieces and in characters)."""
+    recently used pieces' ids (bounded in pieces and in characters). Safe to share between the
+    event loop and a tokenizing thread: the lock guards the kept pieces, never an encode."""
 
     def __init__(
         self,
@@ -158,6 +169,7 @@ class PieceCache:
         self._kept: OrderedDict[str, bytes] = OrderedDict()
         self._chars = 0
         self._max_pieces, self._max_chars, self._min_chars = max_pieces, max_chars, min_chars
+        self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
@@ -184,19 +196,22 @@ class PieceCache:
 
     def _encode(self, piece: str) -> bytes:
         kept = self._kept
-        found = kept.get(piece)
-        if found is not None:
-            kept.move_to_end(piece)
-            self.hits += 1
-            return found
-        self.misses += 1
-        packed = pack(self._tokenizer.encode(piece, add_special_tokens=False).ids)
+        with self._lock:
+            found = kept.get(piece)
+            if found is not None:
+                kept.move_to_end(piece)
+                self.hits += 1
+                return found
+            self.misses += 1
+        packed = encoded(self._tokenizer, piece, False)
         if self._min_chars <= len(piece) <= self._max_chars // 4:
-            kept[piece] = packed
-            self._chars += len(piece)
-            while len(kept) > self._max_pieces or self._chars > self._max_chars:
-                oldest, _ = kept.popitem(last=False)
-                self._chars -= len(oldest)
+            with self._lock:
+                if piece not in kept:  # another thread may have encoded it meanwhile
+                    kept[piece] = packed
+                    self._chars += len(piece)
+                while len(kept) > self._max_pieces or self._chars > self._max_chars:
+                    oldest, _ = kept.popitem(last=False)
+                    self._chars -= len(oldest)
         return packed
 
 

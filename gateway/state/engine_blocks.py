@@ -9,9 +9,11 @@ left out, with every block chained on it: it would never match a prompt's chain 
 
 `EventFedIndex` answers a replica's depth from these blocks while its events flow, counting
 also the blocks the gateway sent there that are still pending: routed and not yet stored (a
-prefill not yet scheduled has stored nothing), until the engine stores them, the request ends
-(`settle`), or `pending_seconds` pass. For a replica whose events stopped or skipped, it
-answers from the predicted index, which every call keeps up to date as before.
+prefill not yet scheduled has stored nothing), until the engine stores them, `settle_seconds`
+after the request ends (`settle`: its last blocks' events may still be on their way when the
+client already sends its next turn), or `pending_seconds` pass. For a replica whose events
+stopped or skipped, it answers from the predicted index, which every call keeps up to date as
+before.
 """
 
 from __future__ import annotations
@@ -119,12 +121,14 @@ class EventFedIndex:
         predicted: PrefixIndex,
         live: Callable[[], Mapping[str, EngineBlocks]] = dict,
         pending_seconds: float = 30.0,
+        settle_seconds: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.predicted = predicted
         self.live = live
         """The replicas whose events flow now, and their blocks."""
         self._pending_seconds = pending_seconds
+        self._settle_seconds = min(settle_seconds, pending_seconds)
         self._clock = clock
         self._pending: dict[tuple[str, int], float] = {}
         """(backend, block) -> when the gateway sent it there, until the engine stores it."""
@@ -166,11 +170,14 @@ class EventFedIndex:
             self._pending.pop((backend, block), None)
 
     def settle(self, backend: str, blocks: Iterable[int]) -> None:
-        """The engine stored `blocks`, or its request ended (what it stored, its events told):
-        they are no longer pending."""
+        """The request that sent `blocks` ended: they stay pending `settle_seconds` more, for
+        the events of what the engine stored last to arrive, then count only if stored."""
         pending = self._pending
+        expiry = self._clock() - self._pending_seconds + self._settle_seconds
         for block in blocks:
-            pending.pop((backend, block), None)
+            key = (backend, block)
+            if key in pending:
+                pending[key] = min(pending[key], expiry)
 
     def _drop_old(self, now: float) -> None:
         oldest = now - self._pending_seconds
