@@ -87,7 +87,7 @@ def warm_up(replicas: list[VLLMReplica]) -> None:
     engine's first batches of each size run slower, which would land on the first router."""
     rng = random.Random(0)
     for replica in replicas:
-        for words in (50, 200, 800, 1500):
+        for words in (50, 200, 500, 900):
             prompt = " ".join(rng.choice(("alpha", "beta", "gamma", "delta")) for _ in range(words))
             body = {
                 "model": MODEL,
