@@ -247,22 +247,19 @@ def test_client_that_hangs_up_mid_stream_aborts_generation(real: RealFleet) -> N
         "ignore_eos": True,
         "stream": True,
     }
+    before = {
+        replica.port: replica.metric("vllm:generation_tokens_total") for replica in real.replicas
+    }
     with (
         httpx.Client(timeout=120) as http,
         http.stream("POST", real.gateway.url + "/v1/chat/completions", json=body) as reply,
     ):
         assert reply.status_code == 200
         replica = real.replica_named(reply.headers["x-gateway-backend"])
-        generated_before = replica.metric("vllm:generation_tokens_total")
-        lines = reply.iter_lines()
-        received = [line for line in (next(lines) for _ in range(12)) if line.startswith("data:")]
-        assert received and "[DONE]" not in received[-1]
-        # Generating: its tokens counted (the running gauge alone lags on a busy machine).
-        wait_until(
-            lambda: replica.metric("vllm:generation_tokens_total") > generated_before,
-            60,
-            "the replica counts the stream's generated tokens",
-        )
+        # Tokens flowing through the gateway: the replica is generating when the client leaves.
+        chunks = (line for line in reply.iter_lines() if line.startswith("data:"))
+        received = [next(chunks) for _ in range(40)]
+        assert "[DONE]" not in received[-1]
     # The client has hung up: the replica must abort the request, not generate 3000 tokens.
     counts: list[float] = []
 
@@ -272,9 +269,10 @@ def test_client_that_hangs_up_mid_stream_aborts_generation(real: RealFleet) -> N
         return idle and len(counts) >= 5 and counts[-1] == counts[-5]  # still for a second
 
     wait_until(stopped, 60, "vllm:num_requests_running back to 0, no more tokens generated")
-    # Not finished but aborted: far fewer than the 3000 tokens asked for were generated. (vLLM
-    # does not count requests aborted by a client in vllm:request_success_total{abort}.)
-    assert replica.metric("vllm:generation_tokens_total") - generated_before < 3000
+    # Counted (at least what the client received) and not finished but aborted. (vLLM does not
+    # count requests aborted by a client in vllm:request_success_total{abort}.)
+    generated = counts[-1] - before[replica.port]
+    assert len(received) - 1 <= generated < 3000
 
 
 def test_gateway_metrics_count_upstream_cached_tokens(
