@@ -63,6 +63,8 @@ class Tally:
     later_turns: int = 0
     moved: int = 0
     """Later turns of a conversation served by another replica than the turn before."""
+    moved_routes: dict[str, int] = field(default_factory=dict)
+    """The moved turns by the route that moved them."""
     latencies: list[float] = field(default_factory=list)
 
     def fail(self, why: str) -> None:
@@ -112,7 +114,9 @@ async def _session(
         tally.holders.setdefault(session.system, set()).add(backend)
         if turn > 0:
             tally.later_turns += 1
-            tally.moved += backend != previous
+            if backend != previous:
+                tally.moved += 1
+                tally.moved_routes[route] = tally.moved_routes.get(route, 0) + 1
         previous = backend
         tally.requests += 1
         tally.prompt += reply["usage"]["prompt_tokens"]
@@ -286,9 +290,9 @@ def print_header() -> None:
         "| workload | gateways | Redis | requests | failed | hit rate | max/mean "
         "| replicas per system prompt | later turns moved | routes "
         "| Redis calls/req | commands/req | load exchanges/s | decision p50 µs | p99 µs "
-        "| fallbacks | requests/s |"
+        "| fallbacks | requests/s | latency p50 ms | p99 ms |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def print_row(row: Row) -> None:
@@ -299,6 +303,8 @@ def print_row(row: Row) -> None:
     requests = max(1, tally.requests)
     routes = ", ".join(f"{name} {number}" for name, number in sorted(tally.routes.items()))
     moved = f"{tally.moved} of {tally.later_turns}" if tally.later_turns else "–"
+    if tally.moved_routes:
+        moved += " (" + ", ".join(f"{n} {k}" for k, n in sorted(tally.moved_routes.items())) + ")"
     failed = str(tally.failed)
     if tally.failures:
         failed += " (" + "; ".join(f"{why}: {n}" for why, n in tally.failures.items()) + ")"
@@ -309,9 +315,18 @@ def print_row(row: Row) -> None:
         f"| {tally.copies():.2f} | {moved} | {routes} "
         f"| {row.round_trips / requests:.2f} | {commands / requests:.1f} "
         f"| {exchanges / row.seconds:.0f} | {row.decision_us[0]:.0f} | {row.decision_us[1]:.0f} "
-        f"| {row.fallbacks:.0f} | {tally.requests / row.seconds:.1f} |",
+        f"| {row.fallbacks:.0f} | {tally.requests / row.seconds:.1f} "
+        f"| {_quantile(tally.latencies, 0.5):.0f} | {_quantile(tally.latencies, 0.99):.0f} |",
         flush=True,
     )
+
+
+def _quantile(seconds: list[float], share: float) -> float:
+    """The request latency at `share`, in ms (0 with none)."""
+    if not seconds:
+        return 0.0
+    ordered = sorted(seconds)
+    return 1000 * ordered[min(len(ordered) - 1, int(share * len(ordered)))]
 
 
 def numbers(listed: str) -> list[int]:

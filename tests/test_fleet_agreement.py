@@ -2,13 +2,15 @@
 gateway gets it, and `/admin/explain` says which inputs came from the fleet.
 
 Three gateway processes share one redis-server in front of four emulated replicas whose
-prefill is slow (2 ms a token), so a request's prompt is still being computed, and not yet in
-the shared index, when the next request with the same system prompt reaches another gateway.
+prefill is slow (2 ms a token), so a request's prompt is still being computed when the next
+request with the same system prompt reaches another gateway.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -111,8 +113,7 @@ def test_two_gateways_place_the_same_new_customer_prompt_on_the_same_replica(
             shown = explain(second, later)
             assert shown["route"] == "hash" and shown["inputs"]["claimed_backend"] is None
             computing: Future[httpx.Response] = pool.submit(send, first, earlier)
-            # The first request is being prefilled (seconds): its prompt is not in the shared
-            # index yet (it goes there once the replica answers), only its claim is.
+            # The first request is being prefilled (seconds); its claim is there already.
             wait_for(functools.partial(claimed, second, later))
             shown = explain(second, later)
             owner = shown["inputs"]["claimed_backend"]
@@ -198,6 +199,71 @@ def test_a_prompts_share_is_the_fleets_count_over_the_fleets_total() -> None:
     traffic.set_fleet({}, 9.0)
     assert traffic.prompt_share(hashes, 30, count=True, fleet_count=4.0) == pytest.approx(4 / 11)
     assert traffic.prompt_share(hashes, 30, count=False, fleet_count=4.0) == pytest.approx(5 / 12)
+
+
+def depths(shown: dict[str, Any]) -> dict[str, int]:
+    return {item["backend"]: item["matched_blocks"] for item in shown["candidates"]}
+
+
+def test_a_prompt_is_in_the_shared_index_while_its_replica_computes_it(fleet: Fleet) -> None:
+    first, second = fleet.gateways[0], fleet.gateways[1]
+    # No system prompt: nothing is claimed, only the index can tell the other gateways.
+    prompt = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": words(1000, "computing")}],
+        "max_tokens": 2,
+    }
+    assert claimed(second, prompt) is None and not any(depths(explain(second, prompt)).values())
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        computing: Future[httpx.Response] = pool.submit(send, first, prompt)
+        # Prefill takes seconds here; the other gateway sees the prompt placed long before.
+        wait_for(lambda: any(depths(explain(second, prompt)).values()) or computing.done())
+        assert not computing.done(), "the prompt was not shared before its replica answered"
+        shown = explain(second, prompt)
+        assert shown["inputs"]["claimed_backend"] is None
+        placed = computing.result()
+    assert placed.status_code == 200
+    held = depths(shown)
+    backend = placed.headers["x-gateway-backend"]
+    assert held[backend] > 0 and sum(held.values()) == held[backend]
+    assert shown["backend"] == backend
+
+
+def test_a_conversations_answer_is_shared_before_its_client_has_it(fleet: Fleet) -> None:
+    first, second = fleet.gateways[0], fleet.gateways[1]
+    messages = [
+        {"role": "system", "content": words(200, "ans")},
+        {"role": "user", "content": words(40, "ansq")},
+    ]
+    request = {"model": MODEL, "messages": messages, "max_tokens": 300}
+    before = explain(second, request)
+    try:
+        response = send(first, request)
+        # Frozen the moment its client has the answer: whatever it had not shared by then,
+        # it cannot share now.
+        os.kill(first.pid, signal.SIGSTOP)
+        assert response.status_code == 200
+        backend = response.headers["x-gateway-backend"]
+        answer = response.json()["choices"][0]["message"]["content"]
+        prompt = explain(second, request)
+        following = explain(
+            second,
+            {
+                **request,
+                "messages": [
+                    *messages,
+                    {"role": "assistant", "content": answer},
+                    {"role": "user", "content": words(40, "ansr")},
+                ],
+            },
+        )
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    assert not any(depths(before).values())
+    asked = depths(prompt)[backend]
+    # 300 tokens of answer: at least a dozen blocks of 16 tokens past the prompt's.
+    assert depths(following)[backend] >= asked + 12
+    assert following["backend"] == backend and following["route"] == "owner"
 
 
 def test_redis_away_leaves_every_input_local(fleet: Fleet) -> None:

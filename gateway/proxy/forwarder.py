@@ -22,7 +22,7 @@ from gateway.proxy.attempt import Attempt
 from gateway.proxy.deadlines import Exchange, Interrupted, Why
 from gateway.proxy.http1 import Response
 from gateway.proxy.prefills import Prefills
-from gateway.proxy.relay import Limits, Relay, Relayed, Remember
+from gateway.proxy.relay import NO_LISTENERS, Limits, Listeners, Relay, Relayed
 from gateway.proxy.reply import Headers, Reply
 from gateway.proxy.rewrite import request_usage, with_cache_salt
 from gateway.proxy.upstream import Upstream, UpstreamError, failure, response_headers
@@ -77,10 +77,10 @@ class Forwarder:
         *,
         method: bytes = b"POST",
         path: str | None = None,
-        remember: Remember | None = None,
+        listeners: Listeners = NO_LISTENERS,
     ) -> Outcome:
         """Forward `routed`: `body` POSTed to its endpoint, or sent with `method` to `path`;
-        `remember` is told the id of a Responses API response (see `Relay`)."""
+        `listeners` hear of the answer before the client has it all (see `Relay`)."""
         request = routed.request
         strip_usage = (
             self._observe_usage
@@ -92,7 +92,7 @@ class Forwarder:
             body = request_usage(body)
         if request.tenant is not None and request.endpoint.generates and method == b"POST":
             body = with_cache_salt(body, request.tenant)
-        tries = _Tries(routed, method, path or request.endpoint.value, remember)
+        tries = _Tries(routed, method, path or request.endpoint.value, listeners)
         try:
             with exchange.guard():
                 relayed = await self._attempts(
@@ -221,7 +221,7 @@ class Forwarder:
         out_headers.extend(gateway_headers(tries.decision))
         stream = tries.routed.request.stream
         relayed = await self._relay(
-            attempt, exchange, response, out_headers, reply, stream, strip_usage, tries.remember
+            attempt, exchange, response, out_headers, reply, stream, strip_usage, tries.listeners
         )
         return relayed, None
 
@@ -284,16 +284,16 @@ class _Tries:
     """The attempts so far: the decision of the latest and every backend tried."""
 
     __slots__ = (
-        "decision", "first_byte_at", "method", "path", "remember", "routed", "tried", "upcoming"
+        "decision", "first_byte_at", "listeners", "method", "path", "routed", "tried", "upcoming"
     )
 
     def __init__(
-        self, routed: Routed, method: bytes, path: str, remember: Remember | None
+        self, routed: Routed, method: bytes, path: str, listeners: Listeners
     ) -> None:
         self.routed = routed
         self.method = method
         self.path = path
-        self.remember = remember
+        self.listeners = listeners
         self.decision = routed.decision
         self.tried = [routed.backend.name]
         self.upcoming: tuple[Backend, Decision] | None = None

@@ -42,8 +42,9 @@ from gateway.proxy.admission import Admission, PendingBodies
 from gateway.proxy.asgi import Receive, Scope, Send, header, read_body, too_many_pending_bodies
 from gateway.proxy.deadlines import DeadlineWatch, Exchange, Interrupted, Why
 from gateway.proxy.forwarder import Forwarder
-from gateway.proxy.relay import Remember
+from gateway.proxy.relay import Listeners, Remember
 from gateway.proxy.reply import Headers, Reply
+from gateway.proxy.usage import Observation
 from gateway.routing.routed import Routed
 from gateway.routing.router import Router
 from gateway.routing.types import Decision
@@ -204,7 +205,7 @@ class ProxyHandler:
         reply: Reply,
     ) -> None:
         path: str = scope["path"]
-        remember: Remember | None = None
+        listeners = Listeners()
         try:
             target = response_target(path)
             if target is None:
@@ -217,8 +218,7 @@ class ProxyHandler:
                 else:
                     request, issued = self._parse(path, headers, body, tenant)
                 routed = await self._router.route(request)
-                if request.endpoint is Endpoint.RESPONSES:
-                    remember = self._remembering(request.tenant)
+                listeners = self._listeners(routed)
             else:
                 routed, issued = await self._to_holder(scope, target[0]), None
                 query: bytes = scope.get("query_string", b"")
@@ -241,7 +241,7 @@ class ProxyHandler:
                 lambda decision: self._gateway_headers(decision, request_id, issued),
                 method=scope["method"].encode(),
                 path=path,
-                remember=remember,
+                listeners=listeners,
             )
         finally:
             watcher.cancel()
@@ -272,13 +272,22 @@ class ProxyHandler:
         )
         return await self._router.route_to_holder(request, response_id)
 
-    def _remembering(self, tenant: str | None) -> Remember:
-        holders = self._router.responses
+    def _listeners(self, routed: Routed) -> Listeners:
+        """Who hears of `routed`'s answer before its client has it all: the stored responses'
+        holders (Responses API) and the router, which records a conversation's answer then."""
+        request = routed.request
+        router = self._router
+        remember: Remember | None = None
+        if request.endpoint is Endpoint.RESPONSES:
+            holders, tenant = router.responses, request.tenant
 
-        async def remember(response_id: str, backend: str) -> None:
-            await holders.remember(response_id, tenant, backend)
+            async def remember(response_id: str, backend: str) -> None:
+                await holders.remember(response_id, tenant, backend)
 
-        return remember
+        async def answered(backend: str, seen: Observation) -> None:
+            await router.answered(routed, backend, seen.answer, seen.completion_tokens)
+
+        return Listeners(remember, answered if router.hears_answer(routed) else None)
 
     def _parse(
         self, path: str, headers: list[tuple[bytes, bytes]], body: bytes, tenant: str | None

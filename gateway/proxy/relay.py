@@ -5,6 +5,7 @@ stream that breaks later ends with an SSE error event.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -31,6 +32,22 @@ class Relayed:
 
 Remember = Callable[[str, str], Awaitable[None]]
 """Told `(response id, backend)` of a Responses API response before the client can use the id."""
+Answered = Callable[[str, Observation], Awaitable[None]]
+"""Told `(backend, what was seen)` of a whole answer before the client has its last bytes."""
+
+# What the last event of a stream carries; a chunk holding it is read before it is relayed.
+_LAST_EVENT = re.compile(rb"\[DONE\]|response\.(?:completed|incomplete|failed)")
+
+
+@dataclass(frozen=True, slots=True)
+class Listeners:
+    """Who hears of a response before its client has all of it."""
+
+    remember: Remember | None = None
+    answered: Answered | None = None
+
+
+NO_LISTENERS = Listeners()
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,14 +71,14 @@ class Relay:
         reply: Reply,
         stream: bool,
         strip_usage: bool,
-        remember: Remember | None = None,
+        listeners: Listeners = NO_LISTENERS,
     ) -> Relayed:
-        """Relay `response`; with `strip_usage` the usage the gateway asked for is held back;
-        `remember` is told the id of a Responses API response before the client has it."""
+        """Relay `response`; with `strip_usage` the usage the gateway asked for is held back.
+        `listeners` hear of a successful answer before the client has it all."""
         status = response.status
         if stream and status == 200:
             return await self._stream(
-                attempt, exchange, response, headers, reply, strip_usage, remember
+                attempt, exchange, response, headers, reply, strip_usage, listeners
             )
         try:
             with exchange.guard():
@@ -73,11 +90,15 @@ class Relay:
         exchange.finish()
         self._first_byte(attempt)
         seen = None
-        if remember is not None and status == 200:
-            # Read before the client has the body: its response id must be known first.
+        remember, answered = listeners.remember, listeners.answered
+        if status == 200 and (remember is not None or answered is not None):
+            # Read before the client has the body: what it starts must be known first.
             seen = observe_body(payload)
-            if seen.response_id is not None:
-                await remember(seen.response_id, attempt.backend.name)
+            name = attempt.backend.name
+            if remember is not None and seen.response_id is not None:
+                await remember(seen.response_id, name)
+            if answered is not None:
+                await answered(name, seen)
         await reply.whole(status, headers, payload)
         self._ended(attempt)
         if seen is None:
@@ -93,7 +114,7 @@ class Relay:
         headers: Headers,
         reply: Reply,
         strip_usage: bool,
-        remember: Remember | None,
+        listeners: Listeners,
     ) -> Relayed:
         try:
             with exchange.guard():
@@ -111,17 +132,25 @@ class Relay:
         seen = observer.seen
         seen.sent_at = attempt.started
         await reply.start_stream(headers)
+        remember, answered = listeners.remember, listeners.answered
         failed: UpstreamError | None = None
         try:
             with exchange.guard():
                 while chunk:
-                    # Without stripping the chunk leaves before it is looked at.
-                    passed = observer.feed(chunk) if strip_usage else chunk
+                    # Without stripping a chunk leaves before it is looked at, unless it may
+                    # end the answer that `answered` is to hear of first.
+                    looked = strip_usage or (
+                        answered is not None and _LAST_EVENT.search(chunk) is not None
+                    )
+                    passed = observer.feed(chunk) if looked else chunk
+                    if answered is not None and seen.complete:
+                        await answered(backend.name, seen)
+                        answered = None
                     if passed:
                         exchange.phase = Why.CLIENT_STALLED
                         await reply.chunk(passed)
                         exchange.phase = Why.IDLE
-                    if not strip_usage:
+                    if not looked:
                         observer.feed(chunk)
                     if remember is not None and seen.response_id is not None:
                         # Once, at `response.created`: long before the client could name it.

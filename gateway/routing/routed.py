@@ -8,11 +8,10 @@ from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 
 from gateway.backends.pool import Backend, ModelPool
-from gateway.prompt.parsing import Endpoint, RoutingInput
+from gateway.prompt.parsing import RoutingInput
 from gateway.routing.conversations import Turn
 from gateway.routing.types import Decision, Policy, Route, RoutingState
 from gateway.state.agreement import FleetView
-from gateway.state.index import PrefixIndex
 
 
 @dataclass(slots=True, eq=False)
@@ -28,7 +27,6 @@ class Routed:
     state: RoutingState
     sticky: str | None
     policy: Policy = field(repr=False)
-    index: PrefixIndex = field(repr=False)
     fleet: FleetView | None = None
     """What the fleet answered for it through Redis (None: nothing, or no fleet)."""
     claim_key: int | None = None
@@ -39,13 +37,13 @@ class Routed:
     """Backends that accepted the request (answered 2xx): its prompt is theirs for good."""
     pinned: bool = False
     """Only `backend` can answer (it holds the response the request names): no failover."""
+    answered: tuple[str, list[int]] | None = None
+    """The backend that answered and the chain of prompt and answer, once recorded for every
+    gateway (before the client had the answer's last bytes)."""
 
     def accepted(self, backend: str) -> None:
-        """`backend` answered 2xx: the other gateways learn where the prompt is."""
-        if backend not in self.accepted_by:
-            self.accepted_by.add(backend)
-            if self.request.endpoint is not Endpoint.EMBEDDINGS:
-                self.index.share(self.request.model, backend, self.chain)
+        """`backend` answered 2xx: its prompt is there for good."""
+        self.accepted_by.add(backend)
 
     @property
     def affinity_key(self) -> int:

@@ -161,7 +161,6 @@ class Router:
             state,
             None,
             self.policy,
-            self.index,
             pinned=True,
         )
 
@@ -238,7 +237,6 @@ class Router:
             state,
             sticky,
             self.policy,
-            self.index,
             fleet,
             claim_key,
         )
@@ -248,7 +246,7 @@ class Router:
         decision = self._by_model.choose(state)
         backend = serving.by_name[decision.backend]
         return Routed(
-            request, [], decision, backend, serving, state, None, self._by_model, self.index
+            request, [], decision, backend, serving, state, None, self._by_model
         )
 
     async def explain(self, request: RoutingInput) -> Explanation:
@@ -294,17 +292,38 @@ class Router:
         )
         count_reported(self.metrics, outcome, model)
         segment = message_segment("assistant", outcome.answer) if outcome.answer else b""
-        chain = self._with_answer(routed, outcome, segment)
+        recorded = routed.answered
+        if recorded is not None and recorded[0] == served:
+            chain = recorded[1]
+        else:
+            recorded = None
+            chain = self._with_answer(routed, outcome.answer, outcome.completion_tokens)
         if self.feedback is not None:
-            # Before the answer is recorded: pruning looks at what was known before it.
             await self.feedback.observe(request, routed.chain, outcome, chain)
         settle_turn(self.metrics, routed, outcome, segment)
-        if chain is not routed.chain:
+        if chain is not routed.chain and recorded is None:
             await self.index.record(model, served, chain)
             self.index.share(model, served, chain)
         if self._engine_index is not None:
             # The request is over: what the replica stored of it, its events have told.
             self._engine_index.settle(served, chain)
+
+    def hears_answer(self, routed: Routed) -> bool:
+        """Whether `answered` is to hear of `routed`'s answer: a conversation's, whose next
+        turn extends it."""
+        return not routed.pinned and routed.request.endpoint in CONVERSATIONS
+
+    async def answered(
+        self, routed: Routed, backend: str, answer: str, completion_tokens: int | None
+    ) -> None:
+        """`backend` answered `routed` in full; its client does not have the last bytes yet.
+        The prompt and answer are recorded there for every gateway now: the conversation's
+        next turn, sent the moment the client has the answer and perhaps to another gateway,
+        must find them (recorded after the reply, they would lose that race)."""
+        chain = self._with_answer(routed, answer, completion_tokens)
+        if chain is not routed.chain:
+            routed.answered = (backend, chain)
+            await self.index.publish(routed.request.model, backend, chain)
 
     def _cold(self, share: float, serving: ModelPool) -> bool:
         """A shared prompt the owner rule keeps in one place: at most c / n of recent requests."""
@@ -347,25 +366,30 @@ class Router:
             return
         if request.endpoint is not Endpoint.EMBEDDINGS:
             await self.index.record(request.model, backend, chain)
+            # Other gateways hear of it now, not once it is accepted a prefill later: the next
+            # request sharing the prefix then follows it wherever it arrives. If the backend
+            # never accepts it, `learn` forgets it there again.
+            self.index.share(request.model, backend, chain)
         if request.session_key is not None:
             await self.sessions.put(request.session_key, backend)
 
-    def _with_answer(self, routed: Routed, outcome: Outcome, segment: bytes) -> list[int]:
+    def _with_answer(
+        self, routed: Routed, answer: str, completion_tokens: int | None
+    ) -> list[int]:
         """The chain of the prompt and its answer, which a chat's next turn extends."""
-        if routed.request.endpoint not in CONVERSATIONS or not segment:
+        if routed.request.endpoint not in CONVERSATIONS or not answer:
             return routed.chain
         request = routed.request
         hashed, block = request.hashed(self._block_chars, self._block_tokens)
         if request.tokens is not None and self.tokenizer is not None:
-            answer = self.tokenizer.text(outcome.answer, add_special_tokens=False)
-            generated = outcome.completion_tokens
-            if generated is not None and len(answer) != generated * TOKEN_BYTES:
+            ids = self.tokenizer.text(answer, add_special_tokens=False)
+            if completion_tokens is not None and len(ids) != completion_tokens * TOKEN_BYTES:
                 # The engine cached the ids it generated, which this text does not encode back
                 # to (it encodes to as many, as a rule, when they are the same).
                 return routed.chain
-            history = hashed + answer
+            history = hashed + ids
         else:
-            history = hashed + segment
+            history = hashed + message_segment("assistant", answer)
         chain = extend_hashes(routed.chain, history, block, _seed(request), self._max_blocks)
         # An answer too short to complete a block adds nothing routing did not record.
         return chain if len(chain) > len(routed.chain) else routed.chain

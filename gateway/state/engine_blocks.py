@@ -154,6 +154,10 @@ class EventFedIndex:
 
     async def record(self, model: str, backend: str, hashes: Sequence[int]) -> None:
         await self.predicted.record(model, backend, hashes)
+        self._pend(backend, hashes)
+
+    def _pend(self, backend: str, hashes: Sequence[int]) -> None:
+        """Blocks sent to `backend` count as held until its events had time to tell."""
         if backend in self.live():
             now = self._clock()
             for block in hashes:
@@ -163,6 +167,10 @@ class EventFedIndex:
 
     def share(self, model: str, backend: str, hashes: Sequence[int]) -> None:
         self.predicted.share(model, backend, hashes)
+
+    async def publish(self, model: str, backend: str, hashes: Sequence[int]) -> None:
+        await self.predicted.publish(model, backend, hashes)
+        self._pend(backend, hashes)
 
     async def forget(self, model: str, backend: str, hashes: Sequence[int]) -> None:
         await self.predicted.forget(model, backend, hashes)

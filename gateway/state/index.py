@@ -28,6 +28,10 @@ class PrefixIndex(Protocol):
         """Tell the other gateways too, in the background: the replica accepted the prompt."""
         ...
 
+    async def publish(self, model: str, backend: str, hashes: Sequence[int]) -> None:
+        """Record, and return once the other gateways see it too (or could not be told)."""
+        ...
+
     async def forget(self, model: str, backend: str, hashes: Sequence[int]) -> None:
         """`backend` no longer holds these blocks (its cache evicted them)."""
         ...
@@ -88,6 +92,9 @@ class InMemoryPrefixIndex:
 
     def share(self, model: str, backend: str, hashes: Sequence[int]) -> None:
         return None  # nothing beyond this process to tell
+
+    async def publish(self, model: str, backend: str, hashes: Sequence[int]) -> None:
+        await self.record(model, backend, hashes)
 
     async def forget(self, model: str, backend: str, hashes: Sequence[int]) -> None:
         for block in hashes:

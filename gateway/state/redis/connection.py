@@ -174,14 +174,28 @@ class RedisLink:
     def submit(self, operation: str, work: Callable[[], Awaitable[object]]) -> bool:
         """Write in the background, unless Redis is down or `max_pending` writes are in flight
         (then the write is counted as lost and False returned)."""
+        return self._background(operation, work) is not None
+
+    async def write_soon(self, operation: str, work: Callable[[], Awaitable[object]]) -> None:
+        """Write in the background and wait for it at most a lookup's deadline: a caller
+        about to answer its client waits no longer for Redis than a lookup would, and a write
+        still queued in Redis then goes on (within its own deadline) without failing."""
+        task = self._background(operation, work)
+        if task is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(task), self.timeout)
+
+    def _background(
+        self, operation: str, work: Callable[[], Awaitable[object]]
+    ) -> asyncio.Task[None] | None:
         if not self._up or len(self._pending) >= self._max_pending or self._closed:
             self._lost_write_at = time.monotonic()
             self.fell_back(operation)
-            return False
+            return None
         task = asyncio.create_task(self._write(operation, work))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
-        return True
+        return task
 
     def fell_back(self, operation: str) -> None:
         self._metrics.redis_fallbacks.labels(operation).inc()

@@ -55,6 +55,12 @@ class FallbackPrefixIndex:
         if hashes:
             self._link.submit("record", lambda: self.shared.record(model, backend, hashes))
 
+    async def publish(self, model: str, backend: str, hashes: Sequence[int]) -> None:
+        await self.local.record(model, backend, hashes)
+        if hashes:
+            written = self.shared.record
+            await self._link.write_soon("record", lambda: written(model, backend, hashes))
+
     async def forget(self, model: str, backend: str, hashes: Sequence[int]) -> None:
         await self.local.forget(model, backend, hashes)
         if not hashes:

@@ -95,6 +95,9 @@ class RedisPrefixIndex:
     def share(self, model: str, backend: str, hashes: Sequence[int]) -> None:
         return None  # what it records is shared already
 
+    async def publish(self, model: str, backend: str, hashes: Sequence[int]) -> None:
+        await self.record(model, backend, hashes)
+
     async def forget(self, model: str, backend: str, hashes: Sequence[int]) -> None:
         if not hashes:
             return
