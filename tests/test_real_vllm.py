@@ -436,6 +436,19 @@ def tokens_gateway(real: RealFleet) -> Iterator[GatewayProcess]:
         yield gateway
 
 
+def assert_predicted_within_5_percent(before: str, after: str, hits: list[int]) -> None:
+    """The gateway's predicted matched tokens between two metric scrapes are within 5% of the
+    cached tokens the replicas reported, which are the `hits` its client saw."""
+
+    def grown(name: str) -> float:
+        return metric_value(after, name) - metric_value(before, name)
+
+    predicted = grown("gateway_matched_tokens_predicted_total")
+    reported = grown("gateway_upstream_cached_tokens_total")
+    assert reported == sum(hits) > 0
+    assert abs(predicted - reported) <= 0.05 * reported, (predicted, reported, hits)
+
+
 @pytest.mark.parametrize("system_words", [120, 800], ids=["on-the-loop", "beside-the-loop"])
 def test_with_the_tokenizer_predicted_matched_tokens_are_the_cached_tokens(
     tokens_gateway: GatewayProcess, system_words: int
@@ -452,15 +465,33 @@ def test_with_the_tokenizer_predicted_matched_tokens_are_the_cached_tokens(
             reply, _ = ask(client, messages, max_tokens=40)
             hits.append(cached(reply))
             messages.append({"role": "assistant", "content": reply.choices[0].message.content})
-    after = tokens_gateway.metrics()
+    assert_predicted_within_5_percent(before, tokens_gateway.metrics(), hits)
 
-    def grown(name: str) -> float:
-        return metric_value(after, name) - metric_value(before, name)
 
-    predicted = grown("gateway_matched_tokens_predicted_total")
-    reported = grown("gateway_upstream_cached_tokens_total")
-    assert reported == sum(hits) > 0
-    assert abs(predicted - reported) <= 0.05 * reported, (predicted, reported, hits)
+def test_with_the_tokenizer_a_responses_conversation_predicts_the_cached_tokens(
+    tokens_gateway: GatewayProcess,
+) -> None:
+    # The engine renders instructions and input items as chat messages: so must the gateway.
+    before = tokens_gateway.metrics()
+    instructions = text(200, "responses-tokenizer-system")
+    items: list[dict[str, Any]] = []
+    hits = []
+    with openai.OpenAI(
+        base_url=tokens_gateway.url + "/v1", api_key="unused", max_retries=0
+    ) as client:
+        for turn in range(4):
+            question = text(30, f"responses-tokenizer-{turn}")
+            items.append({"role": "user", "content": [{"type": "input_text", "text": question}]})
+            response = client.responses.create(
+                model=MODEL,
+                instructions=instructions,
+                input=items,  # type: ignore[arg-type]
+                max_output_tokens=20,
+                store=False,
+            )
+            hits.append(int(response.usage.input_tokens_details.cached_tokens or 0))
+            items.append({"role": "assistant", "content": response.output_text})
+    assert_predicted_within_5_percent(before, tokens_gateway.metrics(), hits)
 
 
 def test_kv_events_show_blocks_the_gateway_never_sent(

@@ -21,7 +21,7 @@ from gateway.prompt.canonical import (
     tools_block,
 )
 from gateway.prompt.hashing import key_hash
-from gateway.prompt.responses import checked_response_id, responses_canonical
+from gateway.prompt.responses import chat_messages, checked_response_id, responses_canonical
 from gateway.prompt.tokens import TOKEN_BYTES, EngineTokenizer, pack
 
 
@@ -200,10 +200,13 @@ def parse_request(
 def _tokens(
     endpoint: Endpoint, payload: dict[str, Any], tokenizer: EngineTokenizer
 ) -> bytes | None:
-    """The packed ids of a chat's or a single completion's prompt (None for a batch, whose
-    prompts are cached apart, or a chat the template cannot render)."""
+    """The packed ids of a chat's, a Responses request's or a single completion's prompt (None
+    for a batch, whose prompts are cached apart, or what the template cannot render)."""
     if endpoint is Endpoint.CHAT:
         return tokenizer.chat(payload["messages"], payload.get("tools"))
+    if endpoint is Endpoint.RESPONSES:
+        rendered = chat_messages(payload)
+        return None if rendered is None else tokenizer.chat(*rendered)
     if endpoint is Endpoint.COMPLETIONS:
         prompt = payload["prompt"]
         if isinstance(prompt, str):

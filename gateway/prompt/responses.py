@@ -100,6 +100,73 @@ def _item_segment(item: dict[str, Any]) -> tuple[bytes, str]:
     return message_segment(kind, None, described), kind
 
 
+def chat_messages(payload: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Any] | None] | None:
+    """The chat messages and chat-shaped tools an engine renders a Responses request as (vLLM:
+    the instructions as a system message, a string input as a user message, items as messages,
+    a function call joining the assistant message before it); None where that is not known
+    (items other than messages and function calls, content other than text)."""
+    messages: list[dict[str, Any]] = []
+    instructions = payload.get("instructions")
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    given = payload.get("input")
+    items = [{"role": "user", "content": given}] if isinstance(given, str) else given
+    if not isinstance(items, list):
+        return None
+    for item in items:
+        message = _chat_message(item, messages[-1] if messages else None)
+        if message is False:
+            return None
+        if message is not True:
+            messages.append(message)
+    tools = payload.get("tools")
+    if not tools:
+        return messages, None
+    if any(not isinstance(tool, dict) or tool.get("type") != "function" for tool in tools):
+        return None
+    described = ("name", "description", "parameters")
+    chat_tools = [
+        {"type": "function", "function": {key: tool[key] for key in described if key in tool}}
+        for tool in tools
+    ]
+    return messages, chat_tools
+
+
+def _chat_message(item: Any, previous: dict[str, Any] | None) -> dict[str, Any] | bool:
+    """One item as a chat message; True when it joined `previous`, False when not known."""
+    kind = item.get("type", "message")
+    after_assistant = previous is not None and previous.get("role") == "assistant"
+    if kind == "function_call":
+        call = {
+            "id": item.get("call_id"),
+            "type": "function",
+            "function": {"name": item.get("name"), "arguments": item.get("arguments")},
+        }
+        if previous is not None and after_assistant:
+            previous.setdefault("tool_calls", []).append(call)
+            return True
+        return {"role": "assistant", "tool_calls": [call]}
+    if kind == "function_call_output":
+        return {"role": "tool", "content": item.get("output"), "tool_call_id": item.get("call_id")}
+    if kind != "message":
+        return False
+    role, content = item.get("role"), item.get("content")
+    if isinstance(content, list):
+        texts = [part.get("text") for part in content if isinstance(part, dict)]
+        strings = [text for text in texts if isinstance(text, str)]
+        if not strings or len(strings) < len(content):
+            return False
+        # An assistant message keeps its first part; other roles' parts are joined by lines.
+        content = strings[0] if role == "assistant" else "\n".join(strings)
+    if not isinstance(content, str):
+        return False
+    joins = role == "assistant" and after_assistant
+    if joins and previous is not None and previous.get("content") is None:
+        previous["content"] = content
+        return True
+    return {"role": role, "content": content}
+
+
 RESPONSES_PREFIX = "/v1/responses/"
 CANCEL = "/cancel"
 
