@@ -6,6 +6,7 @@ its prefix follows it. No HTTP here.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ from gateway.state.agreement import Agreement, FleetView
 from gateway.state.engine_blocks import EventFedIndex
 from gateway.state.index import PrefixIndex
 from gateway.state.sessions import InMemorySessionStore, SessionStore
+
+log = logging.getLogger("gateway.routing")
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,11 +322,15 @@ class Router:
         """`backend` answered `routed` in full; its client does not have the last bytes yet.
         The prompt and answer are recorded there for every gateway now: the conversation's
         next turn, sent the moment the client has the answer and perhaps to another gateway,
-        must find them (recorded after the reply, they would lose that race)."""
-        chain = self._with_answer(routed, answer, completion_tokens)
-        if chain is not routed.chain:
-            routed.answered = (backend, chain)
-            await self.index.publish(routed.request.model, backend, chain)
+        must find them (recorded after the reply, they would lose that race). Never raises:
+        the answer is the client's whatever becomes of recording it (`learn` tries again)."""
+        try:
+            chain = self._with_answer(routed, answer, completion_tokens)
+            if chain is not routed.chain:
+                await self.index.publish(routed.request.model, backend, chain)
+                routed.answered = (backend, chain)
+        except Exception:
+            log.warning("recording an answer before its last bytes failed", exc_info=True)
 
     def _cold(self, share: float, serving: ModelPool) -> bool:
         """A shared prompt the owner rule keeps in one place: at most c / n of recent requests."""

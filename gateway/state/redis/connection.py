@@ -44,11 +44,14 @@ CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 SCHEMES = ("redis", "rediss", "unix", *CLUSTER_SCHEMES)
 
 # Errors that say "the link is broken or too slow", as opposed to an error reply to one command.
+# RuntimeError too: redis-py writing on a connection whose server just died gets uvloop's
+# "unable to perform operation on <TCPTransport closed=True>", not a ConnectionError.
 _LINK_ERRORS = (
     RedisConnectionError,
     RedisTimeoutError,
     TimeoutError,
     OSError,
+    RuntimeError,
     ClusterError,
     RedisClusterException,
 )
