@@ -123,6 +123,35 @@ def test_an_unseen_prompt_stays_unseen_after_explain(admin: GatewayProcess) -> N
     assert explain(admin, body).json()["route"] == "owner"
 
 
+def test_a_prompt_under_another_cache_salt_is_not_predicted_cached(admin: GatewayProcess) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": words(300, "salted")}],
+        "max_tokens": 2,
+        "cache_salt": "salt-one",
+    }
+    salted = chat(admin, body)
+    backend = salted.headers["x-gateway-backend"]
+
+    def matched(salt: str | None) -> int:
+        asked = (
+            {**body, "cache_salt": salt}
+            if salt
+            else {k: v for k, v in body.items() if k != "cache_salt"}
+        )
+        rows = explain(admin, asked).json()["candidates"]
+        return sum(row["matched_tokens"] for row in rows)
+
+    assert matched("salt-one") >= 256
+    # The replica keeps the salt's blocks apart: neither another salt nor none reuses them.
+    assert matched("salt-two") == matched(None) == 0
+    again = chat(admin, {**body, "cache_salt": "salt-two"})
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    repeat = chat(admin, body)
+    assert repeat.headers["x-gateway-backend"] == backend
+    assert repeat.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
+
+
 def test_explain_shows_the_session_and_a_cache_break(admin: GatewayProcess) -> None:
     system = {"role": "system", "content": words(100, "xy")}
     turns = [{"role": "user", "content": words(30, f"xt{turn}")} for turn in range(3)]

@@ -106,6 +106,9 @@ class RoutingInput:
     tokens: bytes | None = None
     """The prompt's token ids as the engine has them, packed (with `--tokenizer`): hashed in
     the engine's blocks instead of `canonical`."""
+    cache_salt: str | None = None
+    """The `cache_salt` the engine sees, whose cached blocks no other salt shares: the
+    tenant's under tenant isolation (the gateway sets it), else the client's own."""
 
     def estimated_tokens(self, chars_per_token: float) -> float:
         """The prompt's tokens: counted with the engine's tokenizer, else estimated."""
@@ -194,7 +197,13 @@ def parse_request(
         tenant=tenant,
         previous_response_id=previous,
         tokens=None if tokenizer is None else _tokens(endpoint, payload, tokenizer),
+        cache_salt=tenant if tenant is not None else _client_salt(endpoint, payload),
     )
+
+
+def _client_salt(endpoint: Endpoint, payload: dict[str, Any]) -> str | None:
+    salt = payload.get("cache_salt")
+    return salt if endpoint.generates and isinstance(salt, str) and salt else None
 
 
 def _tokens(

@@ -412,5 +412,6 @@ def _shared_end(state: RoutingState) -> int:
 
 
 def _seed(request: RoutingInput) -> int:
-    """Where a request's chain starts: a tenant's own chains share no block with another's."""
-    return 0 if request.tenant is None else key_hash(request.tenant)
+    """Where a request's chain starts: as in the engine, a salted prompt (a tenant's, or a
+    client's own `cache_salt`) shares no block with the same prompt under another salt."""
+    return 0 if request.cache_salt is None else key_hash(request.cache_salt)
