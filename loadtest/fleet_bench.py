@@ -30,6 +30,7 @@ import httpx
 
 from gateway.emulator.replicas import EmulatedReplicas
 from gateway.workloads import Session, build_workload
+from loadtest.benchmark import percentile
 from tests.redis_server import RedisClusterServers, RedisServer
 from tests.support import GatewayProcess
 
@@ -316,17 +317,10 @@ def print_row(row: Row) -> None:
         f"| {row.round_trips / requests:.2f} | {commands / requests:.1f} "
         f"| {exchanges / row.seconds:.0f} | {row.decision_us[0]:.0f} | {row.decision_us[1]:.0f} "
         f"| {row.fallbacks:.0f} | {tally.requests / row.seconds:.1f} "
-        f"| {_quantile(tally.latencies, 0.5):.0f} | {_quantile(tally.latencies, 0.99):.0f} |",
+        f"| {1000 * percentile(tally.latencies, 0.5):.0f} "
+        f"| {1000 * percentile(tally.latencies, 0.99):.0f} |",
         flush=True,
     )
-
-
-def _quantile(seconds: list[float], share: float) -> float:
-    """The request latency at `share`, in ms (0 with none)."""
-    if not seconds:
-        return 0.0
-    ordered = sorted(seconds)
-    return 1000 * ordered[min(len(ordered) - 1, int(share * len(ordered)))]
 
 
 def numbers(listed: str) -> list[int]:

@@ -135,15 +135,15 @@ def chat_messages(payload: dict[str, Any]) -> tuple[list[dict[str, Any]], list[A
 def _chat_message(item: Any, previous: dict[str, Any] | None) -> dict[str, Any] | bool:
     """One item as a chat message; True when it joined `previous`, False when not known."""
     kind = item.get("type", "message")
-    after_assistant = previous is not None and previous.get("role") == "assistant"
+    assistant = previous if previous is not None and previous.get("role") == "assistant" else None
     if kind == "function_call":
         call = {
             "id": item.get("call_id"),
             "type": "function",
             "function": {"name": item.get("name"), "arguments": item.get("arguments")},
         }
-        if previous is not None and after_assistant:
-            previous.setdefault("tool_calls", []).append(call)
+        if assistant is not None:
+            assistant.setdefault("tool_calls", []).append(call)
             return True
         return {"role": "assistant", "tool_calls": [call]}
     if kind == "function_call_output":
@@ -160,9 +160,8 @@ def _chat_message(item: Any, previous: dict[str, Any] | None) -> dict[str, Any] 
         content = strings[0] if role == "assistant" else "\n".join(strings)
     if not isinstance(content, str):
         return False
-    joins = role == "assistant" and after_assistant
-    if joins and previous is not None and previous.get("content") is None:
-        previous["content"] = content
+    if role == "assistant" and assistant is not None and assistant.get("content") is None:
+        assistant["content"] = content
         return True
     return {"role": role, "content": content}
 

@@ -42,7 +42,7 @@ from gateway.proxy.admission import Admission, PendingBodies
 from gateway.proxy.asgi import Receive, Scope, Send, header, read_body, too_many_pending_bodies
 from gateway.proxy.deadlines import DeadlineWatch, Exchange, Interrupted, Why
 from gateway.proxy.forwarder import Forwarder
-from gateway.proxy.relay import Listeners, Remember
+from gateway.proxy.relay import NO_LISTENERS, Listeners, Remember
 from gateway.proxy.reply import Headers, Reply
 from gateway.proxy.usage import Observation
 from gateway.routing.routed import Routed
@@ -205,7 +205,7 @@ class ProxyHandler:
         reply: Reply,
     ) -> None:
         path: str = scope["path"]
-        listeners = Listeners()
+        listeners = NO_LISTENERS
         try:
             target = response_target(path)
             if target is None:

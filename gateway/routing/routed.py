@@ -37,9 +37,9 @@ class Routed:
     """Backends that accepted the request (answered 2xx): its prompt is theirs for good."""
     pinned: bool = False
     """Only `backend` can answer (it holds the response the request names): no failover."""
-    answered: tuple[str, list[int]] | None = None
-    """The backend that answered and the chain of prompt and answer, once recorded for every
-    gateway (before the client had the answer's last bytes)."""
+    answered: list[int] | None = None
+    """The chain of prompt and answer, once `Router.answered` took it in (recorded for every
+    gateway where it grew, before the client had the answer's last bytes)."""
 
     def accepted(self, backend: str) -> None:
         """`backend` answered 2xx: its prompt is there for good."""

@@ -295,16 +295,14 @@ class Router:
         )
         count_reported(self.metrics, outcome, model)
         segment = message_segment("assistant", outcome.answer) if outcome.answer else b""
-        recorded = routed.answered
-        if recorded is not None and recorded[0] == served:
-            chain = recorded[1]
-        else:
-            recorded = None
+        chain = routed.answered
+        taken_in = chain is not None
+        if chain is None:
             chain = self._with_answer(routed, outcome.answer, outcome.completion_tokens)
         if self.feedback is not None:
             await self.feedback.observe(request, routed.chain, outcome, chain)
         settle_turn(self.metrics, routed, outcome, segment)
-        if chain is not routed.chain and recorded is None:
+        if chain is not routed.chain and not taken_in:
             await self.index.record(model, served, chain)
             self.index.share(model, served, chain)
         if self._engine_index is not None:
@@ -328,7 +326,7 @@ class Router:
             chain = self._with_answer(routed, answer, completion_tokens)
             if chain is not routed.chain:
                 await self.index.publish(routed.request.model, backend, chain)
-                routed.answered = (backend, chain)
+            routed.answered = chain  # `learn` neither encodes the answer again nor records it
         except Exception:
             log.warning("recording an answer before its last bytes failed", exc_info=True)
 

@@ -25,7 +25,7 @@ class PrefixIndex(Protocol):
         ...
 
     def share(self, model: str, backend: str, hashes: Sequence[int]) -> None:
-        """Tell the other gateways too, in the background: the replica accepted the prompt."""
+        """Tell the other gateways too, in the background (the request was routed there)."""
         ...
 
     async def publish(self, model: str, backend: str, hashes: Sequence[int]) -> None:
