@@ -154,7 +154,9 @@ def test_a_report_that_meets_the_prediction_confirms_it(
     predicted = matched_tokens(gateway, question(system, "pcq1"))[backend]
     assert predicted > 0
     second, route, cached = ask(client, question(system, "pcq1"))
-    assert (second, route) == (backend, "owner")
+    # Kept by its holder: as its owner while the prompt is cold among the module's requests,
+    # or as the only holder of a hot one.
+    assert second == backend and route in ("owner", "prefix")
     assert cached == 400  # the whole system prompt: 25 blocks of 16 tokens
     assert feedback.wait(lambda grown: "confirmed" in grown) == {"confirmed": 1}
 
@@ -175,7 +177,7 @@ def test_an_evicted_prefix_is_pruned_from_the_index(
     assert predicted >= 256  # the index still attributes the system prompt to the replica
 
     third, route, cached = ask(client, question(system, "peq2"))
-    assert (third, route) == (backend, "owner")
+    assert third == backend and route in ("owner", "prefix")
     assert cached == 0  # the replica computed it all again
     grown = feedback.wait(lambda grown: "shallower" in grown and "pruned" in grown)
     assert grown.get("shallower") == 1 and "confirmed" not in grown

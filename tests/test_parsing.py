@@ -44,6 +44,27 @@ def test_distinct_part_starts_at_the_first_user_message() -> None:
     assert parsed.canonical[parsed.distinct_from :].startswith(message_segment("user", "q"))
 
 
+def test_a_first_turn_carries_no_answer_after_its_first_user_message() -> None:
+    system = {"role": "system", "content": "S"}
+    question = {"role": "user", "content": "q1"}
+    answer = {"role": "assistant", "content": "a1"}
+    follow_up = {"role": "user", "content": "q2"}
+
+    def first_turn(endpoint: Endpoint, body: dict[str, object]) -> bool:
+        return parse_request(endpoint, orjson.dumps({"model": "m"} | body), None).first_turn
+
+    assert first_turn(Endpoint.CHAT, {"messages": [system, question]})
+    assert first_turn(Endpoint.CHAT, {"messages": [system, question, follow_up]})
+    assert not first_turn(Endpoint.CHAT, {"messages": [system, question, answer, follow_up]})
+    # An assistant greeting before the first question is part of the shared prompt.
+    assert first_turn(Endpoint.CHAT, {"messages": [system, answer, question]})
+    assert first_turn(Endpoint.RESPONSES, {"instructions": "S", "input": "q1"})
+    called = {"type": "function_call_output", "call_id": "c1", "output": "42"}
+    assert not first_turn(Endpoint.RESPONSES, {"input": [question, called]})
+    # A plain prompt does not say where its history is.
+    assert not first_turn(Endpoint.COMPLETIONS, {"prompt": "S q1"})
+
+
 def test_session_key_sources_are_kept_as_hashes() -> None:
     assert parse_request(Endpoint.CHAT, chat(), "h1").session_key == session_hash("h1")
     keyed = parse_request(Endpoint.CHAT, chat(prompt_cache_key="k1"), None)

@@ -277,9 +277,10 @@ def test_a_new_prefix_takes_the_less_used_of_its_two_ring_backends() -> None:
 
 
 def test_a_new_prefix_goes_where_its_prefill_starts_sooner() -> None:
-    # The first ring backend is the less used but has a prompt's prefill still to compute.
+    # The first ring backend is the less used but has a prompt's prefill still to compute;
+    # the second is busier, though within the hot cap (mean 1.5 + slack 2).
     first, second = two_choices(777)
-    recent = dict.fromkeys(FOUR, 1.0) | {second: 9.0}
+    recent = dict.fromkeys(FOUR, 1.0) | {second: 3.0}
     assert policy.choose(state(recent=recent, key=777)).backend == first
     waiting = dataclasses.replace(state(recent=recent, key=777), pending_prefill={first: 120})
     decision = policy.choose(waiting)
@@ -299,7 +300,7 @@ def test_an_overflow_copy_goes_where_its_prefill_starts_sooner() -> None:
 
 def test_the_policy_takes_its_knobs_from_settings() -> None:
     first, second = two_choices(777)
-    busier_first = state(recent=dict.fromkeys(FOUR, 1.0) | {first: 9.0}, key=777)
+    busier_first = state(recent=dict.fromkeys(FOUR, 1.0) | {first: 3.0}, key=777)
     assert policy.choose(busier_first).backend == second
     one_choice = Settings(backend=("x",), ring_choices=1)
     assert build_policy(one_choice).choose(busier_first).backend == first
@@ -310,12 +311,41 @@ def test_the_policy_takes_its_knobs_from_settings() -> None:
     assert (decision.backend, decision.route) == (B, Route.PREFIX)
 
 
-def test_a_new_session_takes_its_first_ring_backend_whatever_the_traffic() -> None:
-    # Concurrent first requests of one session (or through several gateways) must agree.
-    first, _ = two_choices(777)
-    recent = dict.fromkeys(FOUR, 1.0) | {first: 9.0}
+def test_with_nothing_in_flight_a_shared_prompt_leaves_a_replica_that_had_most_requests() -> None:
+    # Two holders of a hot prompt, all idle: the deeper one took far more of the recent
+    # requests, so it passes the next on, and one cache does not hold every conversation
+    # while the other replicas idle.
+    recent = {A: 9.0, B: 1.0, C: 1.0, D: 1.0}
+    idle = dataclasses.replace(
+        state(matched={A: 10, B: 8}, recent=recent), shared_share=1.0, private_from=10
+    )
+    assert policy.choose(idle).backend == B
+    spread = dataclasses.replace(idle, recent=dict.fromkeys(FOUR, 2.0))
+    assert policy.choose(spread).route is Route.PREFIX
+
+
+def test_a_first_turn_sharing_a_question_s_opening_words_is_no_conversation_history() -> None:
+    # A holds the system prompt (10 blocks) and one block past it: another conversation's
+    # question began with the same words. For a first turn that is no history of its own, so
+    # A keeps it only as the owner of a cold shared prompt; this one is hot, so it spreads.
+    recent = {A: 9.0, B: 1.0, C: 1.0, D: 1.0}
+    opening = dataclasses.replace(
+        state(matched={A: 11, B: 6}, recent=recent), shared_share=1.0, private_from=10
+    )
+    assert policy.choose(opening).backend == A  # taken for the conversation's own history
+    first = policy.choose(dataclasses.replace(opening, first_turn=True))
+    assert (first.backend, first.route) == (B, Route.PREFIX)
+
+
+def test_a_new_session_takes_its_first_eligible_ring_backend_not_the_least_used() -> None:
+    # Concurrent first requests of one session (or through several gateways) must agree: a
+    # busier backend within the hot cap keeps them, one past it passes them on.
+    first, second = two_choices(777)
+    recent = dict.fromkeys(FOUR, 1.0) | {first: 3.0}
     keyed = RoutingState(FOUR, dict.fromkeys(FOUR, 0), HASHES, {}, 777, keyed=True, recent=recent)
     assert policy.choose(keyed).backend == first
+    hot = dataclasses.replace(keyed, recent=recent | {first: 9.0})
+    assert policy.choose(hot).backend == second
 
 
 def test_the_router_state_decides_as_plain_snapshots_do() -> None:
@@ -396,11 +426,11 @@ def test_a_conversation_owner_is_not_capped_by_its_recent_requests() -> None:
 
 
 def plain_allowance(given: RoutingState) -> Allowance:
-    """The documented plain allowance: B, and under load the hot cap."""
+    """The documented plain allowance: B and the hot cap, at any load."""
     count = len(given.candidates)
     total = given.summed_load()
     bound = load_bound(total, count, SETTINGS.load_factor, SETTINGS.load_floor)
-    if total < count or not given.recent:
+    if not given.recent:
         return Allowance(bound)
     mean = sum(given.recent.get(name, 0.0) for name in given.candidates) / count
     return Allowance(bound, max(SETTINGS.recent_cap * mean, mean + SETTINGS.recent_slack))
@@ -420,6 +450,7 @@ pendings = st.dictionaries(st.sampled_from(FOUR), st.integers(0, 200), max_size=
     sticky=st.sampled_from([None, *FOUR]),
     private_from=st.integers(0, 40),
     shared_share=st.floats(0.0, 1.0),
+    first_turn=st.booleans(),
     keyed=st.booleans(),
     key=st.integers(0, (1 << 64) - 1),
 )
@@ -432,6 +463,7 @@ def test_every_choice_keeps_to_its_rule(
     sticky: str | None,
     private_from: int,
     shared_share: float,
+    first_turn: bool,
     keyed: bool,
     key: int,
 ) -> None:
@@ -442,6 +474,7 @@ def test_every_choice_keeps_to_its_rule(
         matched,
         key,
         private_from=private_from,
+        first_turn=first_turn,
         sticky=sticky,
         keyed=keyed,
         recent=recent,
@@ -468,6 +501,8 @@ def test_every_choice_keeps_to_its_rule(
         assert matched[decision.backend] - max(others, default=0) >= SETTINGS.owner_margin_blocks
         most = math.ceil(plain.load_bound * 2 * SETTINGS.load_factor)  # the stretch at s = 1
         assert eligible(given_state, decision.backend, Allowance(most))
+        if first_turn or matched[decision.backend] <= private_from:  # a shared prompt: cold
+            assert shared_share <= SETTINGS.load_factor / len(FOUR)
     if decision.route is Route.PREFIX:
         deeper = [
             name

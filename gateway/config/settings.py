@@ -63,8 +63,8 @@ class Settings:
     min_match_tokens: int = _opt(64, "shortest indexed prefix match worth routing on")
     recent_cap: float = _opt(
         1.1,
-        "under load (as many requests in flight as replicas), pass over a replica whose recent"
-        " requests exceed this times the mean",
+        "pass over a replica whose recent requests exceed this times the mean (or the mean plus"
+        " the slack, whichever is more)",
     )
     recent_slack: float = _opt(
         2.0,

@@ -23,6 +23,9 @@ FIELD = b"\x1f"
 TOOLS = b"\x1d"
 TOKENS = b"\x1c"
 PART = b"\x1a"
+ASKING_ROLES = frozenset({"system", "developer", "user"})
+"""Roles of the messages a client writes; any other (an assistant's answer, a tool's output, a
+Responses item such as reasoning) after the first user message is an earlier turn's."""
 _TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
 """Part types an engine renders as their text (the last two are the Responses API's)."""
 

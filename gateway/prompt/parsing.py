@@ -14,6 +14,7 @@ import orjson
 from gateway.config import Settings
 from gateway.errors import BadRequest
 from gateway.prompt.canonical import (
+    ASKING_ROLES,
     message_segment,
     text_prompts,
     token_prompts,
@@ -109,6 +110,9 @@ class RoutingInput:
     cache_salt: str | None = None
     """The `cache_salt` the engine sees, whose cached blocks no other salt shares: the
     tenant's under tenant isolation (the gateway sets it), else the client's own."""
+    first_turn: bool = False
+    """A chat or Responses request with no answer after its first user message: nothing past
+    `distinct_from` is its own history (unknown, so False, for a plain prompt)."""
 
     def estimated_tokens(self, chars_per_token: float) -> float:
         """The prompt's tokens: counted with the engine's tokenizer, else estimated."""
@@ -170,8 +174,9 @@ def parse_request(
     wants_usage = bool(options and options.get("include_usage"))
 
     previous = None
+    first_turn = False
     if endpoint is Endpoint.CHAT:
-        canonical, distinct_from = _chat_canonical(payload, limits.messages)
+        canonical, distinct_from, first_turn = _chat_canonical(payload, limits.messages)
     elif endpoint is Endpoint.COMPLETIONS:
         prompt = payload.get("prompt")
         canonical, distinct_from = _completion_canonical(prompt, "prompt", limits.prompts), 0
@@ -179,7 +184,7 @@ def parse_request(
         given = payload.get("input")
         canonical, distinct_from = _completion_canonical(given, "input", limits.prompts), 0
     elif endpoint is Endpoint.RESPONSES:
-        canonical, distinct_from = responses_canonical(payload, limits.messages)
+        canonical, distinct_from, first_turn = responses_canonical(payload, limits.messages)
         given_previous = payload.get("previous_response_id")
         if given_previous is not None:
             previous = checked_response_id(given_previous, "previous_response_id")
@@ -198,6 +203,7 @@ def parse_request(
         previous_response_id=previous,
         tokens=None if tokenizer is None else _tokens(endpoint, payload, tokenizer),
         cache_salt=tenant if tenant is not None else _client_salt(endpoint, payload),
+        first_turn=first_turn,
     )
 
 
@@ -280,7 +286,9 @@ def session_hash(key: str, tenant: str | None = None) -> str:
     return f"{key_hash(key if tenant is None else f'{tenant}:{key}'):016x}"
 
 
-def _chat_canonical(payload: dict[str, Any], max_messages: int) -> tuple[bytes, int]:
+def _chat_canonical(payload: dict[str, Any], max_messages: int) -> tuple[bytes, int, bool]:
+    """The canonical bytes, where the first user message begins, and whether no answer
+    follows it."""
     messages = payload.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest(
@@ -293,6 +301,7 @@ def _chat_canonical(payload: dict[str, Any], max_messages: int) -> tuple[bytes, 
     parts: list[bytes] = []
     size = 0
     distinct_from = -1
+    answered = False
     tools = payload.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
@@ -318,9 +327,11 @@ def _chat_canonical(payload: dict[str, Any], max_messages: int) -> tuple[bytes, 
             ) from None
         if distinct_from < 0 and role == "user":
             distinct_from = size
+        elif distinct_from >= 0 and role not in ASKING_ROLES:
+            answered = True
         parts.append(segment)
         size += len(segment)
-    return b"".join(parts), max(distinct_from, 0)
+    return b"".join(parts), max(distinct_from, 0), not answered
 
 
 def _completion_canonical(prompt: Any, name: str, max_prompts: int) -> bytes:

@@ -11,7 +11,13 @@ from typing import Any
 import orjson
 
 from gateway.errors import BadRequest
-from gateway.prompt.canonical import FIELD, message_segment, tool_calls_field, tools_block
+from gateway.prompt.canonical import (
+    ASKING_ROLES,
+    FIELD,
+    message_segment,
+    tool_calls_field,
+    tools_block,
+)
 from gateway.prompt.hashing import key_hash
 
 RESPONSE_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
@@ -36,8 +42,9 @@ def response_key(response_id: str, tenant: str | None = None) -> str:
     return f"{key_hash(response_id if tenant is None else f'{tenant}:{response_id}'):016x}"
 
 
-def responses_canonical(payload: dict[str, Any], max_items: int) -> tuple[bytes, int]:
-    """The canonical bytes of a Responses request and where its first user message begins."""
+def responses_canonical(payload: dict[str, Any], max_items: int) -> tuple[bytes, int, bool]:
+    """The canonical bytes of a Responses request, where its first user message begins, and
+    whether no answer (an assistant message, a function call or its output) follows it."""
     parts: list[bytes] = []
     tools = payload.get("tools")
     if tools is not None and not isinstance(tools, list):
@@ -64,6 +71,7 @@ def responses_canonical(payload: dict[str, Any], max_items: int) -> tuple[bytes,
         )
     size = sum(len(part) for part in parts)
     distinct_from = -1
+    answered = False
     for position, item in enumerate(items):
         if not isinstance(item, dict):
             raise BadRequest(f"input[{position}] must be an object", param="input")
@@ -75,9 +83,11 @@ def responses_canonical(payload: dict[str, Any], max_items: int) -> tuple[bytes,
             ) from None
         if distinct_from < 0 and role == "user":
             distinct_from = size
+        elif distinct_from >= 0 and role not in ASKING_ROLES:
+            answered = True
         parts.append(segment)
         size += len(segment)
-    return b"".join(parts), max(distinct_from, 0)
+    return b"".join(parts), max(distinct_from, 0), not answered
 
 
 def _item_segment(item: dict[str, Any]) -> tuple[bytes, str]:

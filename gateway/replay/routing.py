@@ -57,6 +57,7 @@ class PolicyRouter:
             matched=matched,
             affinity_key=request.affinity_key,
             private_from=request.private_from,
+            first_turn=request.first_turn,
             recent=self._traffic.recent.snapshot(names),
             shared_share=self._traffic.prompt_share(
                 request.hashes, request.private_from, count=True

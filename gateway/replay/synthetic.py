@@ -68,6 +68,7 @@ def synthetic_trace(
                     answered=tuple(answered),
                     held=tuple(held),
                     shape=session.shape,
+                    first_turn=previous is None,
                 )
             )
             if limit is not None and len(requests) >= limit:

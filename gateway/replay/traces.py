@@ -36,6 +36,9 @@ class TraceRequest:
     """Blocks cached once the request finishes (prompt and answer); empty: the prompt's."""
     shape: str = ""
     """The synthetic workload shape the request belongs to; empty for a trace file."""
+    first_turn: bool = False
+    """A conversation's first request (known for a synthetic shape; a trace file does not
+    say, so as for a plain prompt: False)."""
 
     @property
     def cached_at_finish(self) -> tuple[int, ...]:

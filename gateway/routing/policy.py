@@ -6,10 +6,11 @@ Over the n candidates (healthy backends serving the model), with c the load fact
 - The load bound is `B = max(floor, ceil(c · (total load + 1) / n))`.
 - A backend is *eligible* under an allowance, a load bound and a cap on recent requests, when
   its load + 1 is within the bound and its recent request count (decaying, see
-  `gateway.routing.traffic`) within the cap. Under load (total load ≥ n) the plain allowance
-  is B with the *hot* cap `max(recent_cap · mean, mean + recent_slack)`; at lower load it is B
-  alone: affinity is free there, and capping it breaks long conversations. The slack keeps a
-  burst's first few requests from counting as a trend.
+  `gateway.routing.traffic`) within the cap. The plain allowance is B with the *hot* cap
+  `max(recent_cap · mean, mean + recent_slack)`, at any load: below one request in flight per
+  backend the bound admits every backend, and the recent counts alone keep a popular prompt
+  from filling one cache while the others idle. The slack keeps a burst's first few requests
+  from counting as a trend.
 - Where a rule picks among several backends, it takes the first in one order: the least
   pending prefill (prompt blocks sent there whose first byte has not come back), then the
   least load counted from the floor (loads the floor admits anyway compare equal), then the
@@ -23,10 +24,12 @@ The rules, the first that applies; each is the route label of its decision:
    backend's by `owner_margin_blocks`, keeps the request up to a looser allowance: the bound
    stretched by the share s of the prompt only it holds, `ceil(B · (1 + s · (2c − 1)))`
    (moving the request would recompute that share for nothing). Past the first user message
-   the part it alone holds is the request's own history: no recent cap. Before it, it is a
-   shared prompt: the owner keeps it only while the prompt is cold (at most c / n of the
-   recent requests carried it, a customer's own system prompt say) and under the busy cap
-   `max(c · mean, mean + recent_slack)`; a hot shared prompt spreads by the next rules.
+   of a request that carries earlier answers, the part it alone holds is the request's own
+   history: no recent cap. Otherwise it is a shared prompt (a match reaching into a first
+   message's opening words is another request's): the owner keeps it only while the prompt
+   is cold (at most c / n of the recent requests carried it, a customer's own system prompt
+   say) and under the busy cap `max(c · mean, mean + recent_slack)`; a hot shared prompt
+   spreads by the next rules.
 3. prefix — the deepest eligible holder of a match of at least `min_match_blocks`, ties in the
    order above from the first block past the tied depth (a per-conversation key).
 4. overflow — holders of such a match exist but none is eligible: of the first `ring_choices`
@@ -91,7 +94,7 @@ class PrefixPolicy:
         count = len(candidates)
         total_load = state.summed_load()
         bound = load_bound(total_load, count, self._factor, self._floor)
-        hot_cap, busy_cap = self._recent_caps(state, total_load, count)
+        hot_cap, busy_cap = self._recent_caps(state, count)
 
         sticky = state.sticky
         if sticky is not None and sticky in members and eligible(state, sticky, Allowance(bound)):
@@ -133,10 +136,9 @@ class PrefixPolicy:
         )
         return Decision(chosen, Route.FALLBACK, depth_of.get(chosen, 0), bound)
 
-    def _recent_caps(self, state: RoutingState, total_load: int, count: int) -> tuple[float, float]:
-        """The hot cap and the owner's busy cap on a backend's recent requests: under load
-        only, so both are unlimited while fewer requests than candidates are in flight."""
-        if total_load < count or not state.recent:
+    def _recent_caps(self, state: RoutingState, count: int) -> tuple[float, float]:
+        """The hot cap and the owner's busy cap on a backend's recent requests."""
+        if not state.recent:
             return math.inf, math.inf
         recent_total = state.recent_total
         if recent_total is None:
@@ -157,7 +159,7 @@ class PrefixPolicy:
         if exclusive < self._margin:
             return None
         recent_cap = math.inf
-        if depth <= state.private_from:
+        if depth <= state.private_from or state.first_turn:
             if state.shared_share > self._factor / len(state.candidates):
                 return None
             recent_cap = busy_cap

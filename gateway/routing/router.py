@@ -219,6 +219,7 @@ class Router:
             matched=matched,
             affinity_key=affinity_key,
             private_from=private_from,
+            first_turn=request.first_turn,
             sticky=sticky,
             keyed=request.session_key is not None,
             recent=recent.view,

@@ -39,6 +39,9 @@ class RoutingState:
     affinity_key: int = 0
     private_from: int = 0
     """The block where the request's own part begins (after a shared system prompt)."""
+    first_turn: bool = False
+    """The request carries no answer of its own yet (a conversation's first message): a match
+    past `private_from` is another request's, never this one's history."""
     sticky: str | None = None
     """The backend bound to the request's session key, if any."""
     keyed: bool = False
