@@ -23,7 +23,7 @@ FIELD = b"\x1f"
 TOOLS = b"\x1d"
 TOKENS = b"\x1c"
 PART = b"\x1a"
-ASKING_ROLES = frozenset({"system", "developer", "user"})
+_ASKING_ROLES = frozenset({"system", "developer", "user"})
 """Roles of the messages a client writes; any other (an assistant's answer, a tool's output, a
 Responses item such as reasoning) after the first user message is an earlier turn's."""
 _TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
@@ -33,6 +33,35 @@ _TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
 def message_segment(role: str, content: Any, extra: bytes = b"") -> bytes:
     """The canonical bytes of one chat message (also used for the answer once it is known)."""
     return MESSAGE + role.encode() + FIELD + _content_bytes(content) + extra
+
+
+class MessageStream:
+    """A chat-shaped prompt's canonical bytes, built part by part, with where its first user
+    message begins and whether an earlier turn's answer follows that message."""
+
+    __slots__ = ("_answered", "_distinct_from", "_parts", "_size")
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+        self._size = 0
+        self._distinct_from = -1
+        self._answered = False
+
+    def add(self, segment: bytes, role: str | None = None) -> None:
+        """Append `segment`: a message of `role`, or (None) what precedes the messages."""
+        if role is not None:
+            if self._distinct_from < 0:
+                if role == "user":
+                    self._distinct_from = self._size
+            elif role not in _ASKING_ROLES:
+                self._answered = True
+        self._parts.append(segment)
+        self._size += len(segment)
+
+    def result(self) -> tuple[bytes, int, bool]:
+        """The bytes, where the first user message begins (0 without one), and whether the
+        prompt is a first turn: no answer follows its first user message."""
+        return b"".join(self._parts), max(self._distinct_from, 0), not self._answered
 
 
 def tools_block(tools: list[Any]) -> bytes:

@@ -14,7 +14,7 @@ import orjson
 from gateway.config import Settings
 from gateway.errors import BadRequest
 from gateway.prompt.canonical import (
-    ASKING_ROLES,
+    MessageStream,
     message_segment,
     text_prompts,
     token_prompts,
@@ -298,17 +298,12 @@ def _chat_canonical(payload: dict[str, Any], max_messages: int) -> tuple[bytes, 
         raise BadRequest(
             f"more than {max_messages} messages", param="messages", code="too_many_messages"
         )
-    parts: list[bytes] = []
-    size = 0
-    distinct_from = -1
-    answered = False
+    stream = MessageStream()
     tools = payload.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
             raise BadRequest("tools must be a list", param="tools")
-        tools_bytes = tools_block(tools)
-        parts.append(tools_bytes)
-        size += len(tools_bytes)
+        stream.add(tools_block(tools))
     for position, message in enumerate(messages):
         if not isinstance(message, dict):
             raise BadRequest(f"messages[{position}] must be an object", param="messages")
@@ -325,13 +320,8 @@ def _chat_canonical(payload: dict[str, Any], max_messages: int) -> tuple[bytes, 
             raise BadRequest(
                 f"messages[{position}].content: {exc}", param="messages", code="invalid_type"
             ) from None
-        if distinct_from < 0 and role == "user":
-            distinct_from = size
-        elif distinct_from >= 0 and role not in ASKING_ROLES:
-            answered = True
-        parts.append(segment)
-        size += len(segment)
-    return b"".join(parts), max(distinct_from, 0), not answered
+        stream.add(segment, role)
+    return stream.result()
 
 
 def _completion_canonical(prompt: Any, name: str, max_prompts: int) -> bytes:

@@ -12,8 +12,8 @@ import orjson
 
 from gateway.errors import BadRequest
 from gateway.prompt.canonical import (
-    ASKING_ROLES,
     FIELD,
+    MessageStream,
     message_segment,
     tool_calls_field,
     tools_block,
@@ -45,17 +45,17 @@ def response_key(response_id: str, tenant: str | None = None) -> str:
 def responses_canonical(payload: dict[str, Any], max_items: int) -> tuple[bytes, int, bool]:
     """The canonical bytes of a Responses request, where its first user message begins, and
     whether no answer (an assistant message, a function call or its output) follows it."""
-    parts: list[bytes] = []
+    stream = MessageStream()
     tools = payload.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise BadRequest("tools must be a list", param="tools")
     if tools:
-        parts.append(tools_block(tools))
+        stream.add(tools_block(tools))
     instructions = payload.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
             raise BadRequest("instructions must be a string", param="instructions")
-        parts.append(message_segment("system", instructions))
+        stream.add(message_segment("system", instructions), "system")
     given = payload.get("input")
     if isinstance(given, str):
         items: list[Any] = [{"role": "user", "content": given}]
@@ -69,9 +69,6 @@ def responses_canonical(payload: dict[str, Any], max_items: int) -> tuple[bytes,
         raise BadRequest(
             "input must be a string or a list of items", param="input", code="invalid_type"
         )
-    size = sum(len(part) for part in parts)
-    distinct_from = -1
-    answered = False
     for position, item in enumerate(items):
         if not isinstance(item, dict):
             raise BadRequest(f"input[{position}] must be an object", param="input")
@@ -81,13 +78,8 @@ def responses_canonical(payload: dict[str, Any], max_items: int) -> tuple[bytes,
             raise BadRequest(
                 f"input[{position}]: {exc}", param="input", code="invalid_type"
             ) from None
-        if distinct_from < 0 and role == "user":
-            distinct_from = size
-        elif distinct_from >= 0 and role not in ASKING_ROLES:
-            answered = True
-        parts.append(segment)
-        size += len(segment)
-    return b"".join(parts), max(distinct_from, 0), not answered
+        stream.add(segment, role)
+    return stream.result()
 
 
 def _item_segment(item: dict[str, Any]) -> tuple[bytes, str]:
