@@ -26,9 +26,9 @@ from gateway.proxy.forwarder import Forwarder
 from gateway.proxy.handler import ProxyHandler
 from gateway.proxy.http1 import client_tls
 from gateway.proxy.prefills import Prefills
-from gateway.proxy.relay import Limits
 from gateway.proxy.upstream import Upstream
 from gateway.routing.policies import build_policy
+from gateway.routing.recorder import Stores
 from gateway.routing.router import Router
 from gateway.state import redis as redis_store
 from gateway.state.engine_blocks import EventFedIndex
@@ -93,20 +93,16 @@ class Components:
             routing_index = event_index
             pool.removed.append(feeds.forget)
         tokenizer = EngineTokenizer.load(settings.tokenizer) if settings.tokenizer else None
-        router = Router(
-            settings,
-            pool,
+        stores = Stores(
             routing_index,
             sessions,
-            build_policy(settings, random.Random()),
-            metrics,
-            responses=responses,
-            tokenizer=tokenizer,
-            engine_index=event_index,
-            agreement=shared.agreement if shared is not None else None,
-            fleet_share=frozenset(settings.fleet_share),
+            responses,
+            shared.agreement if shared is not None else None,
+            event_index,
         )
-        pool.removed.append(router.traffic.recent.forget)
+        policy = build_policy(settings, random.Random())
+        router = Router(settings, pool, stores, policy, metrics, tokenizer)
+        pool.removed.append(router.memory.traffic.recent.forget)
         health = Health(
             pool,
             settings.unhealthy_threshold,
@@ -132,21 +128,8 @@ class Components:
             tls=tls,
             on_resend=lambda reason: metrics.child(metrics.upstream_resends, reason).inc(),
         )
-        limits = Limits(
-            settings.first_byte_timeout, settings.stream_idle_timeout, settings.request_timeout
-        )
-        forwarder = Forwarder(
-            upstream,
-            health,
-            metrics,
-            limits,
-            Prefills(settings.prefill_wait, metrics),
-            settings.max_attempts,
-            settings.retry_backoff,
-            settings.retry_after_cap,
-            settings.observe_usage,
-            stalls.speed,
-        )
+        prefills = Prefills(settings.prefill_wait, metrics)
+        forwarder = Forwarder(settings, upstream, health, metrics, prefills, stalls.speed)
         admission = Admission(settings.max_concurrency, settings.max_queue, settings.queue_timeout)
         proxy = ProxyHandler(settings, router, forwarder, admission, metrics)
         discovery = Discovery.build(settings, pool, monitor.refresh)
@@ -156,7 +139,7 @@ class Components:
         if shared is not None:
             link = shared.link
             link.preload(LOAD_SCRIPT)
-            traffic = router.traffic if "traffic" in settings.fleet_share else None
+            traffic = router.memory.traffic if "traffic" in settings.fleet_share else None
             shared_load = SharedLoad(link.client, link, shared.keys, pool, engine_load, traffic)
             link.run_while_open(shared_load.start, shared_load.stop)
         return cls(

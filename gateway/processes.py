@@ -19,6 +19,8 @@ from typing import IO, Self
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+_TRACEBACK = "Traceback (most recent call last):"
+
 
 def metric_value(text: str, name: str, **labels: str) -> float:
     """The sum of the samples named `name` in Prometheus text `text` that carry `labels`."""
@@ -124,6 +126,12 @@ class ChildProcess:
             return ""
         self._log.seek(0)
         return self._log.read().decode(errors="replace")
+
+    def tracebacks(self) -> list[str]:
+        """Every traceback the process logged, each from its first line to the log's end or
+        the next traceback: a witness of an error nobody was answered about."""
+        parts = self.log().split(_TRACEBACK)[1:]
+        return [_TRACEBACK + part[:4000] for part in parts]
 
     def metrics_text(self) -> str:
         return httpx.get(self.url + "/metrics", timeout=5).text

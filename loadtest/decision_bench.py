@@ -35,6 +35,7 @@ from gateway.metrics import Metrics
 from gateway.prompt.hashing import chain_hashes
 from gateway.prompt.parsing import Endpoint, parse_request
 from gateway.routing.policies import build_policy
+from gateway.routing.recorder import Stores
 from gateway.routing.router import Router
 from gateway.state.index import InMemoryPrefixIndex
 from gateway.state.sessions import InMemorySessionStore
@@ -68,9 +69,8 @@ def build(backends: int, indexed: int, rng: random.Random) -> tuple[Settings, Ro
             await index.record(MODEL, rng.choice(names), hashes[: indexed - start])
 
     asyncio.run(fill())
-    router = Router(
-        settings, pool, index, InMemorySessionStore(600, 1000), build_policy(settings), Metrics()
-    )
+    stores = Stores(index, InMemorySessionStore(600, 1000))
+    router = Router(settings, pool, stores, build_policy(settings), Metrics())
     return settings, router
 
 
@@ -118,11 +118,12 @@ def measure(tokens: int, backends: int, indexed: int, samples: int) -> dict[str,
     request = parse_request(Endpoint.CHAT, bodies[1], None)
     hashes = chain_hashes(request.canonical, settings.block_chars)
     state = loop.run_until_complete(router.decide(request)).state
+    index = router.memory.index
     results = {
         "decision": timed(samples, decision),
         "route": timed(samples, route),
         "hash": timed(samples, lambda: chain_hashes(request.canonical, settings.block_chars)),
-        "match": timed(samples, lambda: loop.run_until_complete(router.index.match(MODEL, hashes))),
+        "match": timed(samples, lambda: loop.run_until_complete(index.match(MODEL, hashes))),
         "choose": timed(samples, lambda: router.policy.choose(state)),
     }
     loop.close()

@@ -46,6 +46,7 @@ from gateway.prompt.canonical import message_segment
 from gateway.prompt.hashing import chain_hashes, extend_hashes
 from gateway.prompt.parsing import Endpoint, parse_request
 from gateway.routing.policies import build_policy
+from gateway.routing.recorder import Stores
 from gateway.routing.router import Router
 from gateway.state import redis as redis_store
 from gateway.state.index import InMemoryPrefixIndex, PrefixIndex
@@ -109,16 +110,9 @@ async def build_stack(settings: Settings) -> Stack:
         await shared.link.start()
         assert shared.link.up, "Redis did not answer"
         index, sessions = shared.index, shared.sessions
-    router = Router(
-        settings,
-        pool,
-        index,
-        sessions,
-        build_policy(settings),
-        metrics,
-        agreement=shared.agreement if shared is not None else None,
-        fleet_share=frozenset(settings.fleet_share),
-    )
+    agreement = shared.agreement if shared is not None else None
+    stores = Stores(index, sessions, agreement=agreement)
+    router = Router(settings, pool, stores, build_policy(settings), metrics)
     return Stack(router, index, shared)
 
 

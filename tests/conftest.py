@@ -7,6 +7,7 @@ import openai
 import pytest
 
 from gateway.emulator.replicas import EmulatedReplicas
+from gateway.processes import ChildProcess
 from tests.support import GatewayProcess
 
 MODEL = "emulated-model"
@@ -36,12 +37,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def fleet() -> Iterator[EmulatedReplicas]:
     with EmulatedReplicas(4, MODEL, ["--chat-template", "plain"]) as started:
         yield started
+        assert_no_traceback(started)
 
 
 @pytest.fixture(scope="module")
 def gateway(fleet: EmulatedReplicas) -> Iterator[GatewayProcess]:
     with GatewayProcess(fleet.urls) as started:
         yield started
+        assert_no_traceback(started)
+
+
+def assert_no_traceback(process: ChildProcess | EmulatedReplicas) -> None:
+    """Fail the test whose process logged a traceback: an error its client never saw."""
+    found = process.tracebacks()
+    assert not found, "a process the test started logged a traceback:\n" + "\n".join(found)
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from gateway.emulator.replicas import EmulatedReplicas
 from gateway.metrics import Metrics
 from gateway.prompt.parsing import Endpoint, parse_request, session_hash
 from gateway.routing.policies import build_policy
+from gateway.routing.recorder import Stores
 from gateway.routing.router import Router
 from gateway.state.index import InMemoryPrefixIndex
 from gateway.state.sessions import InMemorySessionStore
@@ -208,8 +209,7 @@ def test_explain_leaves_a_round_robin_turn_where_it_was() -> None:
     router = Router(
         settings,
         pool,
-        index,
-        InMemorySessionStore(600, 1000),
+        Stores(index, InMemorySessionStore(600, 1000)),
         build_policy(settings),
         Metrics(),
     )
@@ -217,12 +217,12 @@ def test_explain_leaves_a_round_robin_turn_where_it_was() -> None:
     request = parse_request(Endpoint.CHAT, body, None)
 
     async def scenario() -> list[str]:
-        explained = [(await router.explain(request)).routed.backend.name for _ in range(3)]
-        assert len(index) == 0 and len(router.conversations) == 0
-        assert router.traffic.recent.snapshot(["a:1", "b:1"]) == {}
+        explained = [(await router.explain(request)).placement.backend.name for _ in range(3)]
+        assert len(index) == 0 and len(router.memory.conversations) == 0
+        assert router.memory.traffic.recent.snapshot(["a:1", "b:1"]) == {}
         routed = await router.route(request)
         after = await router.explain(request)
-        return [*explained, routed.backend.name, after.routed.backend.name]
+        return [*explained, routed.backend.name, after.placement.backend.name]
 
     assert asyncio.run(scenario()) == ["a:1", "a:1", "a:1", "a:1", "b:1"]
 

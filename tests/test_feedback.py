@@ -14,8 +14,9 @@ from gateway.metrics import Metrics
 from gateway.prompt.parsing import Endpoint, parse_request
 from gateway.proxy.usage import Observation
 from gateway.routing.feedback import Agreement, ChainLinks, chars_per_token, judge
+from gateway.routing.placement import Placement
 from gateway.routing.policies import build_policy
-from gateway.routing.routed import Routed
+from gateway.routing.recorder import Stores
 from gateway.routing.router import Router
 from gateway.routing.types import Outcome
 from gateway.state.index import InMemoryPrefixIndex
@@ -167,21 +168,19 @@ class Harness:
         self.router = Router(
             self.settings,
             self.pool,
-            self.index,
-            InMemorySessionStore(600, 1000),
+            Stores(self.index, InMemorySessionStore(600, 1000)),
             build_policy(self.settings),
             self.metrics,
         )
-        assert self.router.feedback is not None
-        self.feedback = self.router.feedback
+        assert self.router.memory.feedback is not None
+        self.feedback = self.router.memory.feedback
 
-    def route(self, messages: list[dict[str, str]]) -> Routed:
+    def route(self, messages: list[dict[str, str]]) -> Placement:
         body = orjson.dumps({"model": MODEL, "messages": messages})
         return asyncio.run(self.router.route(parse_request(Endpoint.CHAT, body, None)))
 
-    def answered(self, routed: Routed, seen: Observation) -> None:
-        """As the proxy does: the replica accepts the request, then its outcome is learned."""
-        routed.accepted(routed.backend.name)
+    def answered(self, routed: Placement, seen: Observation) -> None:
+        """As the proxy does: the replica accepts the request, then its outcome is settled."""
         outcome = Outcome(
             200,
             routed.decision,
@@ -190,10 +189,11 @@ class Harness:
             seen.cached_tokens,
             seen.answer,
             seen.sent_at,
+            accepted=(routed.backend.name,),
         )
-        asyncio.run(self.router.learn(routed, outcome))
+        asyncio.run(routed.settle(outcome))
 
-    def depth(self, routed: Routed) -> int:
+    def depth(self, routed: Placement) -> int:
         matched = asyncio.run(self.index.match(MODEL, routed.chain))
         return matched.get(routed.backend.name, 0)
 
@@ -214,7 +214,7 @@ RATIO = 6.0
 """Characters per token the replica's reports imply (the emulator's: one word, one token)."""
 
 
-def usage(routed: Routed, cached: int | None = None, answer: str = "") -> Observation:
+def usage(routed: Placement, cached: int | None = None, answer: str = "") -> Observation:
     """A report of `cached` tokens; by default exactly what the index predicted."""
     prompt_tokens = round(len(routed.request.canonical) / RATIO)
     if cached is None:

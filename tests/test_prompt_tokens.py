@@ -19,8 +19,10 @@ from gateway.emulator.replicas import EmulatedReplicas
 from gateway.metrics import Metrics
 from gateway.prompt.parsing import Endpoint, parse_request
 from gateway.prompt.tokens import TOKEN_BYTES, EngineTokenizer, unpack
+from gateway.routing.placement import Placement
 from gateway.routing.policies import build_policy
-from gateway.routing.router import Routed, Router
+from gateway.routing.recorder import Stores
+from gateway.routing.router import Router
 from gateway.routing.types import Outcome
 from gateway.state.index import InMemoryPrefixIndex
 from gateway.state.sessions import InMemorySessionStore
@@ -144,14 +146,13 @@ def test_the_router_indexes_the_engines_blocks_and_answers_that_encode_back(
         router = Router(
             settings,
             pool,
-            InMemoryPrefixIndex(600, 100_000),
-            InMemorySessionStore(600, 1000),
+            Stores(InMemoryPrefixIndex(600, 100_000), InMemorySessionStore(600, 1000)),
             build_policy(settings),
             Metrics(),
             tokenizer=engine,
         )
 
-        def route(messages: list[dict[str, str]]) -> Routed:
+        def route(messages: list[dict[str, str]]) -> Placement:
             body = orjson.dumps({"model": "m", "messages": messages})
             return asyncio.run(
                 router.route(parse_request(Endpoint.CHAT, body, None, tokenizer=engine))
@@ -161,10 +162,16 @@ def test_the_router_indexes_the_engines_blocks_and_answers_that_encode_back(
         prompt = routed.request.tokens
         assert prompt is not None
         assert len(routed.chain) == len(prompt) // TOKEN_BYTES // 32  # the engine's full blocks
-        routed.accepted(routed.backend.name)
         backend = (routed.backend.name,)
-        outcome = Outcome(200, routed.decision, backend, answer=answer, completion_tokens=generated)
-        asyncio.run(router.learn(routed, outcome))
+        outcome = Outcome(
+            200,
+            routed.decision,
+            backend,
+            answer=answer,
+            completion_tokens=generated,
+            accepted=backend,
+        )
+        asyncio.run(routed.settle(outcome))
         tokens = len(prompt) // TOKEN_BYTES
         return tokens, len(routed.chain), route(follow_up).decision.matched_blocks
 

@@ -22,6 +22,7 @@ from gateway.emulator.replicas import EmulatedReplicas
 from gateway.metrics import Metrics
 from gateway.prompt.parsing import Endpoint, parse_request, session_hash
 from gateway.routing.policies import Route, build_policy
+from gateway.routing.recorder import Stores
 from gateway.routing.router import Router
 from gateway.state.index import InMemoryPrefixIndex
 from gateway.state.sessions import InMemorySessionStore
@@ -199,7 +200,7 @@ def test_a_session_over_the_load_bound_moves_and_is_bound_again() -> None:
     metrics = Metrics()
     sessions = InMemorySessionStore(600, 100)
     index = InMemoryPrefixIndex(600, 1000)
-    router = Router(settings, pool, index, sessions, build_policy(settings), metrics)
+    router = Router(settings, pool, Stores(index, sessions), build_policy(settings), metrics)
     body = f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "hi"}}]}}'
     request = parse_request(Endpoint.CHAT, body.encode(), "s-1")
 

@@ -7,6 +7,7 @@ was removed, and the endpoints routed by model alone.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +17,7 @@ import pytest
 
 from gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
-from tests.support import GatewayProcess
+from tests.support import GatewayProcess, wait_until
 
 TOKEN = "responses-admin-token"
 INSTRUCTIONS = "You answer questions about the hardware shop in one short sentence. " * 4
@@ -152,18 +153,41 @@ def test_stored_responses_are_read_cancelled_and_deleted_at_their_replica(
 ) -> None:
     response, backend, _ = create(client, input="where is the tape?")
     url = f"{gateway.url}/v1/responses/{response.id}"
-    read = httpx.get(url)
-    assert read.status_code == 200 and read.headers["x-gateway-backend"] == backend
-    assert read.json()["id"] == response.id
-    assert client.responses.retrieve(response.id).output_text == response.output_text
-    # The replica's own answer: a response that is not running cannot be cancelled.
-    cancel = httpx.post(url + "/cancel")
-    assert cancel.status_code == 400 and cancel.headers["x-gateway-backend"] == backend
-    assert cancel.json()["error"]["message"] == "Cannot cancel a synchronous response."
-    deleted = httpx.delete(url)
-    assert deleted.status_code == 200 and deleted.json()["deleted"] is True
-    gone = httpx.get(url)
-    assert gone.status_code == 404 and gone.headers["x-gateway-backend"] == backend
+    counted = stored_requests(gateway)
+    # One keep-alive connection for all of them: each answer leaves it open for the next.
+    with httpx.Client(headers={"x-request-id": "stored-1"}) as session:
+        read = session.get(url)
+        assert read.status_code == 200 and read.headers["x-gateway-backend"] == backend
+        assert read.json()["id"] == response.id
+        assert client.responses.retrieve(response.id).output_text == response.output_text
+        # The replica's own answer: a response that is not running cannot be cancelled.
+        cancel = session.post(url + "/cancel")
+        assert cancel.status_code == 400 and cancel.headers["x-gateway-backend"] == backend
+        assert cancel.json()["error"]["message"] == "Cannot cancel a synchronous response."
+        deleted = session.delete(url)
+        assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+        gone = session.get(url)
+        assert gone.status_code == 404 and gone.headers["x-gateway-backend"] == backend
+    # Counted and logged like every other request, by status (the module's fixtures also
+    # fail the test if the gateway or a replica logged a traceback).
+    assert stored_requests(gateway, "200") - counted["200"] == 3
+    assert stored_requests(gateway, "400") - counted["400"] == 1
+    assert stored_requests(gateway, "404") - counted["404"] == 1
+
+    def logged() -> list[int]:
+        lines = gateway.log().splitlines()
+        return [json.loads(line)["status"] for line in lines if '"request_id":"stored-1"' in line]
+
+    wait_until(lambda: len(logged()) == 4, "an access-log line for each stored-response request")
+    assert logged() == [200, 400, 200, 404]
+
+
+def stored_requests(gateway: GatewayProcess, status: str | None = None) -> Any:
+    """Requests routed to a stored response's replica: by status, or all three statuses."""
+    name, route = "gateway_requests_total", "previous_response"
+    if status is not None:
+        return gateway.metric(name, route=route, status=status)
+    return {code: gateway.metric(name, route=route, status=code) for code in ("200", "400", "404")}
 
 
 def test_ids_the_gateway_never_saw_or_cannot_take(gateway: GatewayProcess) -> None:

@@ -15,8 +15,8 @@ from gateway.components import Components
 from gateway.control.access import AdminRoute, Guard
 from gateway.errors import BadRequest
 from gateway.prompt.parsing import ENDPOINTS, Endpoint, Limits, parse_request
+from gateway.routing.placement import Placement
 from gateway.routing.policies import Route
-from gateway.routing.routed import Routed
 from gateway.routing.router import Explanation
 
 _REASONS = {
@@ -51,7 +51,7 @@ _REASONS = {
     ),
     Route.RETRY: "{backend} is the next candidate after a failed attempt",
     Route.LEAST_LOADED: (
-        "policy least_loaded, or an endpoint routed by model alone: {backend} has the fewest"
+        "policy least_loaded, or an endpoint placement by model alone: {backend} has the fewest"
         " requests in flight"
     ),
     Route.PREVIOUS_RESPONSE: (
@@ -130,10 +130,10 @@ def _endpoint(given: str | None, body: bytes) -> Endpoint:
 def _render(explained: Explanation, components: Components) -> dict[str, Any]:
     settings = components.settings
     block_tokens = settings.block_tokens
-    routed = explained.routed
-    request = routed.request
-    decision = routed.decision
-    state = routed.state
+    placement = explained.placement
+    request = placement.request
+    decision = placement.decision
+    state = placement.state
     bound = decision.load_bound
     backends = []
     for backend in components.pool.backends:
@@ -172,19 +172,19 @@ def _render(explained: Explanation, components: Components) -> dict[str, Any]:
         "reason": reason,
         "matched_tokens": decision.matched_blocks * block_tokens,
         "prompt_tokens_estimated": round(request.estimated_tokens(settings.chars_per_token)),
-        "prompt_blocks": len(routed.chain),
+        "prompt_blocks": len(placement.chain),
         "block_tokens": block_tokens,
         "load_bound": bound,
         "load_factor": settings.load_factor,
-        "affinity_key": f"{routed.affinity_key:016x}",
+        "affinity_key": f"{placement.state.affinity_key:016x}",
         "session_key": request.session_key,
-        "sticky_backend": routed.sticky,
+        "sticky_backend": placement.sticky,
         "conversation": {
             "continuity": turn.continuity.value,
             "previous_backend": turn.previous_backend,
             "cache_break": turn.cause.value if turn.cause is not None else None,
         },
-        "inputs": _inputs(routed, components),
+        "inputs": _inputs(placement, components),
         "candidates": backends,
     }
 
@@ -193,22 +193,23 @@ def _render(explained: Explanation, components: Components) -> dict[str, Any]:
 _EXCHANGE_FRESH_SECONDS = 1.0
 
 
-def _inputs(routed: Routed, components: Components) -> dict[str, Any]:
+def _inputs(placement: Placement, components: Components) -> dict[str, Any]:
     """Which of the policy's inputs came from the fleet (through Redis) and which were this
     gateway's own, for this decision."""
     link, exchange = components.redis, components.shared_load
     redis_up = link is not None and link.up
     exchanged_ago = time.monotonic() - exchange.exchanged_at if exchange is not None else None
     exchanged = exchanged_ago is not None and exchanged_ago < _EXCHANGE_FRESH_SECONDS
-    fleet = routed.fleet
-    has_prompt = components.router.traffic.shared_prompt(routed.chain, routed.state.private_from)
+    fleet = placement.fleet
+    traffic = components.router.memory.traffic
+    has_prompt = traffic.shared_prompt(placement.chain, placement.state.private_from)
 
     def source(shared: bool) -> str:
         return "fleet" if shared else "local"
 
     return {
         "matched_blocks": source(redis_up),
-        "sticky_backend": source(redis_up) if routed.request.session_key is not None else None,
+        "sticky_backend": source(redis_up) if placement.request.session_key is not None else None,
         "load": "local + fleet" if exchanged else "local",
         "pending_prefill": "local + fleet" if exchanged else "local",
         "recent_requests": "local + fleet" if exchanged else "local",

@@ -48,6 +48,10 @@ class EmulatedReplicas:
         for replica in self.replicas:
             replica.stop()
 
+    def tracebacks(self) -> list[str]:
+        """Every traceback a replica logged (see `ChildProcess.tracebacks`)."""
+        return [trace for replica in self.replicas for trace in replica.tracebacks()]
+
     def __enter__(self) -> EmulatedReplicas:
         return self.start()
 

@@ -113,6 +113,8 @@ class RoutingInput:
     first_turn: bool = False
     """A chat or Responses request with no answer after its first user message: nothing past
     `distinct_from` is its own history (unknown, so False, for a plain prompt)."""
+    response_id: str | None = None
+    """The stored response a `GET`, `DELETE` or `cancel` is about (it has no body to parse)."""
 
     def estimated_tokens(self, chars_per_token: float) -> float:
         """The prompt's tokens: counted with the engine's tokenizer, else estimated."""
@@ -204,6 +206,23 @@ def parse_request(
         tokens=None if tokenizer is None else _tokens(endpoint, payload, tokenizer),
         cache_salt=tenant if tenant is not None else _client_salt(endpoint, payload),
         first_turn=first_turn,
+    )
+
+
+def stored_response_request(
+    response_id: str, query: bytes, tenant: str | None
+) -> RoutingInput:
+    """A request about the stored response `response_id` (checked here), as routing sees it."""
+    return RoutingInput(
+        endpoint=Endpoint.RESPONSES,
+        model="",
+        canonical=b"",
+        distinct_from=0,
+        session_key=None,
+        stream=b"stream=true" in query.lower(),
+        wants_usage=False,
+        tenant=tenant,
+        response_id=checked_response_id(response_id, "response_id"),
     )
 
 

@@ -14,7 +14,7 @@ import orjson
 
 from gateway.config import Settings
 from gateway.errors import GatewayError
-from gateway.routing.routed import Routed
+from gateway.routing.placement import Placement
 from gateway.routing.types import Outcome
 
 LOGGER = "gateway.access"
@@ -70,15 +70,13 @@ class AccessLog:
         self._block_tokens = settings.block_tokens
         self._chars_per_token = settings.chars_per_token
 
-    def answered(self, routed: Routed, outcome: Outcome, request_id: str, began: float) -> None:
+    def answered(
+        self, placement: Placement, outcome: Outcome, request_id: str, began: float
+    ) -> None:
         if not (self._enabled and self._logger.isEnabledFor(logging.INFO)):
             return
-        request = routed.request
+        request = placement.request
         decision = outcome.decision
-        turn = routed.turn
-        affinity = None
-        if turn is not None and turn.continues:
-            affinity = "hit" if turn.previous_backend == decision.backend else "miss"
         first_byte = outcome.first_byte_at
         self._write(
             {
@@ -95,8 +93,8 @@ class AccessLog:
                 "matched_tokens_estimated": decision.matched_blocks * self._block_tokens,
                 "prompt_tokens": outcome.prompt_tokens,
                 "cached_tokens": outcome.cached_tokens,
-                "affinity": affinity,
-                "cache_break": turn.cause.value if turn is not None and turn.cause else None,
+                "affinity": placement.affinity(decision.backend),
+                "cache_break": placement.cache_break,
                 "ttft_s": round(first_byte - began, 6) if first_byte else None,
                 "duration_s": round(time.perf_counter() - began, 6),
             }

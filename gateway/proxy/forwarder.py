@@ -9,24 +9,23 @@ import contextlib
 import math
 import random
 import time
-from collections.abc import Callable
 from email.utils import parsedate_to_datetime
 
 from gateway.backends.health import Health
 from gateway.backends.pool import Backend
 from gateway.backends.stalls import PrefillSpeed
+from gateway.config import Settings
 from gateway.errors import GatewayError, ShuttingDown, UpstreamTimeout
 from gateway.metrics import Metrics
 from gateway.prompt.parsing import Endpoint
 from gateway.proxy.attempt import Attempt
-from gateway.proxy.deadlines import Exchange, Interrupted, Why
+from gateway.proxy.deadlines import Interrupted, Why
+from gateway.proxy.forwarding import Forwarding
 from gateway.proxy.http1 import Response
 from gateway.proxy.prefills import Prefills
-from gateway.proxy.relay import NO_LISTENERS, Limits, Listeners, Relay, Relayed
-from gateway.proxy.reply import Headers, Reply
+from gateway.proxy.relay import Limits, Relay, Relayed
 from gateway.proxy.rewrite import request_usage, with_cache_salt
 from gateway.proxy.upstream import Upstream, UpstreamError, failure, response_headers
-from gateway.routing.routed import Routed
 from gateway.routing.types import Decision, Outcome
 
 _RETRY_STATUSES = frozenset({429, 502, 503, 504})
@@ -34,76 +33,56 @@ _RETRY_STATUSES = frozenset({429, 502, 503, 504})
 _USAGE_ASKED = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
 _CLIENT_GONE = (Why.DISCONNECTED, Why.CLIENT_STALLED)
 
-GatewayHeaders = Callable[[Decision], Headers]
-"""The gateway's own response headers for the attempt that answers."""
-
 
 class Forwarder:
     def __init__(
         self,
+        settings: Settings,
         upstream: Upstream,
         health: Health,
         metrics: Metrics,
-        limits: Limits,
         prefills: Prefills,
-        max_attempts: int,
-        retry_backoff: float,
-        retry_after_cap: float,
-        observe_usage: bool,
         speed: PrefillSpeed,
         rng: random.Random | None = None,
     ) -> None:
         self.upstream = upstream
         self._health = health
         self._metrics = metrics
-        self._limits = limits
-        self._relay = Relay(metrics, limits)
+        self._limits = Limits.of(settings)
+        self._relay = Relay(metrics, self._limits)
         self._prefills = prefills if prefills.max_wait > 0 else None
-        self._max_attempts = max_attempts
-        self._backoff = retry_backoff
-        self._retry_after_cap = retry_after_cap
-        self._observe_usage = observe_usage
+        self._max_attempts = settings.max_attempts
+        self._backoff = settings.retry_backoff
+        self._retry_after_cap = settings.retry_after_cap
+        self._observe_usage = settings.observe_usage
         self._speed = speed
         self._rng = rng or random.Random()
 
-    async def forward(
-        self,
-        routed: Routed,
-        body: bytes,
-        headers: Headers,
-        exchange: Exchange,
-        reply: Reply,
-        gateway_headers: GatewayHeaders,
-        *,
-        method: bytes = b"POST",
-        path: str | None = None,
-        listeners: Listeners = NO_LISTENERS,
-    ) -> Outcome:
-        """Forward `routed`: `body` POSTed to its endpoint, or sent with `method` to `path`;
-        `listeners` hear of the answer before the client has it all (see `Relay`)."""
-        request = routed.request
-        strip_usage = (
+    async def forward(self, forwarding: Forwarding) -> Outcome:
+        """Forward the request to its placement's replica, and to the next ones after a
+        failure before the first byte; what came of it, whatever happened."""
+        request = forwarding.placement.request
+        if (
             self._observe_usage
             and request.stream
             and not request.wants_usage
             and request.endpoint in _USAGE_ASKED
-        )
-        if strip_usage:
-            body = request_usage(body)
-        if request.tenant is not None and request.endpoint.generates and method == b"POST":
-            body = with_cache_salt(body, request.tenant)
-        tries = _Tries(routed, method, path or request.endpoint.value, listeners)
+        ):
+            forwarding.strip_usage = True
+            forwarding.body = request_usage(forwarding.body)
+        salted = request.endpoint.generates and forwarding.method == b"POST"
+        if request.tenant is not None and salted:
+            forwarding.body = with_cache_salt(forwarding.body, request.tenant)
+        tries = _Tries(forwarding)
+        exchange = forwarding.exchange
         try:
             with exchange.guard():
-                relayed = await self._attempts(
-                    tries, body, headers, exchange, reply, gateway_headers, strip_usage
-                )
+                relayed = await self._attempts(tries)
         except Interrupted as stop:
-            status = await self._cut_short(stop.why, tries, exchange, reply, gateway_headers)
-            relayed = Relayed(status)
+            relayed = Relayed(await self._cut_short(stop.why, tries))
         except asyncio.CancelledError:
             # The server's own, at the end of its shutdown grace: answer what can be answered.
-            relayed = Relayed(await self._cut_short(None, tries, exchange, reply, gateway_headers))
+            relayed = Relayed(await self._cut_short(None, tries))
         finally:
             exchange.finish()
         seen = relayed.seen
@@ -117,20 +96,13 @@ class Forwarder:
             seen.sent_at,
             tries.first_byte_at,
             seen.completion_tokens,
+            tuple(tries.accepted),
         )
 
-    async def _attempts(
-        self,
-        tries: _Tries,
-        body: bytes,
-        headers: Headers,
-        exchange: Exchange,
-        reply: Reply,
-        gateway_headers: GatewayHeaders,
-        strip_usage: bool,
-    ) -> Relayed:
-        routed = tries.routed
-        backend = routed.backend
+    async def _attempts(self, tries: _Tries) -> Relayed:
+        forwarding = tries.forwarding
+        placement, exchange = forwarding.placement, forwarding.exchange
+        backend = placement.backend
         pause = 0.0
         while True:
             if pause > 0:
@@ -138,9 +110,9 @@ class Forwarder:
             with Attempt(
                 backend,
                 tries.decision,
-                routed.chain,
+                placement.chain,
                 self._prefills,
-                routed.request.stream,
+                placement.request.stream,
                 exchange,
                 self._speed,
             ) as attempt:
@@ -150,11 +122,11 @@ class Forwarder:
                 try:
                     with exchange.guard():
                         response = await self.upstream.send(
-                            backend.url + tries.path,
-                            body,
-                            headers,
+                            backend.url + forwarding.path,
+                            forwarding.body,
+                            forwarding.headers,
                             backend.source != "admin",
-                            tries.method,
+                            forwarding.method,
                         )
                 except UpstreamError as unsent:
                     relayed, retry = Relayed(0, failure=unsent), None
@@ -168,9 +140,7 @@ class Forwarder:
                     retry = None
                 else:
                     try:
-                        relayed, retry = await self._answer(
-                            attempt, tries, response, exchange, reply, gateway_headers, strip_usage
-                        )
+                        relayed, retry = await self._answer(attempt, tries, response)
                     finally:
                         # Closes the connection unless the response was read to its end: a
                         # replica whose client left sees its request aborted at once.
@@ -189,19 +159,13 @@ class Forwarder:
             moved = self._next(tries, *retry)
             if moved is None:
                 assert failed is not None, "a retryable status is relayed when nothing is left"
-                await reply.fail(failed.error, gateway_headers(tries.decision))
+                headers = forwarding.gateway_headers(tries.decision)
+                await forwarding.reply.fail(failed.error, headers)
                 return Relayed(failed.error.status, failure=failed)
             backend, pause = moved
 
     async def _answer(
-        self,
-        attempt: Attempt,
-        tries: _Tries,
-        response: Response,
-        exchange: Exchange,
-        reply: Reply,
-        gateway_headers: GatewayHeaders,
-        strip_usage: bool,
+        self, attempt: Attempt, tries: _Tries, response: Response
     ) -> tuple[Relayed, tuple[str, float | None] | None]:
         """Relay `response`, unless its status asks for another replica and one is left: then
         `Relayed(0)`, the retry's cause and its pause."""
@@ -212,23 +176,20 @@ class Forwarder:
         else:
             self._health.request_succeeded(backend)
             if status < 300:
-                tries.routed.accepted(backend.name)
+                tries.accepted.append(backend.name)
         if status in _RETRY_STATUSES:
             after = _retry_after(response.headers.get("retry-after")) if status == 429 else None
             if (after is None or after <= self._retry_after_cap) and self._can_move(tries):
                 return Relayed(0), (f"status_{status}", after)
+        forwarding = tries.forwarding
         out_headers = response_headers(response.raw_headers)
-        out_headers.extend(gateway_headers(tries.decision))
-        stream = tries.routed.request.stream
-        relayed = await self._relay(
-            attempt, exchange, response, out_headers, reply, stream, strip_usage, tries.listeners
-        )
-        return relayed, None
+        out_headers.extend(forwarding.gateway_headers(tries.decision))
+        return await self._relay(forwarding, attempt, response, out_headers), None
 
     def _can_move(self, tries: _Tries) -> bool:
         if len(tries.tried) >= self._max_attempts:
             return False
-        tries.upcoming = tries.routed.fallback(tries.tried)
+        tries.upcoming = tries.forwarding.placement.next_after(tries.tried)
         return tries.upcoming is not None
 
     def _next(
@@ -254,17 +215,11 @@ class Forwarder:
         if blame:
             self._health.request_failed(backend, cause)
 
-    async def _cut_short(
-        self,
-        why: Why | None,
-        tries: _Tries,
-        exchange: Exchange,
-        reply: Reply,
-        gateway_headers: GatewayHeaders,
-    ) -> int:
+    async def _cut_short(self, why: Why | None, tries: _Tries) -> int:
         """Finish a request interrupted by its client, a deadline or the server's shutdown."""
+        forwarding = tries.forwarding
         if why in _CLIENT_GONE:
-            self._metrics.client_disconnects.labels(tries.routed.request.model).inc()
+            self._metrics.client_disconnects.labels(forwarding.placement.request.model).inc()
             return 499
         error: GatewayError
         if why is None:
@@ -273,29 +228,25 @@ class Forwarder:
             error = failure("request_timeout", self._limits.total).error
         else:
             error = UpstreamTimeout("upstream timed out", code=f"{why.value}_timeout")
-        if exchange.done and reply.begun:
+        if forwarding.exchange.done and forwarding.reply.begun:
             return error.status  # its last bytes are on their way
         with contextlib.suppress(Exception):  # the connection may be gone already
-            await reply.fail(error, gateway_headers(tries.decision))
+            await forwarding.reply.fail(error, forwarding.gateway_headers(tries.decision))
         return error.status
 
 
 class _Tries:
-    """The attempts so far: the decision of the latest and every backend tried."""
+    """The attempts so far: the decision of the latest, every backend tried and those that
+    accepted the request."""
 
-    __slots__ = (
-        "decision", "first_byte_at", "listeners", "method", "path", "routed", "tried", "upcoming"
-    )
+    __slots__ = ("accepted", "decision", "first_byte_at", "forwarding", "tried", "upcoming")
 
-    def __init__(
-        self, routed: Routed, method: bytes, path: str, listeners: Listeners
-    ) -> None:
-        self.routed = routed
-        self.method = method
-        self.path = path
-        self.listeners = listeners
-        self.decision = routed.decision
-        self.tried = [routed.backend.name]
+    def __init__(self, forwarding: Forwarding) -> None:
+        placement = forwarding.placement
+        self.forwarding = forwarding
+        self.decision = placement.decision
+        self.tried = [placement.backend.name]
+        self.accepted: list[str] = []
         self.upcoming: tuple[Backend, Decision] | None = None
         self.first_byte_at = 0.0
 

@@ -30,22 +30,20 @@ from gateway.errors import (
 from gateway.metrics import Metrics
 from gateway.prompt.parsing import (
     ENDPOINTS,
-    Endpoint,
     Limits,
     RoutingInput,
     parse_request,
     session_hash,
+    stored_response_request,
 )
-from gateway.prompt.responses import checked_response_id, response_target
+from gateway.prompt.responses import response_target
 from gateway.proxy.access_log import AccessLog
 from gateway.proxy.admission import Admission, PendingBodies
 from gateway.proxy.asgi import Receive, Scope, Send, header, read_body, too_many_pending_bodies
 from gateway.proxy.deadlines import DeadlineWatch, Exchange, Interrupted, Why
 from gateway.proxy.forwarder import Forwarder
-from gateway.proxy.relay import NO_LISTENERS, Listeners, Remember
+from gateway.proxy.forwarding import Forwarding
 from gateway.proxy.reply import Headers, Reply
-from gateway.proxy.usage import Observation
-from gateway.routing.routed import Routed
 from gateway.routing.router import Router
 from gateway.routing.types import Decision
 
@@ -205,89 +203,46 @@ class ProxyHandler:
         reply: Reply,
     ) -> None:
         path: str = scope["path"]
-        listeners = NO_LISTENERS
+        tenant = scope.get(TENANT)
+        issued = None
         try:
             target = response_target(path)
-            if target is None:
-                tenant = scope.get(TENANT)
-                if self._tokenizing is not None and len(body) >= _TOKENIZED_BESIDE_THE_LOOP:
-                    # The encode releases the GIL: other streams go on while it runs.
-                    request, issued = await asyncio.get_running_loop().run_in_executor(
-                        self._tokenizing, self._parse, path, headers, body, tenant
-                    )
-                else:
-                    request, issued = self._parse(path, headers, body, tenant)
-                routed = await self._router.route(request)
-                listeners = self._listeners(routed)
-            else:
-                routed, issued = await self._to_holder(scope, target[0]), None
+            if target is not None:
                 query: bytes = scope.get("query_string", b"")
+                request = stored_response_request(target[0], query, tenant)
                 path += "?" + query.decode("latin-1") if query else ""
+            elif self._tokenizing is not None and len(body) >= _TOKENIZED_BESIDE_THE_LOOP:
+                # The encode releases the GIL: other streams go on while it runs.
+                request, issued = await asyncio.get_running_loop().run_in_executor(
+                    self._tokenizing, self._parse, path, headers, body, tenant
+                )
+            else:
+                request, issued = self._parse(path, headers, body, tenant)
+            placement = await self._router.route(request)
         except GatewayError as error:
             await self._reject(scope, request_id, error, reply)
             return
         outgoing = self._forwarder.upstream.headers_for(
             headers, request_id.encode(), scope.get("client"), scope.get("scheme", "http")
         )
+        forwarding = Forwarding(
+            placement,
+            body,
+            outgoing,
+            exchange,
+            reply,
+            lambda decision: self._gateway_headers(decision, request_id, issued),
+            scope["method"].encode(),
+            path,
+        )
         began = time.perf_counter()
         watcher = asyncio.create_task(exchange.watch_client(receive))
         try:
-            outcome = await self._forwarder.forward(
-                routed,
-                body,
-                outgoing,
-                exchange,
-                reply,
-                lambda decision: self._gateway_headers(decision, request_id, issued),
-                method=scope["method"].encode(),
-                path=path,
-                listeners=listeners,
-            )
+            outcome = await self._forwarder.forward(forwarding)
         finally:
             watcher.cancel()
-        decision = outcome.decision
-        self._metrics.child(
-            self._metrics.requests,
-            request.model,
-            decision.backend,
-            decision.route.value,
-            str(outcome.status),
-        ).inc()
-        self._access_log.answered(routed, outcome, request_id, began)
-        await self._router.learn(routed, outcome)
-
-    async def _to_holder(self, scope: Scope, given_id: str) -> Routed:
-        """A request about a stored response, to the replica that holds it."""
-        response_id = checked_response_id(given_id, "response_id")
-        query: bytes = scope.get("query_string", b"")
-        request = RoutingInput(
-            endpoint=Endpoint.RESPONSES,
-            model="",
-            canonical=b"",
-            distinct_from=0,
-            session_key=None,
-            stream=b"stream=true" in query.lower(),
-            wants_usage=False,
-            tenant=scope.get(TENANT),
-        )
-        return await self._router.route_to_holder(request, response_id)
-
-    def _listeners(self, routed: Routed) -> Listeners:
-        """Who hears of `routed`'s answer before its client has it all: the stored responses'
-        holders (Responses API) and the router, which records a conversation's answer then."""
-        request = routed.request
-        router = self._router
-        remember: Remember | None = None
-        if request.endpoint is Endpoint.RESPONSES:
-            holders, tenant = router.responses, request.tenant
-
-            async def remember(response_id: str, backend: str) -> None:
-                await holders.remember(response_id, tenant, backend)
-
-        async def answered(backend: str, seen: Observation) -> None:
-            await router.answered(routed, backend, seen.answer, seen.completion_tokens)
-
-        return Listeners(remember, answered if router.hears_answer(routed) else None)
+        self._access_log.answered(placement, outcome, request_id, began)
+        await placement.settle(outcome)
 
     def _parse(
         self, path: str, headers: list[tuple[bytes, bytes]], body: bytes, tenant: str | None

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from gateway.config import Settings
 from gateway.metrics import Metrics
 from gateway.proxy.attempt import Attempt
-from gateway.proxy.deadlines import Exchange, Interrupted, Why
+from gateway.proxy.deadlines import Interrupted, Why
+from gateway.proxy.forwarding import Forwarding
 from gateway.proxy.http1 import HTTPClientError, Response
-from gateway.proxy.reply import Headers, Reply
+from gateway.proxy.reply import Headers
 from gateway.proxy.upstream import UpstreamError, failure, failure_of
 from gateway.proxy.usage import Observation, StreamObserver, observe_body
 
@@ -30,24 +31,8 @@ class Relayed:
     """Why the response failed, if it did; with status 0 the attempt may fail over."""
 
 
-Remember = Callable[[str, str], Awaitable[None]]
-"""Told `(response id, backend)` of a Responses API response before the client can use the id."""
-Answered = Callable[[str, Observation], Awaitable[None]]
-"""Told `(backend, what was seen)` of a whole answer before the client has its last bytes."""
-
 # What the last event of a stream carries; a chunk holding it is read before it is relayed.
 _LAST_EVENT = re.compile(rb"\[DONE\]|response\.(?:completed|incomplete|failed)")
-
-
-@dataclass(frozen=True, slots=True)
-class Listeners:
-    """Who hears of a response before its client has all of it."""
-
-    remember: Remember | None = None
-    answered: Answered | None = None
-
-
-NO_LISTENERS = Listeners()
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +41,12 @@ class Limits:
     idle: float
     total: float
 
+    @classmethod
+    def of(cls, settings: Settings) -> Limits:
+        return cls(
+            settings.first_byte_timeout, settings.stream_idle_timeout, settings.request_timeout
+        )
+
 
 class Relay:
     def __init__(self, metrics: Metrics, limits: Limits) -> None:
@@ -63,23 +54,14 @@ class Relay:
         self._limits = limits
 
     async def __call__(
-        self,
-        attempt: Attempt,
-        exchange: Exchange,
-        response: Response,
-        headers: Headers,
-        reply: Reply,
-        stream: bool,
-        strip_usage: bool,
-        listeners: Listeners = NO_LISTENERS,
+        self, forwarding: Forwarding, attempt: Attempt, response: Response, headers: Headers
     ) -> Relayed:
-        """Relay `response`; with `strip_usage` the usage the gateway asked for is held back.
-        `listeners` hear of a successful answer before the client has it all."""
+        """Relay `response` with `headers`. Its placement hears of a successful answer (and of
+        a Responses API response's id) before the client has it all."""
         status = response.status
-        if stream and status == 200:
-            return await self._stream(
-                attempt, exchange, response, headers, reply, strip_usage, listeners
-            )
+        if forwarding.placement.request.stream and status == 200:
+            return await self._stream(forwarding, attempt, response, headers)
+        exchange = forwarding.exchange
         try:
             with exchange.guard():
                 payload = await response.read()
@@ -90,16 +72,17 @@ class Relay:
         exchange.finish()
         self._first_byte(attempt)
         seen = None
-        remember, answered = listeners.remember, listeners.answered
-        if status == 200 and (remember is not None or answered is not None):
+        placement = forwarding.placement
+        stored, hears_answer = placement.hears_response_id, placement.hears_answer
+        if status == 200 and (stored or hears_answer):
             # Read before the client has the body: what it starts must be known first.
             seen = observe_body(payload)
             name = attempt.backend.name
-            if remember is not None and seen.response_id is not None:
-                await remember(seen.response_id, name)
-            if answered is not None:
-                await answered(name, seen)
-        await reply.whole(status, headers, payload)
+            if stored and seen.response_id is not None:
+                await placement.response_stored(seen.response_id, name)
+            if hears_answer:
+                await placement.answer_complete(name, seen.answer, seen.completion_tokens)
+        await forwarding.reply.whole(status, headers, payload)
         self._ended(attempt)
         if seen is None:
             seen = observe_body(payload) if status == 200 else Observation()
@@ -107,15 +90,10 @@ class Relay:
         return Relayed(status, seen)
 
     async def _stream(
-        self,
-        attempt: Attempt,
-        exchange: Exchange,
-        response: Response,
-        headers: Headers,
-        reply: Reply,
-        strip_usage: bool,
-        listeners: Listeners,
+        self, forwarding: Forwarding, attempt: Attempt, response: Response, headers: Headers
     ) -> Relayed:
+        exchange, reply = forwarding.exchange, forwarding.reply
+        strip_usage = forwarding.strip_usage
         try:
             with exchange.guard():
                 chunk = await response.readany()
@@ -132,30 +110,33 @@ class Relay:
         seen = observer.seen
         seen.sent_at = attempt.started
         await reply.start_stream(headers)
-        remember, answered = listeners.remember, listeners.answered
+        placement = forwarding.placement
+        stored, hears_answer = placement.hears_response_id, placement.hears_answer
         failed: UpstreamError | None = None
         try:
             with exchange.guard():
                 while chunk:
                     # Without stripping a chunk leaves before it is looked at, unless it may
-                    # end the answer that `answered` is to hear of first.
+                    # end the answer that the placement is to hear of first.
                     looked = strip_usage or (
-                        answered is not None and _LAST_EVENT.search(chunk) is not None
+                        hears_answer and _LAST_EVENT.search(chunk) is not None
                     )
                     passed = observer.feed(chunk) if looked else chunk
-                    if answered is not None and seen.complete:
-                        await answered(backend.name, seen)
-                        answered = None
+                    if hears_answer and seen.complete:
+                        await placement.answer_complete(
+                            backend.name, seen.answer, seen.completion_tokens
+                        )
+                        hears_answer = False
                     if passed:
                         exchange.phase = Why.CLIENT_STALLED
                         await reply.chunk(passed)
                         exchange.phase = Why.IDLE
                     if not looked:
                         observer.feed(chunk)
-                    if remember is not None and seen.response_id is not None:
+                    if stored and seen.response_id is not None:
                         # Once, at `response.created`: long before the client could name it.
-                        await remember(seen.response_id, backend.name)
-                        remember = None
+                        await placement.response_stored(seen.response_id, backend.name)
+                        stored = False
                     chunk = await response.readany()
                     now = clock()
                     exchange.due = now + idle

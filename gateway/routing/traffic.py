@@ -216,3 +216,8 @@ class Traffic:
         """The other gateways' counts, as just exchanged (empty when the exchange failed)."""
         self.recent.fleet.set(recent, sum(recent.values()))
         self.fleet_prompts.set({}, prompts_total)
+
+
+def cold_prompt(share: float, candidates: int, load_factor: float) -> bool:
+    """A shared prompt the owner rule keeps in one place: at most c / n of recent requests."""
+    return share <= load_factor / max(1, candidates)

@@ -103,3 +103,5 @@ class Outcome:
     first_byte_at: float = 0.0
     """`time.perf_counter()` when its first byte came back (0: none came)."""
     completion_tokens: int | None = None
+    accepted: tuple[str, ...] = ()
+    """The backends tried that accepted the request (answered 2xx): its prompt is theirs."""
