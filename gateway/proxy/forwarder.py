@@ -14,7 +14,7 @@ from email.utils import parsedate_to_datetime
 
 from gateway.backends.health import Health
 from gateway.backends.pool import Backend
-from gateway.backends.stalls import PrefillSpeed
+from gateway.backends.prefill_speed import PrefillSpeed
 from gateway.errors import GatewayError, ShuttingDown, UpstreamTimeout
 from gateway.metrics import Metrics
 from gateway.prompt.parsing import Endpoint
