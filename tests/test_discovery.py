@@ -255,7 +255,7 @@ def mark_healthy(pool: BackendPool) -> Callable[[Backend], Coroutine[Any, Any, N
     """Stands in for the health probe, which the end-to-end tests run for real."""
 
     async def probe(backend: Backend) -> None:
-        backend.models = backend.models or frozenset({MODEL})
+        pool.models_listed(backend, backend.models or frozenset({MODEL}))
         pool.set_health(backend, True)
 
     return probe
@@ -323,7 +323,7 @@ def test_membership_adds_drains_and_restores() -> None:
     async def scenario() -> None:
         pool = BackendPool.from_specs([f"{MODEL}=http://10.9.9.9:8000"])
         static = pool.backends[0]
-        static.healthy = True
+        pool.set_health(static, True)
         membership = Membership(pool, "dns:vllm", None, mark_healthy(pool), drain_timeout=5)
         membership.update(["http://10.0.0.1:8000", "http://10.0.0.2:8000"])
         await membership.probed()

@@ -162,8 +162,10 @@ def test_the_exchange_carries_pending_prefill_and_recent_requests() -> None:
     pool = BackendPool()
     for name in ("a:1", "b:1"):
         pool.add(Backend(name, f"http://{name}", frozenset({MODEL}), healthy=True))
-    pool.backends[0].in_flight = 2
-    pool.backends[0].pending_prefill = 40
+    busy = pool.backends[0]
+    busy.leased()
+    busy.leased()
+    busy.prefill_queued(40)
     line = own_counts(pool, {"a:1": 3.5, "b:1": 1.25}, 4.75)
     assert line == "a:1 2\n~a:1 40 3.500\n~b:1 0 1.250\n~ 4.750\n"
     other = "~a:1 10 1.000\n~ 1.000\n"

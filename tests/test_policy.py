@@ -361,7 +361,7 @@ def test_the_router_state_decides_as_plain_snapshots_do() -> None:
     for _ in range(200):
         traffic.add(rng.choice(FOUR))
         clock.advance(rng.random())
-        pool.get(rng.choice(FOUR)).queued = rng.randrange(4)  # type: ignore[union-attr]
+        pool.get(rng.choice(FOUR)).load_sampled(rng.randrange(4))  # type: ignore[union-attr]
         matched = {name: rng.randrange(0, 12) for name in rng.sample(FOUR, 2)}
         key = rng.randrange(1 << 32)
         loads = {name: pool.get(name).load for name in FOUR}  # type: ignore[union-attr]
@@ -390,13 +390,13 @@ def test_the_load_tally_follows_leases_scrapes_and_health() -> None:
     a, b = pool.get(A), pool.get(B)
     assert a is not None and b is not None
     with pool.lease(a), pool.lease(b), pool.lease(b):
-        b.queued = 5
+        b.load_sampled(5)
         group = pool.serving("m")
         assert group is not None and group.total_load == 8
         pool.set_health(b, False)  # b leaves the candidates: its load leaves the tally
         group = pool.serving("m")
         assert group is not None and group.total_load == 1
-        b.queued = 0
+        b.load_sampled(0)
         assert group.total_load == 1
     assert group.total_load == 0
     pool.set_health(b, True)

@@ -209,11 +209,13 @@ def test_a_session_over_the_load_bound_moves_and_is_bound_again() -> None:
         await sessions.put(session_hash("s-1"), "a:1")
         busy = pool.get("a:1")
         assert busy is not None
-        busy.in_flight = 5
+        for _ in range(5):
+            busy.leased()
         routed = await router.route(request)
         assert routed.backend.name == "b:2" and routed.decision.route is not Route.SESSION
         assert await sessions.get(session_hash("s-1")) == "b:2"
-        busy.in_flight = 0
+        for _ in range(5):
+            busy.released()
         assert (await router.route(request)).decision.route is Route.SESSION
 
     asyncio.run(scenario())

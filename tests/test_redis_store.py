@@ -349,9 +349,9 @@ def test_gateways_see_each_others_requests_in_flight(server: RedisServer) -> Non
             gateways.append((gateway, pool, fleet))
         (_, first_pool, first_fleet), (_, second_pool, second_fleet) = gateways[:2]
         third_gateway, third_pool, third_fleet = gateways[2]
-        first_pool.backends[0].in_flight = 3
-        second_pool.backends[0].in_flight = 1
-        second_pool.backends[1].in_flight = 2
+        first, second = first_pool.backends, second_pool.backends
+        for backend in [first[0]] * 3 + [second[0]] + [second[1]] * 2:  # requests in flight
+            backend.leased()
         for _, _, fleet in gateways:
             await fleet.sync()
         await first_fleet.sync()

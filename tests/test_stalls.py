@@ -11,8 +11,12 @@ import httpx
 import orjson
 import pytest
 
-from gateway.backends.stalls import PrefillSpeed, StallRule
+from gateway.backends.health import Health
+from gateway.backends.pool import BackendPool
+from gateway.backends.prefill_speed import PrefillSpeed
+from gateway.backends.stalls import StallRule, StallWatch
 from gateway.emulator.replicas import EmulatedReplicas
+from gateway.metrics import Metrics
 from tests.support import GatewayProcess, metric_value
 
 MODEL = "emulated-model"
@@ -63,6 +67,29 @@ def test_a_long_prefill_is_given_the_time_its_size_needs() -> None:
     long = {Waiting(sent_at=100.0, blocks_ahead=6_000)}  # ~6 s of prefill
     assert RULE.verdict(110.0, long, progressed_at=90.0, speed=speed) is None
     assert RULE.verdict(130.0, long, progressed_at=90.0, speed=speed) is not None
+
+
+def test_the_watch_judges_the_progress_its_backend_was_told_of() -> None:
+    pool = BackendPool.from_specs([f"{MODEL}=http://a:1"])
+    backend = pool.backends[0]
+    pool.set_health(backend, True)
+    health = Health(pool, unhealthy_threshold=2, healthy_threshold=2, failure_threshold=3)
+    watch = StallWatch(pool, health, RULE, Metrics(), block_tokens=16)
+    waiting = Waiting(sent_at=100.0)
+    backend.attempt_sent(waiting)
+    backend.progressed(101.5)
+    backend.generated_since(95.0)  # an engine's tokens counted since an earlier scrape
+    assert backend.progressed_at == 101.5
+    assert watch.check(104.0) == []
+    assert watch.check(105.0) == [backend]
+    assert backend.stalled and not backend.healthy and pool.serving(MODEL) is None
+    backend.attempt_ended(waiting)
+    health.probed(backend, True)  # `/health` says nothing of a stalled engine
+    health.probed(backend, True)
+    assert not backend.healthy
+    health.inference_probed(backend, True)
+    assert backend.healthy and not backend.stalled and not backend.ejected
+    assert backend.probe_streak == 1 and pool.serving(MODEL) is not None
 
 
 def chat(

@@ -127,7 +127,7 @@ class EngineLoadScraper:
                 if engine.generated > self._generated.get(name, engine.generated):
                     # Tokens came, for anyone's requests, at some time since the last scrape.
                     since = self._scraped_at.get(name, 0.0)
-                    backend.progressed_at = max(backend.progressed_at, since)
+                    backend.generated_since(since)
                 self._generated[name] = engine.generated
         self._scraped_at[name] = asked_at
         self._apply(backend)
@@ -154,9 +154,7 @@ class EngineLoadScraper:
         name = backend.name
         # What the engine held beyond our requests and the other gateways' at the scrape.
         outside = max(0, self._engine_others.get(name, 0) - self._fleet_at_scrape.get(name, 0))
-        queued = self._fleet.get(name, 0) + outside
-        if backend.queued != queued:  # the pool's load tallies follow every assignment
-            backend.queued = queued
+        backend.load_sampled(self._fleet.get(name, 0) + outside)
 
     async def _run(self) -> None:
         while True:

@@ -31,54 +31,45 @@ class Health:
         if backend.stalled:
             return  # `/health` says nothing of a stalled engine: `inference_probed` decides
         if passed:
-            backend.probe_streak = max(backend.probe_streak, 0) + 1
+            passes = backend.probe_passed()
             if backend.healthy:
                 return
-            if not backend.ejected or backend.probe_streak >= self._healthy_threshold:
-                backend.ejected = False
-                backend.ejected_why = ""
-                backend.failures = 0
+            if not backend.ejected or passes >= self._healthy_threshold:
+                backend.readmit()
                 self._pool.set_health(backend, True)
             return
-        backend.probe_streak = min(backend.probe_streak, 0) - 1
-        if backend.healthy and -backend.probe_streak >= self._unhealthy_threshold:
-            self._eject(backend, f"{-backend.probe_streak} failed probes")
+        failed = backend.probe_failed()
+        if backend.healthy and failed >= self._unhealthy_threshold:
+            self._eject(backend, f"{failed} failed probes")
 
     def request_succeeded(self, backend: Backend) -> None:
         """A replica answered (with anything but a 5xx): its run of failures is over."""
-        if backend.failures:
-            backend.failures = 0
+        backend.request_succeeded()
 
     def request_failed(self, backend: Backend, cause: str) -> None:
         """Record a request that failed at `backend` for `cause` (a metric cause label)."""
-        backend.failures += 1
+        failures = backend.request_failed()
         if not backend.healthy:
             return
         if cause == CONNECT:
             self._eject(backend, "connection refused or unreachable")
-        elif backend.failures >= self._failure_threshold:
-            self._eject(backend, f"{backend.failures} failed requests in a row ({cause})")
+        elif failures >= self._failure_threshold:
+            self._eject(backend, f"{failures} failed requests in a row ({cause})")
 
     def stalled(self, backend: Backend, why: str) -> None:
         """It answers probes but produces nothing: out until an inference probe passes."""
-        backend.stalled = True
+        backend.stall()
         log.warning("backend %s stalled: %s", backend.name, why)
         self._eject(backend, f"stalled: {why}")
 
     def inference_probed(self, backend: Backend, passed: bool) -> None:
         """Record a one-token completion asked of a stalled backend."""
         if passed and backend.stalled:
-            backend.stalled = False
-            backend.ejected = False
-            backend.ejected_why = ""
-            backend.failures = 0
-            backend.probe_streak = 1
+            backend.readmit()
             log.warning("backend %s answers inference again: readmitted", backend.name)
             self._pool.set_health(backend, True)
 
     def _eject(self, backend: Backend, why: str) -> None:
-        backend.ejected = True
-        backend.ejected_why = why
-        backend.probe_streak = 0
+        backend.eject(why)
         if self._pool.set_health(backend, False):
             log.info("backend %s ejected: %s", backend.name, why)

@@ -68,8 +68,8 @@ class Membership:
     def update(self, urls: Iterable[str]) -> None:
         wanted: dict[str, Backend] = {}
         for url in urls:
-            backend = parse_backend_spec(f"{self._model}={url}" if self._model else url)
-            backend.source = self.source
+            spec = f"{self._model}={url}" if self._model else url
+            backend = parse_backend_spec(spec, self.source)
             wanted[backend.name] = backend
         for name, backend in wanted.items():
             existing = self._pool.get(name)

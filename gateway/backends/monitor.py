@@ -50,9 +50,7 @@ class BackendMonitor:
                 models = frozenset(
                     str(item["id"]) for item in listing.json().get("data", []) if "id" in item
                 )
-                if models != backend.models:
-                    backend.models = models
-                    self._pool.rebuild()
+                self._pool.models_listed(backend, models)
         except (httpx.HTTPError, httpx.InvalidURL, ValueError, KeyError, TypeError):
             healthy = False
         self._on_probe(backend, healthy)

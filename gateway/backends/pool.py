@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import urlsplit
 
+from gateway.backends.load_views import LoadView, PendingPrefillView
 from gateway.config import ConfigError
 
 log = logging.getLogger("gateway.backends.pool")
@@ -36,6 +37,10 @@ class Work(Protocol):
 
 @dataclass(eq=False)
 class Backend:
+    """One replica as this gateway knows it. Only this module writes its fields: the other
+    modules report what happened through the methods below, named after the event, so that
+    each rule (the load tallies, what an ejection clears) is kept in one place."""
+
     name: str
     url: str
     models: frozenset[str] = frozenset()
@@ -79,24 +84,97 @@ class Backend:
         """Requests this gateway has sent it that have not ended."""
         return self._in_flight
 
-    @in_flight.setter
-    def in_flight(self, value: int) -> None:
-        self._add_load(value - self._in_flight)
-        self._in_flight = value
-
     @property
     def queued(self) -> int:
         """Requests waiting in the engine's own queue, where scraped."""
         return self._queued
 
-    @queued.setter
-    def queued(self, value: int) -> None:
-        self._add_load(value - self._queued)
-        self._queued = value
-
-    def _add_load(self, delta: int) -> None:
+    def leased(self) -> None:
+        """An attempt took a lease here: one more request in flight."""
+        self._in_flight += 1
         for group in self.groups:
-            group.total_load += delta
+            group.total_load += 1
+
+    def released(self) -> None:
+        """An attempt's lease ended; the last one of a draining backend sets `idle`."""
+        self._in_flight -= 1
+        for group in self.groups:
+            group.total_load -= 1
+        if self.idle is not None and self._in_flight == 0:
+            self.idle.set()
+
+    def load_sampled(self, queued: int) -> None:
+        """The requests there that this gateway did not send, as the engine's last scrape and
+        the other gateways' counts put them."""
+        delta = queued - self._queued
+        if delta:
+            self._queued = queued
+            for group in self.groups:
+                group.total_load += delta
+
+    def prefill_queued(self, blocks: int) -> None:
+        """An attempt here waits for `blocks` of its prompt to be computed."""
+        self.pending_prefill += blocks
+
+    def prefill_ended(self, blocks: int) -> None:
+        """An attempt's `blocks` are computed (its first byte came) or will not be."""
+        self.pending_prefill -= blocks
+
+    def fleet_prefill_reported(self, blocks: int) -> None:
+        """The other gateways' pending prefill here, just read from Redis."""
+        self.fleet_pending_prefill = blocks
+
+    def attempt_sent(self, work: Work) -> None:
+        self.work.add(work)
+
+    def attempt_ended(self, work: Work) -> None:
+        self.work.discard(work)
+
+    def progressed(self, at: float) -> None:
+        """It produced a byte at `at`. Called once per streamed chunk: a store, nothing more."""
+        self.progressed_at = at
+
+    def generated_since(self, at: float) -> None:
+        """Its engine counted new tokens at some time after `at` (its previous scrape)."""
+        if at > self.progressed_at:
+            self.progressed_at = at
+
+    def probe_passed(self) -> int:
+        """One more passed probe; the passes in a row."""
+        self.probe_streak = max(self.probe_streak, 0) + 1
+        return self.probe_streak
+
+    def probe_failed(self) -> int:
+        """One more failed probe; the failures in a row."""
+        self.probe_streak = min(self.probe_streak, 0) - 1
+        return -self.probe_streak
+
+    def request_succeeded(self) -> None:
+        if self.failures:
+            self.failures = 0
+
+    def request_failed(self) -> int:
+        """One more failed request; the failures in a row."""
+        self.failures += 1
+        return self.failures
+
+    def stall(self) -> None:
+        """It produced nothing while requests waited: only an inference probe clears this."""
+        self.stalled = True
+
+    def eject(self, why: str) -> None:
+        """Taken out by failures: its probes count anew towards readmission."""
+        self.ejected = True
+        self.ejected_why = why
+        self.probe_streak = 0
+
+    def readmit(self) -> None:
+        """Back in routing with a clean record, having passed one probe at least."""
+        self.ejected = False
+        self.ejected_why = ""
+        self.stalled = False
+        self.failures = 0
+        self.probe_streak = max(self.probe_streak, 1)
 
 
 class ModelPool:
@@ -121,54 +199,6 @@ class ModelPool:
         self.loads = LoadView(self.by_name)
         self.pending_prefill = PendingPrefillView(self.by_name)
         self.total_load = sum(backend.load for backend in backends)
-
-
-class _PerBackend(Mapping[str, int]):
-    """One number per candidate, read from the backend when asked: a mapping nobody fills.
-    Subclasses implement `get` themselves: the policy calls it several times a decision."""
-
-    __slots__ = ("_by_name",)
-
-    def __init__(self, by_name: dict[str, Backend]) -> None:
-        self._by_name = by_name
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._by_name
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._by_name)
-
-    def __len__(self) -> int:
-        return len(self._by_name)
-
-
-class LoadView(_PerBackend):
-    """Each candidate's current load."""
-
-    __slots__ = ()
-
-    def __getitem__(self, name: str) -> int:
-        return self._by_name[name].load
-
-    def get(self, name: str, default: int = 0) -> int:  # type: ignore[override]
-        backend = self._by_name.get(name)
-        return default if backend is None else backend.load
-
-
-class PendingPrefillView(_PerBackend):
-    """Each candidate's pending prefill in blocks: this gateway's and the fleet's."""
-
-    __slots__ = ()
-
-    def __getitem__(self, name: str) -> int:
-        backend = self._by_name[name]
-        return backend.pending_prefill + backend.fleet_pending_prefill
-
-    def get(self, name: str, default: int = 0) -> int:  # type: ignore[override]
-        backend = self._by_name.get(name)
-        if backend is None:
-            return default
-        return backend.pending_prefill + backend.fleet_pending_prefill
 
 
 @dataclass
@@ -261,6 +291,12 @@ class BackendPool:
     def served_models(self) -> list[str]:
         return sorted(self._by_model)
 
+    def models_listed(self, backend: Backend, models: frozenset[str]) -> None:
+        """Its `/v1/models` lists `models` (a backend given as `MODEL=URL` keeps its own)."""
+        if models != backend.models:
+            backend.models = models
+            self.rebuild()
+
     def set_health(self, backend: Backend, healthy: bool) -> bool:
         """Record a health observation; True when it changed the backend's state."""
         if backend.healthy == healthy:
@@ -290,18 +326,16 @@ class Lease:
 
     def __enter__(self) -> Backend:
         backend = self.backend
-        backend.in_flight += 1
+        backend.leased()
         return backend
 
     def __exit__(self, *exc_info: object) -> None:
-        backend = self.backend
-        backend.in_flight -= 1
-        if backend.idle is not None and backend.in_flight == 0:
-            backend.idle.set()
+        self.backend.released()
 
 
-def parse_backend_spec(spec: str) -> Backend:
-    """A backend from `URL` or `MODEL=URL`: http(s), a host, no credentials in the URL."""
+def parse_backend_spec(spec: str, source: str = "static") -> Backend:
+    """A backend from `URL` or `MODEL=URL`: http(s), a host, no credentials in the URL;
+    `source` says who adds it."""
     if any(char.isspace() or not char.isprintable() for char in spec.strip()):
         raise ConfigError(f"backend {spec!r} holds whitespace or control characters")
     model: str | None = None
@@ -327,4 +361,4 @@ def parse_backend_spec(spec: str) -> Backend:
         base = base[: -len("/v1")]
     name = parts.netloc
     models = frozenset({model}) if model else frozenset()
-    return Backend(name=name, url=base, models=models, pinned_model=model)
+    return Backend(name=name, url=base, models=models, pinned_model=model, source=source)

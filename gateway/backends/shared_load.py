@@ -188,7 +188,7 @@ class SharedLoad:
     def _apply(self, others: FleetCounts) -> None:
         self._engine_load.set_fleet(others.in_flight)
         for backend in self._pool.backends:
-            backend.fleet_pending_prefill = others.pending_prefill.get(backend.name, 0)
+            backend.fleet_prefill_reported(others.pending_prefill.get(backend.name, 0))
         if self._traffic is not None:
             self._traffic.set_fleet(others.recent, others.prompts)
 

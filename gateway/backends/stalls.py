@@ -24,35 +24,13 @@ from dataclasses import dataclass
 
 from gateway.backends.health import Health
 from gateway.backends.pool import Backend, BackendPool, Work
+from gateway.backends.prefill_speed import PrefillSpeed
 from gateway.metrics import Metrics
 
 log = logging.getLogger("gateway.backends.stalls")
 
-_WEIGHT = 0.1
-"""Of each new first byte in the prefill speed (an exponential average)."""
 _GUESS_TOKENS_PER_SECOND = 1_000.0
 """Before any first byte: slower than any engine prefills, GPU or CPU."""
-
-
-class PrefillSpeed:
-    """Prompt blocks per second the replicas prefill, from recent first bytes.
-
-    It starts from a cautious guess, so that a long first prompt is not taken for a stall, and
-    underestimates rather than over: a first byte's time includes more than the prefill.
-    """
-
-    def __init__(self, guess_blocks_per_second: float) -> None:
-        self.blocks_per_second = guess_blocks_per_second
-
-    def observe(self, blocks: int, seconds: float) -> None:
-        if blocks <= 0 or seconds <= 0:
-            return
-        known = self.blocks_per_second
-        self.blocks_per_second = known + _WEIGHT * (blocks / seconds - known)
-
-    def expected(self, blocks: int) -> float:
-        """Seconds a prefill of `blocks` takes at the recent speed."""
-        return blocks / self.blocks_per_second
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,7 @@ def build_backends_router(components: Components, guard: Guard) -> APIRouter:
                 code="invalid_backend",
             )
         try:
-            backend = parse_backend_spec(spec)
+            backend = parse_backend_spec(spec, source="admin")
         except ConfigError as exc:
             raise BadRequest(str(exc), param="url", code="invalid_backend") from exc
         if _is_gateway(backend.url, settings.host, settings.port):
@@ -96,7 +96,6 @@ def build_backends_router(components: Components, guard: Guard) -> APIRouter:
             )
         if pool.get(backend.name) is not None:
             raise Conflict(f"backend {backend.name} is already in the pool", code="backend_exists")
-        backend.source = "admin"
         pool.add(backend)
         await components.monitor.refresh(backend)
         return JSONResponse(backend_view(backend), status_code=201)

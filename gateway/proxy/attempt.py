@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from types import TracebackType
 
 from gateway.backends.pool import Backend, Lease
-from gateway.backends.stalls import PrefillSpeed
+from gateway.backends.prefill_speed import PrefillSpeed
 from gateway.proxy.deadlines import Exchange, Why
 from gateway.proxy.prefills import Computing, Prefills
 from gateway.routing.types import Decision
@@ -64,7 +64,7 @@ class Attempt:
 
     def __enter__(self) -> Attempt:
         self._lease.__enter__()
-        self.backend.pending_prefill += self._pending
+        self.backend.prefill_queued(self._pending)
         return self
 
     def __exit__(
@@ -74,7 +74,7 @@ class Attempt:
         trace: TracebackType | None,
     ) -> None:
         self._prefilled()
-        self.backend.work.discard(self)
+        self.backend.attempt_ended(self)
         self._lease.__exit__(kind, error, trace)
 
     async def take_turn(self) -> None:
@@ -95,7 +95,7 @@ class Attempt:
         self.started = time.perf_counter()
         self.sent_at = time.monotonic()
         self.blocks_ahead = backend.pending_prefill
-        backend.work.add(self)
+        backend.attempt_sent(self)
 
     def stop(self) -> None:
         """Its backend stalled: before the first byte it moves elsewhere, after it fails."""
@@ -105,14 +105,14 @@ class Attempt:
         """The prefill is over; the seconds since the request was sent."""
         self.first_byte_at = time.perf_counter()
         waited = self.first_byte_at - self.started
-        self.backend.progressed_at = self.sent_at + waited
+        self.backend.progressed(self.sent_at + waited)
         self._speed.observe(self.blocks_ahead, waited)
         self._prefilled()
         return waited
 
     def _prefilled(self) -> None:
         if self._pending:
-            self.backend.pending_prefill -= self._pending
+            self.backend.prefill_ended(self._pending)
             self._pending = 0
         computing = self._computing
         if computing is not None:

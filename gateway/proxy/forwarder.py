@@ -13,7 +13,7 @@ from email.utils import parsedate_to_datetime
 
 from gateway.backends.health import Health
 from gateway.backends.pool import Backend
-from gateway.backends.stalls import PrefillSpeed
+from gateway.backends.prefill_speed import PrefillSpeed
 from gateway.config import Settings
 from gateway.errors import GatewayError, ShuttingDown, UpstreamTimeout
 from gateway.metrics import Metrics

@@ -140,7 +140,7 @@ class Relay:
                     chunk = await response.readany()
                     now = clock()
                     exchange.due = now + idle
-                    backend.progressed_at = now
+                    backend.progressed(now)
         except HTTPClientError:
             failed = failure("stream_broken")
         except Interrupted as stop:
