@@ -17,11 +17,12 @@ from gateway.backends.pool import BackendPool
 from gateway.components import Components
 from gateway.config import Settings
 from gateway.control.app import build_control_app
-from gateway.errors import GatewayError, LoopDetected, MethodNotAllowed
+from gateway.errors import GatewayError
 from gateway.prompt.parsing import ENDPOINTS, Endpoint
 from gateway.prompt.responses import RESPONSE_ID, response_target
 from gateway.proxy.asgi import ASGIApp, Receive, Scope, Send, send_error, send_json
 from gateway.proxy.upstream import passed_through
+from gateway.refusals import count_refusal, refused
 
 log = logging.getLogger("gateway.app")
 
@@ -51,26 +52,21 @@ class GatewayApp:
             if self._api_keys and (path.startswith(PROTECTED_PREFIX) or path in ENDPOINTS):
                 try:
                     key = self._api_keys.check(scope["headers"])
-                except GatewayError as refused:
-                    await self._refuse(refused, send, [(b"www-authenticate", b"Bearer")])
+                except GatewayError as unknown_key:
+                    await self._refuse(unknown_key, send)
                     return
                 if self._isolate_tenants:
                     scope[TENANT] = tenant_of(key)
             allowed = _proxied_methods(path)
             if allowed is not None:
                 if passed_through(scope["headers"]):
-                    loop = LoopDetected(
-                        "this request already passed through the gateway: a backend points back"
-                        " at it",
-                        code="loop_detected",
-                    )
-                    await self._refuse(loop, send, [])
+                    await self._refuse(refused("loop_detected"), send)
                 elif scope["method"] in allowed:
                     await self.components.proxy(scope, receive, send)
                 else:
-                    use = " or ".join(allowed)
-                    wrong = MethodNotAllowed(f"use {use} for {path}", code="http_405")
-                    await send_error(send, wrong, [(b"allow", ", ".join(allowed).encode())])
+                    allow = ((b"allow", ", ".join(allowed).encode()),)
+                    wrong = refused("http_405", " or ".join(allowed), path, headers=allow)
+                    await self._refuse(wrong, send)
             elif path == "/ready" and self.shutting_down:
                 body = orjson.dumps({"ready": False, "shutting_down": True})
                 await send_json(send, 503, body)
@@ -79,12 +75,10 @@ class GatewayApp:
         elif kind == "lifespan":
             await self._lifespan(receive, send)
 
-    async def _refuse(
-        self, error: GatewayError, send: Send, headers: list[tuple[bytes, bytes]]
-    ) -> None:
+    async def _refuse(self, error: GatewayError, send: Send) -> None:
         assert self.components is not None
-        self.components.metrics.rejected.labels(str(error.status), error.code or "").inc()
-        await send_error(send, error, headers)
+        count_refusal(self.components.metrics, error)
+        await send_error(send, error)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

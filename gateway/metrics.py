@@ -59,7 +59,7 @@ class Metrics:
         )
         self.rejected = Counter(
             "gateway_rejected_requests",
-            "Requests refused by the gateway itself, by status code.",
+            "Errors the gateway answered itself on the proxy path, by status and error code.",
             ["status", "code"],
             registry=r,
         )

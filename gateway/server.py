@@ -24,8 +24,9 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from gateway.app import GatewayApp
 from gateway.config import Settings
 from gateway.control.gauges import publish_scrape_gauges
-from gateway.errors import render_error
+from gateway.errors import GatewayError
 from gateway.proxy.access_log import flush_access_log
+from gateway.refusals import CLOSE, answer_head, count_refusal, phrase, refused
 
 log = logging.getLogger("gateway.server")
 
@@ -167,12 +168,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(CoalescingTransport(transport))  # type: ignore[arg-type]
         if len(self.connections) > self.limits.max_connections:
-            self._refuse(
-                503,
-                "service_unavailable",
-                "too_many_connections",
-                "the gateway has as many connections open as it may; retry later",
-            )
+            self._refuse(refused("too_many_connections"))
             return
         self._head_since = self.loop.time()
 
@@ -195,12 +191,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         if self._in_head and self._head_bytes:  # still the same head: it did not end in time
-            self._refuse(
-                431,
-                "invalid_request_error",
-                "headers_too_large",
-                f"the request line and headers exceed {self.limits.max_bytes} bytes",
-            )
+            self._refuse(refused("headers_too_large", self.limits.max_bytes))
             return
         self.data_received(cast(bytes, view[room:]))
 
@@ -232,25 +223,15 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if not self._head_bytes:  # nothing was sent: nothing to answer
             self.transport.close()
             return
-        self._refuse(
-            408,
-            "invalid_request_error",
-            "head_timeout",
-            f"the request line and headers did not arrive within {self.limits.timeout:g} s",
-        )
+        self._refuse(refused("head_timeout", self.limits.timeout))
 
     def send_400_response(self, msg: str) -> None:
         if self._head_lines > self.limits.max_headers:
-            self._refuse(
-                431,
-                "invalid_request_error",
-                "too_many_headers",
-                f"the request has more than {self.limits.max_headers} header lines",
-            )
+            self._refuse(refused("too_many_headers", self.limits.max_headers))
         else:
-            self._refuse(400, "invalid_request_error", "invalid_http", "invalid HTTP request")
+            self._refuse(refused("invalid_http"))
 
-    def _refuse(self, status: int, error_type: str, code: str, message: str) -> None:
+    def _refuse(self, error: GatewayError) -> None:
         """Answer in the OpenAI error shape and close the connection (only close it when a
         response to an earlier request is still being written)."""
         self._in_head = False
@@ -258,10 +239,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if not self.transport.is_closing():
             cycle = self.cycle
             if cycle is None or cycle.response_complete:
-                body = render_error(message, error_type, None, code)
-                self.transport.write(_error_response(status, body))
+                self.transport.write(_error_response(error))
             self.transport.close()
-        self.refusals.count(status, code)
+        self.refusals.count(error)
 
 
 class Refusals:
@@ -270,10 +250,10 @@ class Refusals:
     def __init__(self, app: GatewayApp) -> None:
         self._app = app
 
-    def count(self, status: int, code: str) -> None:
+    def count(self, error: GatewayError) -> None:
         components = self._app.components
         if components is not None:
-            components.metrics.rejected.labels(str(status), code).inc()
+            count_refusal(components.metrics, error)
 
 
 def _http_protocol(limits: HeadLimits, refusals: Refusals) -> type[BoundedHttpToolsProtocol]:
@@ -353,19 +333,13 @@ class CoalescingTransport:
         return getattr(self._transport, name)
 
 
-def _error_response(status: int, body: bytes) -> bytes:
-    head = (
-        f"HTTP/1.1 {status} {_PHRASES.get(status, '')}\r\n"
-        "content-type: application/json\r\n"
-        f"content-length: {len(body)}\r\n"
-        "connection: close\r\n\r\n"
-    )
-    return head.encode() + body
-
-
-_PHRASES = {
-    400: "Bad Request",
-    408: "Request Timeout",
-    431: "Request Header Fields Too Large",
-    503: "Service Unavailable",
-}
+def _error_response(error: GatewayError) -> bytes:
+    """`error`'s whole answer, as the protocol writes it before a request exists: the
+    connection is closed after it whatever the table says."""
+    body = error.body()
+    headers = answer_head(error, body)
+    if CLOSE not in headers:
+        headers.append(CLOSE)
+    lines = [f"HTTP/1.1 {error.status} {phrase(error.status)}".encode()]
+    lines.extend(name + b": " + value for name, value in headers)
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body

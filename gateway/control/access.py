@@ -1,4 +1,6 @@
-"""The admin API's guard and route class, on FastAPI: the rules are `gateway.auth.AdminAccess`."""
+"""The admin API's guard and route class, on FastAPI: the rules are `gateway.auth.AdminAccess`.
+The control plane's errors are answered as the proxy's are (`gateway/refusals.py`), but not
+counted in `gateway_rejected_requests_total`: that counts the requests the gateway serves."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from fastapi.routing import APIRoute
 
 from gateway.auth import AdminAccess
 from gateway.errors import GatewayError
+from gateway.refusals import headers_of
 
 Guard = Callable[[Request], Awaitable[None]]
 
@@ -25,10 +28,15 @@ class AdminRoute(APIRoute):
             try:
                 return await handler(request)
             except GatewayError as error:
-                headers = {"www-authenticate": "Bearer"} if error.status == 401 else None
-                return Response(error.body(), error.status, headers, media_type="application/json")
+                return error_response(error)
 
         return handle
+
+
+def error_response(error: GatewayError) -> Response:
+    """`error` answered on FastAPI, with the headers the refusals' table gives it."""
+    headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in headers_of(error)}
+    return Response(error.body(), error.status, headers, media_type="application/json")
 
 
 def admin_guard(access: AdminAccess) -> Guard:

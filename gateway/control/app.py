@@ -14,11 +14,12 @@ from starlette.exceptions import HTTPException
 
 from gateway.auth import AdminAccess
 from gateway.components import Components
-from gateway.control.access import admin_guard
+from gateway.control.access import admin_guard, error_response
 from gateway.control.backends import build_backends_router
 from gateway.control.explain import build_explain_router
 from gateway.control.gauges import publish_scrape_gauges
-from gateway.errors import render_error
+from gateway.errors import BadRequest
+from gateway.refusals import of_status
 
 
 def build_control_app(components: Components) -> FastAPI:
@@ -32,14 +33,13 @@ def build_control_app(components: Components) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> Response:
-        error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        body = render_error(str(exc.detail), error_type, None, f"http_{exc.status_code}")
-        return Response(body, status_code=exc.status_code, media_type="application/json")
+        given = (exc.headers or {}).items()
+        headers = tuple((name.encode("latin-1"), value.encode("latin-1")) for name, value in given)
+        return error_response(of_status(exc.status_code, str(exc.detail), headers))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> Response:
-        body = render_error(str(exc.errors()), "invalid_request_error", None, "invalid_request")
-        return Response(body, status_code=400, media_type="application/json")
+        return error_response(BadRequest(str(exc.errors()), code="invalid_request"))
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:

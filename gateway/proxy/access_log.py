@@ -109,7 +109,7 @@ class AccessLog:
                 "request_id": request_id,
                 "endpoint": path,
                 "status": error.status,
-                "error": error.code or error.error_type,
+                "error": error.code,
             }
         )
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from gateway.errors import BadRequest, GatewayError, Overloaded, PayloadTooLarge
+from gateway.errors import GatewayError
 from gateway.proxy.admission import PendingBodies
+from gateway.refusals import answer_head, refused
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -36,12 +37,10 @@ async def read_body(receive: Receive, limit: int, pending: PendingBodies) -> byt
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                raise BadRequest("client disconnected before sending the body", code="disconnected")
+                raise refused("disconnected")
             chunk = message.get("body", b"")
             if size + len(chunk) > limit:
-                raise PayloadTooLarge(
-                    f"request body exceeds the limit of {limit} bytes", code="body_too_large"
-                )
+                raise refused("body_too_large", limit)
             if not pending.take(len(chunk)):
                 raise too_many_pending_bodies()
             size += len(chunk)
@@ -53,18 +52,19 @@ async def read_body(receive: Receive, limit: int, pending: PendingBodies) -> byt
         raise
 
 
-def too_many_pending_bodies() -> Overloaded:
-    return Overloaded(
-        "the gateway holds as many request bodies as it may while they arrive; retry later",
-        code="pending_bodies",
-    )
+def too_many_pending_bodies() -> GatewayError:
+    return refused("pending_bodies")
 
 
 async def send_error(
     send: Send, error: GatewayError, extra_headers: list[tuple[bytes, bytes]] | None = None
 ) -> None:
+    """Answer `error` with the headers the table gives it; `extra_headers`: the request's own
+    (its id, the replica tried). Counting it is the caller's (`refusals.count_refusal`)."""
     body = error.body()
-    headers = [_JSON, (b"content-length", str(len(body)).encode()), *(extra_headers or [])]
+    headers = answer_head(error, body)
+    if extra_headers:
+        headers.extend(extra_headers)
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

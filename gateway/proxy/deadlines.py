@@ -13,7 +13,9 @@ from enum import Enum
 from types import TracebackType
 from typing import Any
 
+from gateway.errors import GatewayError
 from gateway.proxy.asgi import Receive
+from gateway.refusals import refused
 
 log = logging.getLogger("gateway.proxy")
 
@@ -31,6 +33,26 @@ class Why(Enum):
     DISCONNECTED = "disconnected"
     STALLED = "stalled"
     """The replica stopped producing anything: the stall watch took it out."""
+
+
+_CODES = {
+    Why.BODY: "body_timeout",
+    Why.FIRST_BYTE: "first_byte_timeout",
+    Why.IDLE: "stream_idle_timeout",
+    Why.TOTAL: "request_timeout",
+    Why.STALLED: "upstream_stalled",
+}
+"""The refusal (`gateway/refusals.py`) each interruption but the client's own comes to."""
+
+
+def client_error(why: Why | None, seconds: float = 0.0) -> GatewayError | None:
+    """What the client is told of an interruption, `seconds` the limit that ran out; None when
+    the client itself went away (nobody to answer: counted as 499). `why` None: the server
+    cancelled the request at the end of its shutdown grace."""
+    if why is None:
+        return refused("shutting_down")
+    code = _CODES.get(why)
+    return None if code is None else refused(code, seconds)
 
 
 class Interrupted(Exception):

@@ -15,23 +15,21 @@ from gateway.backends.health import Health
 from gateway.backends.pool import Backend
 from gateway.backends.prefill_speed import PrefillSpeed
 from gateway.config import Settings
-from gateway.errors import GatewayError, ShuttingDown, UpstreamTimeout
 from gateway.metrics import Metrics
 from gateway.prompt.parsing import Endpoint
 from gateway.proxy.attempt import Attempt
-from gateway.proxy.deadlines import Interrupted, Why
+from gateway.proxy.deadlines import Interrupted, Why, client_error
 from gateway.proxy.forwarding import Forwarding
 from gateway.proxy.http1 import Response
 from gateway.proxy.prefills import Prefills
 from gateway.proxy.relay import Limits, Relay, Relayed
 from gateway.proxy.rewrite import request_usage, with_cache_salt
-from gateway.proxy.upstream import Upstream, UpstreamError, failure, response_headers
+from gateway.proxy.upstream import Upstream, UpstreamError, interrupted, response_headers
 from gateway.routing.types import Decision, Outcome
 
 _RETRY_STATUSES = frozenset({429, 502, 503, 504})
 # Where `--observe-usage` asks a stream for usage (the Responses API's streams always carry it).
 _USAGE_ASKED = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
-_CLIENT_GONE = (Why.DISCONNECTED, Why.CLIENT_STALLED)
 
 
 class Forwarder:
@@ -131,13 +129,10 @@ class Forwarder:
                 except UpstreamError as unsent:
                     relayed, retry = Relayed(0, failure=unsent), None
                 except Interrupted as stop:
-                    if stop.why is Why.STALLED:
-                        relayed = Relayed(0, failure=failure("stalled"))
-                    elif stop.why is Why.FIRST_BYTE:
-                        relayed = Relayed(0, failure=failure("timeout", self._limits.first_byte))
-                    else:
+                    missed = interrupted(stop.why, self._limits.first_byte)
+                    if stop.why is Why.TOTAL or missed is None:  # not this attempt's end
                         raise
-                    retry = None
+                    relayed, retry = Relayed(0, failure=missed), None
                 else:
                     try:
                         relayed, retry = await self._answer(attempt, tries, response)
@@ -218,16 +213,11 @@ class Forwarder:
     async def _cut_short(self, why: Why | None, tries: _Tries) -> int:
         """Finish a request interrupted by its client, a deadline or the server's shutdown."""
         forwarding = tries.forwarding
-        if why in _CLIENT_GONE:
+        limits = self._limits
+        error = client_error(why, limits.idle if why is Why.IDLE else limits.total)
+        if error is None:
             self._metrics.client_disconnects.labels(forwarding.placement.request.model).inc()
             return 499
-        error: GatewayError
-        if why is None:
-            error = ShuttingDown("the gateway is shutting down", code="shutting_down")
-        elif why is Why.TOTAL:
-            error = failure("request_timeout", self._limits.total).error
-        else:
-            error = UpstreamTimeout("upstream timed out", code=f"{why.value}_timeout")
         if forwarding.exchange.done and forwarding.reply.begun:
             return error.status  # its last bytes are on their way
         with contextlib.suppress(Exception):  # the connection may be gone already

@@ -18,15 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from gateway.auth import TENANT
 from gateway.config import Settings
-from gateway.errors import (
-    BadRequest,
-    GatewayError,
-    Overloaded,
-    PayloadTooLarge,
-    RequestTimeout,
-    ShuttingDown,
-    UpstreamTimeout,
-)
+from gateway.errors import GatewayError
 from gateway.metrics import Metrics
 from gateway.prompt.parsing import (
     ENDPOINTS,
@@ -40,16 +32,14 @@ from gateway.prompt.responses import response_target
 from gateway.proxy.access_log import AccessLog
 from gateway.proxy.admission import Admission, PendingBodies
 from gateway.proxy.asgi import Receive, Scope, Send, header, read_body, too_many_pending_bodies
-from gateway.proxy.deadlines import DeadlineWatch, Exchange, Interrupted, Why
+from gateway.proxy.deadlines import DeadlineWatch, Exchange, Interrupted, Why, client_error
 from gateway.proxy.forwarder import Forwarder
 from gateway.proxy.forwarding import Forwarding
 from gateway.proxy.reply import Headers, Reply
+from gateway.refusals import refused
 from gateway.routing.router import Router
 from gateway.routing.types import Decision
 
-_RETRY_AFTER = (b"retry-after", b"1")
-_CLOSE = (b"connection", b"close")
-"""On an answer given before the body was read whole: the rest of it is not waited for."""
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _TOKENIZED_BESIDE_THE_LOOP = 4096
 """Body bytes from which, with `--tokenizer`, a request is parsed on the tokenizing thread: a
@@ -111,7 +101,7 @@ class ProxyHandler:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         request_id = _client_request_id(headers) or self._request_ids.next()
-        reply = Reply(send)
+        reply = Reply(send, self._metrics)
         task = asyncio.current_task()
         assert task is not None
         exchange = Exchange(task, time.monotonic(), self._settings.request_timeout)
@@ -123,35 +113,28 @@ class ProxyHandler:
             with exchange.guard():
                 try:
                     body = await self._read_body(headers, receive, exchange)
-                except GatewayError as refused:
-                    extra = [_CLOSE, _RETRY_AFTER] if refused.status == 429 else [_CLOSE]
-                    await self._reject(scope, request_id, refused, reply, extra)
+                except GatewayError as unread:
+                    await self._reject(scope, request_id, unread, reply)
                     return
                 pending = len(body)
                 if not admission.try_enter():
                     cause = await admission.enter()
                     if cause is not None:
-                        error = Overloaded(
-                            "the gateway is at its concurrency limit and its queue is full;"
-                            " retry later"
-                            if cause == "overloaded"
-                            else "no capacity was freed in time; retry later",
-                            code=cause,
-                        )
-                        await self._reject(scope, request_id, error, reply, [_RETRY_AFTER])
+                        await self._reject(scope, request_id, refused(cause), reply)
                         return
                 admitted = True
                 self._pending.release(pending)
                 pending = 0
                 await self._handle(scope, receive, headers, body, request_id, exchange, reply)
         except Interrupted as stop:  # its time ran out before it was forwarded
-            late = UpstreamTimeout(f"the request ran out of time ({stop.why.value})")
-            await self._reject(scope, request_id, late, reply)
+            late = client_error(stop.why, self._settings.request_timeout)
+            if late is not None:
+                await self._reject(scope, request_id, late, reply)
         except asyncio.CancelledError:
             # The server cancels what still runs when its shutdown grace ends. The task is
             # ending anyway: answer what can be answered and end it without an error.
             if not reply.begun:
-                ending = ShuttingDown("the gateway is shutting down", code="shutting_down")
+                ending = refused("shutting_down")
                 with contextlib.suppress(Exception):
                     await reply.fail(ending, [(b"x-request-id", request_id.encode())])
         finally:
@@ -171,12 +154,9 @@ class ProxyHandler:
             try:
                 length = int(declared)
             except ValueError:
-                raise BadRequest("invalid content-length", code="invalid_http") from None
+                raise refused("invalid_http", message="invalid content-length") from None
             if length > settings.max_body_bytes:
-                raise PayloadTooLarge(
-                    f"request body exceeds the limit of {settings.max_body_bytes} bytes",
-                    code="body_too_large",
-                )
+                raise refused("body_too_large", settings.max_body_bytes)
             if not self._pending.fits(length):
                 raise too_many_pending_bodies()
         exchange.expect(Why.BODY, settings.body_timeout)
@@ -184,11 +164,10 @@ class ProxyHandler:
             with exchange.guard():
                 body = await read_body(receive, settings.max_body_bytes, self._pending)
         except Interrupted as stop:
-            if stop.why is not Why.BODY:
+            late = client_error(stop.why, settings.body_timeout)
+            if stop.why is not Why.BODY or late is None:
                 raise
-            raise RequestTimeout(
-                "the request body did not arrive in time", code="body_timeout"
-            ) from None
+            raise late from None
         exchange.due = exchange.deadline
         return body
 
@@ -275,11 +254,9 @@ class ProxyHandler:
         request_id: str,
         error: GatewayError,
         reply: Reply,
-        extra: Headers | None = None,
     ) -> None:
-        self._metrics.rejected.labels(str(error.status), error.code or error.error_type).inc()
         self._access_log.rejected(request_id, scope["path"], error)
-        await reply.fail(error, [(b"x-request-id", request_id.encode()), *(extra or [])])
+        await reply.fail(error, [(b"x-request-id", request_id.encode())])
 
     def _gateway_headers(self, decision: Decision, request_id: str, issued: str | None) -> Headers:
         headers = [

@@ -16,7 +16,7 @@ from gateway.proxy.deadlines import Interrupted, Why
 from gateway.proxy.forwarding import Forwarding
 from gateway.proxy.http1 import HTTPClientError, Response
 from gateway.proxy.reply import Headers
-from gateway.proxy.upstream import UpstreamError, failure, failure_of
+from gateway.proxy.upstream import UpstreamError, failure, failure_of, interrupted
 from gateway.proxy.usage import Observation, StreamObserver, observe_body
 
 
@@ -144,17 +144,12 @@ class Relay:
         except HTTPClientError:
             failed = failure("stream_broken")
         except Interrupted as stop:
-            if stop.why is Why.IDLE:
-                failed = failure("stream_idle", idle)
-            elif stop.why is Why.TOTAL:
-                failed = failure("request_timeout", self._limits.total)
-            elif stop.why is Why.STALLED:
-                failed = failure("stalled")
-            elif seen.complete:
+            failed = interrupted(stop.why, idle if stop.why is Why.IDLE else self._limits.total)
+            if failed is None:  # the client went away
+                if not seen.complete:
+                    raise
                 # The client left once it had every event it needs: answered all the same.
                 return Relayed(200, seen)
-            else:
-                raise
         exchange.finish()
         if failed is None:
             await reply.end(observer.finish())
@@ -167,11 +162,10 @@ class Relay:
         return Relayed(failed.error.status, seen, failed)
 
     def _first_byte_missed(self, stop: Interrupted) -> UpstreamError:
-        if stop.why is Why.STALLED:
-            return failure("stalled")
-        if stop.why is not Why.FIRST_BYTE:
+        missed = interrupted(stop.why, self._limits.first_byte)
+        if stop.why is Why.TOTAL or missed is None:  # the request's end, not the attempt's
             raise stop
-        return failure("timeout", self._limits.first_byte)
+        return missed
 
     def _first_byte(self, attempt: Attempt) -> None:
         waited = attempt.reached_first_byte()

@@ -1,20 +1,24 @@
 """The response to the client, begun once: its only writer, so an error always takes the shape
-that still fits (an error body, a last SSE event, or nothing).
+that still fits (an error body, a last SSE event, or nothing). Each error it tells the client is
+counted as a refusal (`gateway/refusals.py`); one it can no longer tell is not.
 """
 
 from __future__ import annotations
 
 from gateway.errors import GatewayError, sse_error
+from gateway.metrics import Metrics
 from gateway.proxy.asgi import Send, send_error
+from gateway.refusals import count_refusal
 
 Headers = list[tuple[bytes, bytes]]
 
 
 class Reply:
-    __slots__ = ("_cut", "_send", "begun", "streaming")
+    __slots__ = ("_cut", "_metrics", "_send", "begun", "streaming")
 
-    def __init__(self, send: Send) -> None:
+    def __init__(self, send: Send, metrics: Metrics) -> None:
         self._send = send
+        self._metrics = metrics
         self.begun = False
         self.streaming = False
         self._cut = False
@@ -42,8 +46,10 @@ class Reply:
         """Tell the client why its request ended, in whatever shape still fits."""
         if not self.begun:
             self.begun = True
+            count_refusal(self._metrics, error)
             await send_error(self._send, error, headers)
         elif self.streaming:
+            count_refusal(self._metrics, error)
             # An event cut in the middle is closed first, so that the error is one of its own.
             tail = b"\n\n" + sse_error(error) if self._cut else sse_error(error)
             await self.end(tail)

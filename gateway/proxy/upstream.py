@@ -1,5 +1,6 @@
 """The upstream side of the request path: pooled keep-alive connections to the replicas, and
-the one place where a failure there becomes the client's error.
+the one place where a failure there becomes the client's error (its code in
+`gateway/refusals.py`'s table).
 
 The request path uses the gateway's own HTTP/1.1 client (`http1.py`); httpx stays for probes.
 Only the connect timeout is the client's: the wait for the first byte, the gaps inside a
@@ -14,8 +15,10 @@ from __future__ import annotations
 import ssl
 from collections.abc import Callable, Iterable
 
-from gateway.errors import GatewayError, UpstreamFailed, UpstreamTimeout
+from gateway.errors import GatewayError
+from gateway.proxy.deadlines import Why, client_error
 from gateway.proxy.http1 import ConnectionPool, HTTPClientError, Response
+from gateway.refusals import refused
 
 UpstreamResponse = Response
 
@@ -51,22 +54,36 @@ class UpstreamError(Exception):
         self.error = error
 
 
-_FAILURES: dict[str, tuple[type[GatewayError], str, str]] = {
-    "connect": (UpstreamFailed, "upstream_unreachable", "the replica could not be reached"),
-    "protocol": (UpstreamFailed, "upstream_failed", "the replica's response was not valid HTTP"),
-    "timeout": (UpstreamTimeout, "first_byte_timeout", "upstream sent nothing within {0:g} s"),
-    "stream_broken": (UpstreamFailed, "stream_broken", "the upstream response broke off"),
-    "stream_idle": (UpstreamTimeout, "stream_idle_timeout", "upstream sent nothing for {0:g} s"),
-    "request_timeout": (UpstreamTimeout, "request_timeout", "the request took longer than {0:g} s"),
-    "stalled": (UpstreamFailed, "upstream_stalled", "the replica stopped producing output"),
+_FAILURES = {
+    "connect": "upstream_unreachable",
+    "protocol": "upstream_failed",
+    "timeout": "first_byte_timeout",
+    "stream_broken": "stream_broken",
+    "stream_idle": "stream_idle_timeout",
+    "request_timeout": "request_timeout",
+    "stalled": "upstream_stalled",
 }
+"""Each cause of a failed attempt (the `upstream_errors` label) and its refusal's code."""
 _CAUSES = {"connect": "connect", "connect_timeout": "connect"}
+_INTERRUPTIONS = {
+    Why.FIRST_BYTE: "timeout",
+    Why.IDLE: "stream_idle",
+    Why.TOTAL: "request_timeout",
+    Why.STALLED: "stalled",
+}
 
 
 def failure(cause: str, seconds: float = 0.0) -> UpstreamError:
     """The failure of an attempt for `cause`; `seconds`: the limit that ran out, if one did."""
-    kind, code, message = _FAILURES[cause]
-    return UpstreamError(cause, kind(message.format(seconds), code=code))
+    return UpstreamError(cause, refused(_FAILURES[cause], seconds))
+
+
+def interrupted(why: Why, seconds: float = 0.0) -> UpstreamError | None:
+    """The failure of an attempt interrupted for `why`, or None when that is not the attempt's
+    failure (the client went away)."""
+    cause = _INTERRUPTIONS.get(why)
+    error = client_error(why, seconds)
+    return None if cause is None or error is None else UpstreamError(cause, error)
 
 
 def failure_of(exc: HTTPClientError) -> UpstreamError:
