@@ -19,7 +19,7 @@ from gateway.config import Settings
 from gateway.control.app import build_control_app
 from gateway.errors import GatewayError
 from gateway.prompt.parsing import ENDPOINTS, Endpoint
-from gateway.prompt.responses import RESPONSE_ID, response_target
+from gateway.prompt.responses_api import RESPONSE_ID, response_target
 from gateway.proxy.asgi import ASGIApp, Receive, Scope, Send, send_error, send_json
 from gateway.proxy.upstream import passed_through
 from gateway.refusals import count_refusal, refused

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gateway.config import Settings
 from gateway.emulator.replicas import EmulatedReplicas
 from gateway.errors import GatewayError
-from gateway.prompt.parsing import Endpoint, Limits, parse_request
+from gateway.prompt.parsing import BodyLimits, Endpoint, parse_request
 from tests.redis_server import RedisServer
 from tests.support import GatewayProcess
 
@@ -439,7 +439,7 @@ async def measure(attack: Attack, replicas: list[str]) -> str:
 
 def parse_cost(repeats: int = 7) -> None:
     """CPU time, not wall time, so that a busy machine does not inflate it."""
-    limits = Limits.of(DEFAULTS)
+    limits = BodyLimits.of(DEFAULTS)
     print("| body | bytes | CPU ms per parse (median) | each run |")
     print("|---|---|---|---|")
     for name, make in (

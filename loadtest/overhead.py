@@ -12,6 +12,7 @@ gateway (and through peers, with --peers). Prints two tables:
     python loadtest/overhead.py --sequential 2000 --concurrency 16,64 --requests 4000
     python loadtest/overhead.py --workers 1,2   # one gateway per worker count, side by side
     python loadtest/overhead.py --compare ../other-checkout   # another commit's gateway beside
+    python loadtest/overhead.py --runs 3   # medians of three rounds under concurrency
 """
 
 from __future__ import annotations
@@ -183,20 +184,40 @@ async def hammer(url: str, concurrency: int, total: int, stream: bool) -> float:
 
 
 def concurrency_table(
-    direct_url: str, routers: list[Router], levels: list[int], total: int, stream: bool
+    direct_url: str,
+    routers: list[Router],
+    levels: list[int],
+    total: int,
+    stream: bool,
+    runs: int = 1,
 ) -> None:
-    print(f"\n## Under concurrency ({total} {'streamed' if stream else 'non-streamed'} requests)\n")
-    print("| path | concurrency | requests/s | router CPU ms/request |")
-    print("|---|---|---|---|")
+    """Each router's requests/s and CPU per request at each level: with `runs` > 1, the
+    median of that many rounds, the routers in a rotated order each round (so that drift of
+    this shared machine hits them alike), and every round's CPU figure."""
+    kind = "streamed" if stream else "non-streamed"
+    print(f"\n## Under concurrency ({total} {kind} requests, {runs} round(s))\n")
+    print("| path | concurrency | requests/s | router CPU ms/request | runs |")
+    print("|---|---|---|---|---|")
     for level in levels:
-        elapsed = asyncio.run(hammer(direct_url, level, total, stream))
-        print(f"| direct | {level} | {total / elapsed:,.0f} | - |", flush=True)
+        rates: dict[str, list[float]] = {}
+        costs: dict[str, list[float]] = {}
+        for round_number in range(runs):
+            elapsed = asyncio.run(hammer(direct_url, level, total, stream))
+            rates.setdefault("direct", []).append(total / elapsed)
+            shift = round_number % max(1, len(routers))
+            for router in routers[shift:] + routers[:shift]:
+                before = cpu_seconds(router.pid)
+                elapsed = asyncio.run(hammer(router.url, level, total, stream))
+                cpu = cpu_seconds(router.pid) - before
+                rates.setdefault(router.name, []).append(total / elapsed)
+                costs.setdefault(router.name, []).append(cpu / total * 1000)
+        print(f"| direct | {level} | {statistics.median(rates['direct']):,.0f} | - | |")
         for router in routers:
-            before = cpu_seconds(router.pid)
-            elapsed = asyncio.run(hammer(router.url, level, total, stream))
-            cpu = cpu_seconds(router.pid) - before
+            spent = costs[router.name]
+            each = ", ".join(f"{cost:.3f}" for cost in spent) if runs > 1 else ""
             print(
-                f"| {router.name} | {level} | {total / elapsed:,.0f} | {cpu / total * 1000:.3f} |",
+                f"| {router.name} | {level} | {statistics.median(rates[router.name]):,.0f} "
+                f"| {statistics.median(spent):.3f} | {each} |",
                 flush=True,
             )
 
@@ -214,6 +235,9 @@ def main() -> None:
     parser.add_argument("--sequential", type=int, default=500)
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument(
+        "--runs", type=int, default=1, help="rounds under concurrency; medians are printed"
+    )
     parser.add_argument("--peers", default="", help=f"comma-separated: {', '.join(PEERS)}")
     parser.add_argument(
         "--workers",
@@ -252,8 +276,10 @@ def main() -> None:
             print(f"# python {sys.version.split()[0]}, {os.cpu_count()} cores, no emulated delays")
             sequential_table(replica.url, routers, args.sequential)
             levels = [int(level) for level in args.concurrency.split(",")]
-            concurrency_table(replica.url, routers, levels, args.requests, stream=False)
-            concurrency_table(replica.url, routers, levels, args.requests, stream=True)
+            for stream in (False, True):
+                concurrency_table(
+                    replica.url, routers, levels, args.requests, stream, args.runs
+                )
         finally:
             for peer in peers:
                 peer.stop()

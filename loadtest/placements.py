@@ -45,7 +45,7 @@ from gateway.replay.simulator import ReplayConfig, run_replay
 from gateway.replay.synthetic import synthetic_trace
 from gateway.replay.traces import Trace
 from gateway.routing.policies import Decision, Policy, Route, RoutingState
-from gateway.routing.policy import PrefixPolicy
+from gateway.routing.prefix_policy import PrefixPolicy
 
 REPLICAS = 4
 MODELLED_PEER = "cache_aware (model)"

@@ -13,7 +13,7 @@ from gateway.config import Settings
 from gateway.metrics import Metrics
 from gateway.prompt.parsing import Endpoint, parse_request
 from gateway.proxy.usage import Observation
-from gateway.routing.feedback import Agreement, ChainLinks, chars_per_token, judge
+from gateway.routing.feedback import ChainLinks, ReportedDepth, chars_per_token, judge
 from gateway.routing.placement import Placement
 from gateway.routing.policies import build_policy
 from gateway.routing.recorder import Stores
@@ -33,15 +33,15 @@ def test_chars_per_token_is_the_requests_own_unless_unreported() -> None:
 @pytest.mark.parametrize(
     ("cached", "outcome", "first_missing"),
     [
-        (160, Agreement.CONFIRMED, 10),  # exactly the prediction
-        (137, Agreement.CONFIRMED, 10),  # short by less than the tolerance (24)
-        (135, Agreement.SHALLOWER, 9),  # 135 + 24 tokens reach into block 9
-        (0, Agreement.SHALLOWER, 1),  # 24 tokens = 96 characters: block 1
-        (185, Agreement.DEEPER, 10),
+        (160, ReportedDepth.CONFIRMED, 10),  # exactly the prediction
+        (137, ReportedDepth.CONFIRMED, 10),  # short by less than the tolerance (24)
+        (135, ReportedDepth.SHALLOWER, 9),  # 135 + 24 tokens reach into block 9
+        (0, ReportedDepth.SHALLOWER, 1),  # 24 tokens = 96 characters: block 1
+        (185, ReportedDepth.DEEPER, 10),
     ],
 )
 def test_judge_compares_within_the_tolerance(
-    cached: int, outcome: Agreement, first_missing: int
+    cached: int, outcome: ReportedDepth, first_missing: int
 ) -> None:
     # 10 blocks of 64 characters at 4 characters per token: 160 tokens predicted.
     verdict = judge(10, cached, 4.0, 64, 24)
@@ -51,19 +51,19 @@ def test_judge_compares_within_the_tolerance(
 
 def test_judge_allows_a_share_of_the_prediction() -> None:
     # 100 blocks = 1,600 tokens; 10 % of that widens the tolerance to 184 tokens.
-    assert judge(100, 1420, 4.0, 64, 24, 0.1).outcome is Agreement.CONFIRMED
-    assert judge(100, 1410, 4.0, 64, 24, 0.1).outcome is Agreement.SHALLOWER
-    assert judge(100, 1410, 4.0, 64, 24).outcome is Agreement.SHALLOWER
+    assert judge(100, 1420, 4.0, 64, 24, 0.1).outcome is ReportedDepth.CONFIRMED
+    assert judge(100, 1410, 4.0, 64, 24, 0.1).outcome is ReportedDepth.SHALLOWER
+    assert judge(100, 1410, 4.0, 64, 24).outcome is ReportedDepth.SHALLOWER
 
 
 def test_judge_never_blames_an_unpredicted_or_unreached_block() -> None:
-    assert judge(0, 0, 4.0, 64, 24).outcome is Agreement.CONFIRMED
+    assert judge(0, 0, 4.0, 64, 24).outcome is ReportedDepth.CONFIRMED
     # The tolerance alone reaches past the prediction (16 tokens): nothing surely missing.
-    assert judge(1, 0, 4.0, 64, 24).outcome is Agreement.CONFIRMED
-    assert judge(2, 0, 4.0, 64, 24).outcome is Agreement.SHALLOWER
+    assert judge(1, 0, 4.0, 64, 24).outcome is ReportedDepth.CONFIRMED
+    assert judge(2, 0, 4.0, 64, 24).outcome is ReportedDepth.SHALLOWER
     # A ratio that puts the reach beyond the last predicted block still names one inside.
     shallow = judge(3, 0, 30.0, 64, 1)
-    assert shallow.outcome is Agreement.SHALLOWER and shallow.first_missing == 0
+    assert shallow.outcome is ReportedDepth.SHALLOWER and shallow.first_missing == 0
     assert judge(12, 0, 2.0, 64, 24).first_missing == 0
     assert judge(12, 64, 8.0, 64, 0).first_missing == 8
 
@@ -286,7 +286,7 @@ def test_batches_and_unreported_usage_are_left_alone() -> None:
     harness.answered(batch, Observation(600, 0))
     single = harness.route([{"role": "user", "content": words(300, "fb3")}])
     harness.answered(single, Observation(300, None))
-    for outcome in Agreement:
+    for outcome in ReportedDepth:
         assert harness.counted(outcome.value) == 0
 
 

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from gateway.backends.pool import Backend, BackendPool
-from gateway.backends.shared_load import FleetCounts, own_counts
+from gateway.backends.shared_load import FleetLoad, own_counts
 from gateway.clock import ManualClock
 from gateway.config import Settings
 from gateway.emulator.replicas import EmulatedReplicas
@@ -169,13 +169,13 @@ def test_the_exchange_carries_pending_prefill_and_recent_requests() -> None:
     line = own_counts(pool, {"a:1": 3.5, "b:1": 1.25}, 4.75)
     assert line == "a:1 2\n~a:1 40 3.500\n~b:1 0 1.250\n~ 4.750\n"
     other = "~a:1 10 1.000\n~ 1.000\n"
-    counts = FleetCounts([f"123\n{line}".encode(), f"124\n{other}".encode()])
+    counts = FleetLoad([f"123\n{line}".encode(), f"124\n{other}".encode()])
     assert counts.in_flight == {"a:1": 2}
     assert counts.pending_prefill == {"a:1": 50, "b:1": 0}
     assert counts.recent == {"a:1": 4.5, "b:1": 1.25}
     assert counts.prompts == 5.75
     # A gateway that reads in-flight lines alone: every traffic line carries a decimal point.
-    assert FleetCounts([b"1\nc:1 3\n~c:1 0 0.500\n"]).in_flight == {"c:1": 3}
+    assert FleetLoad([b"1\nc:1 3\n~c:1 0 0.500\n"]).in_flight == {"c:1": 3}
 
 
 def test_the_fleets_counts_decay_like_the_gateways_own() -> None:

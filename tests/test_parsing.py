@@ -5,7 +5,7 @@ import pytest
 
 from gateway.errors import BadRequest
 from gateway.prompt.canonical import message_segment
-from gateway.prompt.parsing import Endpoint, Limits, parse_request, session_hash
+from gateway.prompt.parsing import BodyLimits, Endpoint, parse_request, session_hash
 
 
 def chat(**fields: object) -> bytes:
@@ -76,7 +76,7 @@ def test_session_key_sources_are_kept_as_hashes() -> None:
 
 
 def test_limits_refuse_before_parsing() -> None:
-    limits = Limits(depth=8, values=100, messages=3, prompts=4, session_key_bytes=10)
+    limits = BodyLimits(depth=8, values=100, messages=3, prompts=4, session_key_bytes=10)
     many = [{"role": "user", "content": "q"}] * 4
     deep = {"model": "m", "prompt": "x", "extra": [[[[[[[[[1]]]]]]]]]}
     cases = [
@@ -199,7 +199,7 @@ def test_responses_bodies_are_checked() -> None:
         responses(input=[{}] * 5),
     ):
         with pytest.raises(BadRequest):
-            parse_request(Endpoint.RESPONSES, bad, None, limits=Limits(messages=4))
+            parse_request(Endpoint.RESPONSES, bad, None, limits=BodyLimits(messages=4))
 
 
 def test_model_only_endpoints_carry_no_prompt() -> None:

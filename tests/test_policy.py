@@ -16,7 +16,7 @@ from gateway.clock import ManualClock
 from gateway.config import ConfigError, Settings
 from gateway.prompt.hashing import key_hash
 from gateway.routing.policies import POLICIES, Route, RoutingState, build_policy
-from gateway.routing.policy import Allowance, PrefixPolicy, eligible
+from gateway.routing.prefix_policy import Allowance, PrefixPolicy, eligible
 from gateway.routing.ring import HashRing, load_bound
 from gateway.routing.traffic import RecentTraffic, Traffic
 

@@ -96,7 +96,7 @@ def own_counts(
     return "".join(lines) + "".join(traffic) + f"~ {prompts:.3f}\n"
 
 
-class FleetCounts:
+class FleetLoad:
     """The other gateways' lines, summed per backend."""
 
     def __init__(self, values: list[bytes]) -> None:
@@ -125,10 +125,6 @@ class FleetCounts:
         except ValueError:
             return
 
-
-def parse_counts(values: list[bytes]) -> dict[str, int]:
-    """The other gateways' requests in flight, summed per backend."""
-    return FleetCounts(values).in_flight
 
 
 class SharedLoad:
@@ -180,12 +176,12 @@ class SharedLoad:
                 ),
             )
         except RedisUnavailable:
-            self._apply(FleetCounts([]))
+            self._apply(FleetLoad([]))
             return
         self.exchanged_at = time.monotonic()
-        self._apply(FleetCounts(list(reply)))
+        self._apply(FleetLoad(list(reply)))
 
-    def _apply(self, others: FleetCounts) -> None:
+    def _apply(self, others: FleetLoad) -> None:
         self._engine_load.set_fleet(others.in_flight)
         for backend in self._pool.backends:
             backend.fleet_prefill_reported(others.pending_prefill.get(backend.name, 0))

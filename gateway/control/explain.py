@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from gateway.components import Components
 from gateway.control.access import AdminRoute, Guard
 from gateway.errors import BadRequest
-from gateway.prompt.parsing import ENDPOINTS, Endpoint, Limits, parse_request
+from gateway.prompt.parsing import ENDPOINTS, BodyLimits, Endpoint, parse_request
 from gateway.routing.placement import Placement
 from gateway.routing.policies import Route
 from gateway.routing.router import Explanation
@@ -84,7 +84,7 @@ def build_explain_router(components: Components, guard: Guard) -> APIRouter:
             request.headers.get("x-session-id"),
             settings.default_model,
             settings.session_from_user,
-            Limits.of(settings),
+            BodyLimits.of(settings),
             tokenizer=components.router.tokenizer,
         )
         explanation = await components.router.explain(parsed)

@@ -11,6 +11,14 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, MutableMapping, Sequence
 from typing import Any, TypeVar
 
+from gateway.emulator.bodies import (
+    DONE,
+    Envelope,
+    Usage,
+    embeddings_body,
+    models_body,
+    tokenize_body,
+)
 from gateway.emulator.config import EmulatorConfig
 from gateway.emulator.engine import Engine
 from gateway.emulator.errors import (
@@ -29,14 +37,6 @@ from gateway.emulator.protocol import (
     parse_completion,
     parse_embedding,
     parse_tokenize,
-)
-from gateway.emulator.responses import (
-    DONE,
-    Envelope,
-    Usage,
-    embeddings_body,
-    models_body,
-    tokenize_body,
 )
 from gateway.emulator.responses_api import ResponsesAPI
 from gateway.emulator.sampler import Sampler

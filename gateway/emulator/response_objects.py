@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from gateway.emulator.responses import Usage
+from gateway.emulator.bodies import Usage
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 
+from gateway.emulator.bodies import Usage
 from gateway.emulator.config import EmulatorConfig
 from gateway.emulator.engine import Engine
 from gateway.emulator.errors import InvalidRequest, InvalidResponseRequest, ResponseNotFound
@@ -28,7 +29,6 @@ from gateway.emulator.response_objects import (
     function_call_item,
     message_item,
 )
-from gateway.emulator.responses import Usage
 
 STORED_MAX = 4096
 """Responses kept at most (vLLM keeps every one; a bound keeps long runs of tests flat)."""

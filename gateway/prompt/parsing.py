@@ -22,7 +22,7 @@ from gateway.prompt.canonical import (
     tools_block,
 )
 from gateway.prompt.hashing import key_hash
-from gateway.prompt.responses import chat_messages, checked_response_id, responses_canonical
+from gateway.prompt.responses_api import chat_messages, checked_response_id, responses_canonical
 from gateway.prompt.tokens import TOKEN_BYTES, EngineTokenizer, pack
 
 
@@ -64,7 +64,7 @@ ENDPOINTS = {endpoint.value: endpoint for endpoint in Endpoint}
 
 
 @dataclass(frozen=True, slots=True)
-class Limits:
+class BodyLimits:
     """What one request body may hold; past any of these it is refused with a 400."""
 
     depth: int = 64
@@ -78,7 +78,7 @@ class Limits:
     session_key_bytes: int = 512
 
     @classmethod
-    def of(cls, settings: Settings) -> Limits:
+    def of(cls, settings: Settings) -> BodyLimits:
         return cls(
             settings.max_json_depth,
             settings.max_json_values,
@@ -135,7 +135,7 @@ def parse_request(
     session_header: str | None,
     default_model: str = "",
     session_from_user: bool = False,
-    limits: Limits = Limits(),
+    limits: BodyLimits = BodyLimits(),
     tenant: str | None = None,
     tokenizer: EngineTokenizer | None = None,
 ) -> RoutingInput:
@@ -275,7 +275,7 @@ def _session_key(
     payload: dict[str, Any],
     header: str | None,
     from_user: bool,
-    limits: Limits,
+    limits: BodyLimits,
     tenant: str | None,
 ) -> str | None:
     key = header or None

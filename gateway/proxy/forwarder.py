@@ -22,7 +22,7 @@ from gateway.proxy.deadlines import Interrupted, Why, client_error
 from gateway.proxy.forwarding import Forwarding
 from gateway.proxy.http1 import Response
 from gateway.proxy.prefills import Prefills
-from gateway.proxy.relay import Limits, Relay, Relayed
+from gateway.proxy.relay import Relay, Relayed, Timeouts
 from gateway.proxy.rewrite import request_usage, with_cache_salt
 from gateway.proxy.upstream import Upstream, UpstreamError, interrupted, response_headers
 from gateway.routing.types import Decision, Outcome
@@ -46,7 +46,7 @@ class Forwarder:
         self.upstream = upstream
         self._health = health
         self._metrics = metrics
-        self._limits = Limits.of(settings)
+        self._limits = Timeouts.of(settings)
         self._relay = Relay(metrics, self._limits)
         self._prefills = prefills if prefills.max_wait > 0 else None
         self._max_attempts = settings.max_attempts

@@ -22,13 +22,13 @@ from gateway.errors import GatewayError
 from gateway.metrics import Metrics
 from gateway.prompt.parsing import (
     ENDPOINTS,
-    Limits,
+    BodyLimits,
     RoutingInput,
     parse_request,
     session_hash,
     stored_response_request,
 )
-from gateway.prompt.responses import response_target
+from gateway.prompt.responses_api import response_target
 from gateway.proxy.access_log import AccessLog
 from gateway.proxy.admission import Admission, PendingBodies
 from gateway.proxy.asgi import Receive, Scope, Send, header, read_body, too_many_pending_bodies
@@ -74,7 +74,7 @@ class ProxyHandler:
         self._metrics = metrics
         self._access_log = AccessLog(settings)
         self._request_ids = RequestIds()
-        self._limits = Limits.of(settings)
+        self._limits = BodyLimits.of(settings)
         self._pending = PendingBodies(settings.max_pending_body_bytes)
         self._tokenizing = (
             None

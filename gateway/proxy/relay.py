@@ -36,20 +36,20 @@ _LAST_EVENT = re.compile(rb"\[DONE\]|response\.(?:completed|incomplete|failed)")
 
 
 @dataclass(frozen=True, slots=True)
-class Limits:
+class Timeouts:
     first_byte: float
     idle: float
     total: float
 
     @classmethod
-    def of(cls, settings: Settings) -> Limits:
+    def of(cls, settings: Settings) -> Timeouts:
         return cls(
             settings.first_byte_timeout, settings.stream_idle_timeout, settings.request_timeout
         )
 
 
 class Relay:
-    def __init__(self, metrics: Metrics, limits: Limits) -> None:
+    def __init__(self, metrics: Metrics, limits: Timeouts) -> None:
         self._metrics = metrics
         self._limits = limits
 

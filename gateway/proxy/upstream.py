@@ -20,8 +20,6 @@ from gateway.proxy.deadlines import Why, client_error
 from gateway.proxy.http1 import ConnectionPool, HTTPClientError, Response
 from gateway.refusals import refused
 
-UpstreamResponse = Response
-
 HOP_BY_HOP = frozenset(
     {
         b"connection",
@@ -163,7 +161,7 @@ class Upstream:
         headers: list[tuple[bytes, bytes]],
         credentials: bool,
         method: bytes = b"POST",
-    ) -> UpstreamResponse:
+    ) -> Response:
         """POST `body` unchanged (or send it with `method`) and return once the response
         headers have arrived; `credentials`: the replica is one the operator configured or
         discovery found, and gets the gateway's upstream key."""

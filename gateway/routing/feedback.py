@@ -37,7 +37,7 @@ _LINKS_MAX = 1 << 18  # blocks ChainLinks remembers: bounds its memory (docs/rou
 _PRUNE_MAX = 4096  # blocks one report may prune: bounds the work after one response
 
 
-class Agreement(Enum):
+class ReportedDepth(Enum):
     CONFIRMED = "confirmed"
     SHALLOWER = "shallower"
     DEEPER = "deeper"
@@ -45,7 +45,7 @@ class Agreement(Enum):
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    outcome: Agreement
+    outcome: ReportedDepth
     predicted_tokens: float
     first_missing: int
     """The first index block surely not cached on the replica when the request arrived."""
@@ -75,9 +75,9 @@ def judge(
         # first one surely missing.
         reached = (cached_tokens + tolerance_tokens) * ratio
         first_missing = min(predicted_blocks - 1, math.floor(reached / block_chars))
-        return Verdict(Agreement.SHALLOWER, predicted, first_missing)
+        return Verdict(ReportedDepth.SHALLOWER, predicted, first_missing)
     deeper = cached_tokens > predicted + tolerance_tokens
-    outcome = Agreement.DEEPER if deeper else Agreement.CONFIRMED
+    outcome = ReportedDepth.DEEPER if deeper else ReportedDepth.CONFIRMED
     return Verdict(outcome, predicted, predicted_blocks)
 
 
@@ -248,7 +248,7 @@ class CacheFeedback:
         metrics.child(metrics.index_feedback_gap_tokens, model).observe(
             verdict.predicted_tokens - cached_tokens
         )
-        if verdict.outcome is Agreement.SHALLOWER:
+        if verdict.outcome is ReportedDepth.SHALLOWER:
             pruned = 0
             # Only chains whose requests had ended before this one was sent: one still being
             # computed then (a burst sharing a new prefix) was not evicted, just not there yet.

@@ -12,7 +12,7 @@ from gateway.routing.baselines import (
     RandomPolicy,
     RoundRobinPolicy,
 )
-from gateway.routing.policy import PrefixPolicy
+from gateway.routing.prefix_policy import PrefixPolicy
 from gateway.routing.types import Decision, Policy, Route, RoutingState
 
 PolicyFactory = Callable[[Settings, random.Random], Policy]

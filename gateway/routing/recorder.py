@@ -27,7 +27,7 @@ from gateway.routing.conversations import (
 )
 from gateway.routing.feedback import CacheFeedback
 from gateway.routing.placement import CONVERSATIONS, Placement
-from gateway.routing.responses import ResponseHolders
+from gateway.routing.stored_responses import ResponseHolders
 from gateway.routing.traffic import Traffic, cold_prompt
 from gateway.routing.types import Outcome
 from gateway.state.agreement import Agreement

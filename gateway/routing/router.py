@@ -23,8 +23,8 @@ from gateway.routing.conversations import Turn, fingerprint
 from gateway.routing.observer import RoutingObserver
 from gateway.routing.placement import CONVERSATIONS, Placement
 from gateway.routing.recorder import Recorder, Stores, chain_seed
-from gateway.routing.responses import not_found
 from gateway.routing.ring import load_bound
+from gateway.routing.stored_responses import not_found
 from gateway.routing.traffic import cold_prompt
 from gateway.routing.types import Decision, Policy, Route, RoutingState
 from gateway.state.agreement import FleetView

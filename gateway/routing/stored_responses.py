@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from gateway.backends.pool import Backend, BackendPool
 from gateway.errors import NotFound
-from gateway.prompt.responses import response_key
+from gateway.prompt.responses_api import response_key
 from gateway.state.sessions import SessionStore
 
 
