@@ -26,6 +26,7 @@ from gateway.config import Settings
 from gateway.control.gauges import publish_scrape_gauges
 from gateway.errors import GatewayError
 from gateway.proxy.access_log import flush_access_log
+from gateway.proxy.deadlines import WATCHED_EXCHANGE, Exchange, Why
 from gateway.refusals import CLOSE, answer_head, count_refusal, phrase, refused
 
 log = logging.getLogger("gateway.server")
@@ -204,7 +205,16 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._head_since = 0.0
+        self.scope[WATCHED_EXCHANGE] = None  # type: ignore[literal-required]
         super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        cycle = self.cycle
+        super().connection_lost(exc)
+        if cycle is not None and not cycle.response_complete:
+            exchange = cycle.scope.get(WATCHED_EXCHANGE)
+            if isinstance(exchange, Exchange):
+                exchange.interrupt(Why.DISCONNECTED)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

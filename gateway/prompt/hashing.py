@@ -41,3 +41,9 @@ def extend_hashes(
 def key_hash(data: bytes | str) -> int:
     """A 64-bit hash for affinity keys and session keys."""
     return _hash(data.encode() if isinstance(data, str) else data)
+
+
+def chain_seed(cache_salt: str | None) -> int:
+    """Where a prompt's chain starts: as in the engine, a salted prompt (a tenant's, or a
+    client's own `cache_salt`) shares no block with the same prompt under another salt."""
+    return 0 if cache_salt is None else key_hash(cache_salt)

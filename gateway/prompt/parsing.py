@@ -88,7 +88,7 @@ class BodyLimits:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RoutingInput:
     endpoint: Endpoint
     model: str

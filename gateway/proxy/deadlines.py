@@ -55,6 +55,12 @@ def client_error(why: Why | None, seconds: float = 0.0) -> GatewayError | None:
     return None if code is None else refused(code, seconds)
 
 
+WATCHED_EXCHANGE = "gateway.watched_exchange"
+"""A scope key the server sets (to None) on every request of a connection it watches: from the
+moment the handler stores the request's `Exchange` there, losing the connection interrupts it.
+Without the key, the handler listens for the client's disconnect with a task of its own."""
+
+
 class Interrupted(Exception):
     def __init__(self, why: Why) -> None:
         super().__init__(why.value)
@@ -91,7 +97,8 @@ class Exchange:
         return _Guard(self)
 
     async def watch_client(self, receive: Receive) -> None:
-        """Interrupt as soon as the client disconnects (run once the body was read)."""
+        """Interrupt as soon as the client disconnects (run once the body was read), where
+        the server does not watch the connection itself (`WATCHED_EXCHANGE`)."""
         message = await receive()
         if message["type"] == "http.disconnect":
             self.interrupt(Why.DISCONNECTED)

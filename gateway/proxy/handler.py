@@ -32,7 +32,14 @@ from gateway.prompt.responses_api import response_target
 from gateway.proxy.access_log import AccessLog
 from gateway.proxy.admission import Admission, PendingBodies
 from gateway.proxy.asgi import Receive, Scope, Send, header, read_body, too_many_pending_bodies
-from gateway.proxy.deadlines import DeadlineWatch, Exchange, Interrupted, Why, client_error
+from gateway.proxy.deadlines import (
+    WATCHED_EXCHANGE,
+    DeadlineWatch,
+    Exchange,
+    Interrupted,
+    Why,
+    client_error,
+)
 from gateway.proxy.forwarder import Forwarder
 from gateway.proxy.forwarding import Forwarding
 from gateway.proxy.reply import Headers, Reply
@@ -215,11 +222,16 @@ class ProxyHandler:
             path,
         )
         began = time.perf_counter()
-        watcher = asyncio.create_task(exchange.watch_client(receive))
-        try:
+        if WATCHED_EXCHANGE in scope:
+            # The server interrupts it when the connection is lost: no task per request.
+            scope[WATCHED_EXCHANGE] = exchange
             outcome = await self._forwarder.forward(forwarding)
-        finally:
-            watcher.cancel()
+        else:
+            watcher = asyncio.create_task(exchange.watch_client(receive))
+            try:
+                outcome = await self._forwarder.forward(forwarding)
+            finally:
+                watcher.cancel()
         self._access_log.answered(placement, outcome, request_id, began)
         await placement.settle(outcome)
 

@@ -5,6 +5,8 @@ counted as a refusal (`gateway/refusals.py`); one it can no longer tell is not.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+
 from gateway.errors import GatewayError, sse_error
 from gateway.metrics import Metrics
 from gateway.proxy.asgi import Send, send_error
@@ -14,15 +16,15 @@ Headers = list[tuple[bytes, bytes]]
 
 
 class Reply:
-    __slots__ = ("_cut", "_metrics", "_send", "begun", "streaming")
+    __slots__ = ("_last", "_metrics", "_send", "begun", "streaming")
 
     def __init__(self, send: Send, metrics: Metrics) -> None:
         self._send = send
         self._metrics = metrics
         self.begun = False
         self.streaming = False
-        self._cut = False
-        """The last chunk sent ended inside an event (no blank line after it)."""
+        self._last = b""
+        """The last chunk of the stream sent."""
 
     async def whole(self, status: int, headers: Headers, body: bytes) -> None:
         headers.append((b"content-length", str(len(body)).encode()))
@@ -34,10 +36,11 @@ class Reply:
         self.begun = self.streaming = True
         await self._send({"type": "http.response.start", "status": 200, "headers": headers})
 
-    async def chunk(self, data: bytes) -> None:
-        """Send a non-empty chunk of the stream."""
-        self._cut = not data.endswith((b"\n\n", b"\r\n\r\n"))
-        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+    def chunk(self, data: bytes) -> Awaitable[None]:
+        """Send a non-empty chunk of the stream, once awaited. Not a coroutine of its own: it
+        runs once per chunk of every stream."""
+        self._last = data
+        return self._send({"type": "http.response.body", "body": data, "more_body": True})
 
     async def end(self, data: bytes = b"") -> None:
         await self._send({"type": "http.response.body", "body": data})
@@ -51,5 +54,7 @@ class Reply:
         elif self.streaming:
             count_refusal(self._metrics, error)
             # An event cut in the middle is closed first, so that the error is one of its own.
-            tail = b"\n\n" + sse_error(error) if self._cut else sse_error(error)
+            last = self._last
+            cut = bool(last) and not last.endswith((b"\n\n", b"\r\n\r\n"))
+            tail = b"\n\n" + sse_error(error) if cut else sse_error(error)
             await self.end(tail)

@@ -60,7 +60,7 @@ class AffinityMiss(Enum):
     """The previous replica was tried for this request and failed before its first byte."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Fingerprint:
     hashes: bytes
     """One 64-bit hash per message, packed."""

@@ -43,7 +43,7 @@ class ReportedDepth(Enum):
     DEEPER = "deeper"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Verdict:
     outcome: ReportedDepth
     predicted_tokens: float
@@ -158,6 +158,8 @@ class ChainLinks:
             if known is None or known == ():
                 continue
             on_path = hashes[depth + 1] if depth + 1 < len(hashes) else None
+            if known == on_path:  # the usual link: only the chain itself goes on from here
+                continue
             children = (known,) if isinstance(known, int) else known
             # A child whose own entry was dropped is no more recent than its parent.
             parent_added = added_at[hashes[depth]]

@@ -15,7 +15,7 @@ from gateway.clock import Clock
 from gateway.config import Settings
 from gateway.metrics import Metrics
 from gateway.prompt.canonical import message_segment
-from gateway.prompt.hashing import extend_hashes, key_hash
+from gateway.prompt.hashing import chain_seed, extend_hashes
 from gateway.prompt.parsing import Endpoint, RoutingInput
 from gateway.prompt.tokens import TOKEN_BYTES, EngineTokenizer
 from gateway.routing.conversations import (
@@ -221,13 +221,7 @@ class Recorder:
             history = hashed + ids
         else:
             history = hashed + message_segment("assistant", answer)
-        seed = chain_seed(request)
+        seed = chain_seed(request.cache_salt)
         chain = extend_hashes(placement.chain, history, block, seed, self._max_blocks)
         # An answer too short to complete a block adds nothing routing did not record.
         return chain if len(chain) > len(placement.chain) else placement.chain
-
-
-def chain_seed(request: RoutingInput) -> int:
-    """Where a request's chain starts: as in the engine, a salted prompt (a tenant's, or a
-    client's own `cache_salt`) shares no block with the same prompt under another salt."""
-    return 0 if request.cache_salt is None else key_hash(request.cache_salt)

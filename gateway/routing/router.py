@@ -15,14 +15,14 @@ from gateway.clock import Clock, monotonic
 from gateway.config import Settings
 from gateway.errors import NoHealthyBackend, NotFound
 from gateway.metrics import Metrics
-from gateway.prompt.hashing import chain_hashes, key_hash
+from gateway.prompt.hashing import chain_hashes, chain_seed, key_hash
 from gateway.prompt.parsing import Endpoint, RoutingInput
 from gateway.prompt.tokens import EngineTokenizer
 from gateway.routing.baselines import LeastLoadedInTurnPolicy
 from gateway.routing.conversations import Turn, fingerprint
 from gateway.routing.observer import RoutingObserver
 from gateway.routing.placement import CONVERSATIONS, Placement
-from gateway.routing.recorder import Recorder, Stores, chain_seed
+from gateway.routing.recorder import Recorder, Stores
 from gateway.routing.ring import load_bound
 from gateway.routing.stored_responses import not_found
 from gateway.routing.traffic import cold_prompt
@@ -103,7 +103,7 @@ class Router:
             decision = self._by_model.choose(state)
             return Placement(request, [], decision, serving, state, self._by_model)
         hashed, block = request.hashed(self._block_chars, self._block_tokens)
-        chain = chain_hashes(hashed, block, chain_seed(request), limit=self._max_blocks)
+        chain = chain_hashes(hashed, block, chain_seed(request.cache_salt), limit=self._max_blocks)
         private_from = request.distinct_from // self._block_chars
         if request.tokens is not None and request.canonical:
             # Where the first user message begins, in tokens, at the prompt's own ratio.

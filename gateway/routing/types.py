@@ -26,7 +26,9 @@ class Route(Enum):
     RANDOM = "random"
 
 
-@dataclass(frozen=True, slots=True)
+# The values made for every request are not frozen: a frozen dataclass's `__init__` costs
+# several times a plain one's (one `object.__setattr__` per field). Nothing writes them.
+@dataclass(slots=True)
 class RoutingState:
     candidates: Sequence[str]
     """Healthy backends serving the model, not yet tried for this request."""
@@ -71,7 +73,7 @@ class RoutingState:
         return sum(loads.get(name, 0) for name in self.candidates)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Decision:
     backend: str
     route: Route
@@ -85,7 +87,7 @@ class Policy(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Outcome:
     """What came back for a routed request, from the attempt that gave the client its answer."""
 
