@@ -5,10 +5,20 @@ their pending prefill, as mappings the policy reads without anyone filling them.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:  # the pool builds these views: it cannot be imported from here at run time
-    from gateway.backends.pool import Backend
+
+class Counted(Protocol):
+    """What the views read of a backend (`gateway.backends.pool.Backend`, which builds them)."""
+
+    @property
+    def load(self) -> int: ...
+
+    @property
+    def pending_prefill(self) -> int: ...
+
+    @property
+    def fleet_pending_prefill(self) -> int: ...
 
 
 class _PerBackend(Mapping[str, int]):
@@ -17,7 +27,7 @@ class _PerBackend(Mapping[str, int]):
 
     __slots__ = ("_by_name",)
 
-    def __init__(self, by_name: dict[str, Backend]) -> None:
+    def __init__(self, by_name: Mapping[str, Counted]) -> None:
         self._by_name = by_name
 
     def __contains__(self, name: object) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from gateway.backends.pool import Backend, ModelPool
 from gateway.prompt.parsing import Endpoint, RoutingInput
@@ -18,12 +18,31 @@ from gateway.routing.conversations import Turn
 from gateway.routing.types import Decision, Outcome, Policy, Route, RoutingState
 from gateway.state.agreement import FleetView
 
-if TYPE_CHECKING:
-    from gateway.routing.observer import RoutingObserver
-    from gateway.routing.recorder import Recorder
-
 CONVERSATIONS = frozenset({Endpoint.CHAT, Endpoint.RESPONSES})
 """Endpoints whose prompts are messages, each turn extending the last with its answer."""
+
+
+class Recorder(Protocol):
+    """Where a placement is recorded for the requests after it (`gateway.routing.recorder`)."""
+
+    async def placed(self, placement: Placement) -> Turn | None: ...
+
+    async def response_stored(self, response_id: str, tenant: str | None, backend: str) -> None:
+        ...
+
+    async def answer_complete(
+        self, placement: Placement, backend: str, answer: str, completion_tokens: int | None
+    ) -> list[int] | None: ...
+
+    async def settled(self, placement: Placement, outcome: Outcome) -> None: ...
+
+
+class Observer(Protocol):
+    """Who counts a placement and its outcome (`gateway.routing.observer`)."""
+
+    def placed(self, placement: Placement, seconds: float) -> None: ...
+
+    def settled(self, placement: Placement, outcome: Outcome) -> None: ...
 
 
 class Placement:
@@ -79,10 +98,10 @@ class Placement:
         """The request's place in its conversation (chat, or any request with a session key)."""
         self._policy = policy
         self._recorder: Recorder | None = None
-        self._observer: RoutingObserver | None = None
+        self._observer: Observer | None = None
         self._answered: list[int] | None = None
 
-    async def commit(self, recorder: Recorder, observer: RoutingObserver, seconds: float) -> None:
+    async def commit(self, recorder: Recorder, observer: Observer, seconds: float) -> None:
         """Record the placement for the requests after it; from now on it can be settled."""
         self._recorder, self._observer = recorder, observer
         self.turn = await recorder.placed(self)
