@@ -6,12 +6,18 @@ overlays as kustomize builds them (tests/test_deploy_k8s.py renders and validate
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis as redis_client
 
+from gateway.processes import free_port
 from tests.test_deploy_k8s import (
     K8S,
     OVERLAYS,
@@ -167,3 +173,50 @@ def test_the_gateways_metrics_are_admitted_from_the_monitoring_namespace() -> No
     for peer in peers:
         if "namespaceSelector" in peer:
             assert peer["namespaceSelector"].get("matchLabels"), f"every namespace: {peer}"
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+def test_the_shipped_redis_command_refuses_clients_without_the_password(tmp_path: Path) -> None:
+    """The manifest's own start script, run with a real redis-server on a loopback port."""
+    documents = render(K8S / "base")
+    (redis,) = pod_spec(by_kind(documents, "StatefulSet")["redis"])["containers"]
+    assert redis["command"] == ["sh", "-c"]
+    port = free_port()
+    script = redis["args"][0].replace("/conf/", f"{tmp_path}/") + f" --port {port} --bind 127.0.0.1"
+    password = "0123abcd" * 4
+    environment = {**os.environ, "REDIS_PASSWORD": password}
+    with subprocess.Popen(["sh", "-c", script], env=environment, cwd=tmp_path) as server:
+        try:
+            url = pod_spec(gateway_of(documents))["containers"][0]["env"]
+            template = next(item["value"] for item in url if item["name"] == "GATEWAY_REDIS_URL")
+            address = template.replace("$(REDIS_PASSWORD)", password).replace(
+                "@redis:", "@127.0.0.1:"
+            )
+            address = address.replace(":6379/", f":{port}/")
+
+            def ping(authenticated: str) -> str:
+                client = redis_client.Redis.from_url(authenticated, socket_timeout=5)
+                try:
+                    return str(client.ping())
+                except (redis_client.AuthenticationError, redis_client.ResponseError) as error:
+                    return str(error)
+                except redis_client.ConnectionError:
+                    return "not listening yet"
+                finally:
+                    client.close()
+
+            deadline = time.monotonic() + 30
+            while ping(address) != "True":
+                assert time.monotonic() < deadline, "redis never answered the gateway's URL"
+                assert server.poll() is None, "redis-server exited"
+                time.sleep(0.1)
+            assert "Authentication required" in ping(f"redis://127.0.0.1:{port}/0")
+            assert password not in " ".join(open_command_line(server.pid))
+        finally:
+            server.terminate()
+            server.wait(10)
+
+
+def open_command_line(pid: int) -> list[str]:
+    """What `ps` shows of the process `pid`."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
