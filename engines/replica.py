@@ -209,6 +209,16 @@ class VLLMReplica:
             self.spawn()
         raise AssertionError("unreachable")
 
+    def restart(self) -> Self:
+        """Stop, then start again on the same port, with the same arguments (the same KV-event
+        endpoint): what a supervisor restarting a crashed engine does."""
+        self.stop()
+        fixed, self._fixed_port = self._fixed_port, True
+        try:
+            return self.start()
+        finally:
+            self._fixed_port = fixed
+
     def stop(self) -> int | None:
         """SIGTERM to the process group, SIGKILL to what is left after the grace period."""
         process, self._process = self._process, None

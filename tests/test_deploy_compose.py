@@ -23,15 +23,19 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "deploy" / "compose.yaml"
 SETTINGS_VARIABLES = {_env_name(field) for field in dataclasses.fields(Settings)}
 _VARIABLE = re.compile(r"\$\{(?P<name>\w+)(?:(?P<op>:?[-?])(?P<default>[^}]*))?\}")
+REQUIRED = {"GRAFANA_ADMIN_PASSWORD": "set-by-the-operator"}
+"""The variables compose must be given (no default is safe), with stand-ins."""
 
 
 def interpolate(value: Any) -> Any:
-    """Compose's `${NAME}`, `${NAME:-default}` and `${NAME:?error}`, with nothing set."""
+    """Compose's `${NAME}`, `${NAME:-default}` and `${NAME:?error}`, with only `REQUIRED` set."""
     if isinstance(value, str):
 
         def replace(match: re.Match[str]) -> str:
             op = match.group("op") or ""
-            assert "?" not in op, f"{match.group(0)} requires a variable to be set"
+            if "?" in op:
+                assert match.group("name") in REQUIRED, f"{match.group(0)} must be set"
+                return REQUIRED[match.group("name")]
             return match.group("default") or ""
 
         return _VARIABLE.sub(replace, value)
@@ -158,3 +162,14 @@ def test_real_engines_cache_prefixes_and_report_cached_tokens() -> None:
         assert service["profiles"] == ["gpu"]
         (device,) = service["deploy"]["resources"]["reservations"]["devices"]
         assert device["capabilities"] == ["gpu"]
+
+
+def test_grafanas_admin_password_must_be_given_and_has_no_default() -> None:
+    raw = yaml.safe_load(COMPOSE.read_text())["services"]["grafana"]["environment"]
+    password = raw["GF_SECURITY_ADMIN_PASSWORD"]
+    match = _VARIABLE.fullmatch(password)
+    assert match is not None and match.group("op") == ":?", f"a default or a literal: {password}"
+    assert (
+        SERVICES["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"]
+        == REQUIRED[match.group("name")]
+    )

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import kubernetes_validate
 import pytest
@@ -31,6 +33,14 @@ KUBERNETES_VERSIONS = ("1.29.0", "1.37.0")
 CUSTOM_GROUPS = ("monitoring.coreos.com/",)
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
 SETTINGS_VARIABLES = {_env_name(field) for field in dataclasses.fields(Settings)}
+REFERENCE = re.compile(r"\$\((\w+)\)")
+"""Kubernetes expands `$(NAME)` in a variable's value from the variables before it."""
+
+
+def expand(value: str) -> str:
+    """A value as Kubernetes expands it, with every referred secret standing in as `secret`."""
+    return REFERENCE.sub("secret", value)
+
 
 Manifest = dict[str, Any]
 
@@ -41,7 +51,8 @@ def load_documents(path: Path) -> list[Manifest]:
 
 def merge(target: Any, patch: Any) -> Any:
     """A strategic merge as kustomize does it for these manifests: maps merge, lists of named
-    items merge by name, other lists and scalars are replaced."""
+    items merge by name (new items first, as kustomize puts them), other lists and scalars are
+    replaced."""
     if isinstance(target, dict) and isinstance(patch, dict):
         merged = dict(target)
         for key, value in patch.items():
@@ -54,13 +65,14 @@ def merge(target: Any, patch: Any) -> Any:
     )
     if named:
         result = [copy.deepcopy(item) for item in target]
+        added = []
         for item in patch:
             index = next((i for i, old in enumerate(result) if old["name"] == item["name"]), None)
             if index is None:
-                result.append(copy.deepcopy(item))
+                added.append(copy.deepcopy(item))
             else:
                 result[index] = merge(result[index], item)
-        return result
+        return added + result
     return copy.deepcopy(patch)
 
 
@@ -279,7 +291,14 @@ def test_gateway_deployment_is_highly_available_probed_and_locked_down() -> None
     assert spec["terminationGracePeriodSeconds"] > 30, "longer than the gateway's own drain"
     environment = {item["name"]: item for item in container["env"]}
     assert environment["GATEWAY_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"] is True
-    assert set(environment) <= SETTINGS_VARIABLES
+    # Besides settings, only secrets that a setting's value refers to as $(NAME).
+    helpers = set(environment) - SETTINGS_VARIABLES
+    referred = {
+        name for item in container["env"] for name in REFERENCE.findall(item.get("value", ""))
+    }
+    assert helpers <= referred
+    for name in helpers:
+        assert "secretKeyRef" in environment[name]["valueFrom"]
 
 
 def test_disruption_budget_and_autoscaler_keep_two_gateways() -> None:
@@ -330,7 +349,7 @@ def test_gateway_settings_are_real_and_point_at_services_of_the_overlay(overlay:
     assert container["envFrom"] == [{"configMapRef": {"name": config["metadata"]["name"]}}]
     environment = {**config["data"]}
     environment.update(
-        {item["name"]: item["value"] for item in container["env"] if "value" in item}
+        {item["name"]: expand(item["value"]) for item in container["env"] if "value" in item}
     )
     settings = load_settings(environ=environment)
     services = by_kind(documents, "Service")
@@ -340,8 +359,7 @@ def test_gateway_settings_are_real_and_point_at_services_of_the_overlay(overlay:
         assert replicas["spec"]["clusterIP"] == "None", "the replicas' Service is headless"
         assert target.port in {port["name"] for port in replicas["spec"]["ports"]}
         assert target.host == overlay.name
-    redis_host = settings.redis_url.removeprefix("redis://").split(":")[0]
-    assert redis_host in services
+    assert urlsplit(settings.redis_url).hostname in services
     assert settings.port == container["ports"][0]["containerPort"]
 
 

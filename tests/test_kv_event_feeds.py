@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from engines.kv_events import load_sample
-from gateway.backends.kv_events import KVEventFeeds, sources, subscribe_address
+from gateway.backends.kv_events import FeedState, KVEventFeeds, sources, subscribe_address
 from gateway.backends.pool import BackendPool
 from gateway.metrics import Metrics
 
@@ -31,19 +31,11 @@ class Publisher:
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.PUB)
         self.socket.bind(self.endpoint)
-        answer = json.dumps(
-            {
-                "0": {
-                    "enable_kv_cache_events": True,
-                    "publisher": "zmq",
-                    "endpoint": self.endpoint,
-                    "topic": "kv-events",
-                }
-            }
-        ).encode()
+        publisher = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
+                answer = publisher.answer()
                 found = self.path == "/kv_event_sources"
                 self.send_response(200 if found else 404)
                 self.send_header("content-length", str(len(answer) if found else 0))
@@ -57,6 +49,28 @@ class Publisher:
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(target=self.http.serve_forever, daemon=True)
         self.thread.start()
+
+    def answer(self) -> bytes:
+        endpoint = self.endpoint
+        if endpoint.startswith("tcp://127.0.0.1:"):
+            endpoint = "tcp://*:" + endpoint.rpartition(":")[2]  # bound as vLLM binds
+        source = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": endpoint,
+            "topic": "kv-events",
+        }
+        return json.dumps({"0": source}).encode()
+
+    def restart(self, endpoint: str | None = None) -> None:
+        """The engine goes away and comes back, at `endpoint` or where it was."""
+        self.socket.close(0)
+        self.socket = self.context.socket(zmq.PUB)
+        self.socket.bind(endpoint or self.endpoint)
+        self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def stop(self) -> None:
+        self.socket.close(0)
 
     @property
     def url(self) -> str:
@@ -141,6 +155,81 @@ def test_a_feed_follows_the_publisher_then_falls_back_when_it_goes(
                 assert sample("gateway_kv_events_fallbacks_total", reason="missed") == 1
                 assert sample("gateway_kv_events_messages_total") == received + 1
                 assert sample("gateway_kv_events_live") == 0
+            finally:
+                await feeds.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_restarted_publisher_is_followed_afresh_on_its_port_then_on_a_new_one(
+    publisher: Publisher,
+) -> None:
+    frames = load_sample(SAMPLE)
+
+    async def scenario() -> None:
+        pool = BackendPool.from_specs((publisher.url,))
+        name = pool.backends[0].name
+        metrics = Metrics()
+        stored: list[int] = []
+        async with httpx.AsyncClient() as client:
+            feeds = KVEventFeeds(
+                pool, client, 32, metrics, lambda _, blocks: stored.extend(blocks), interval=0.1
+            )
+
+            def state() -> FeedState:
+                found = feeds.state(name)
+                assert found is not None
+                return found
+
+            async def heard(sequence: int) -> None:
+                """Send the sample's first frame numbered `sequence` until it is heard."""
+                before = len(stored)
+                for _ in range(100):
+                    publisher.send([(frames[0][0], sequence, frames[0][2])])
+                    await asyncio.sleep(0.05)
+                    if len(stored) > before:
+                        return
+                raise AssertionError(f"message {sequence} never heard")
+
+            feeds.start()
+            try:
+                await until(lambda: name in feeds.live(), "the feed is live")
+                for sequence in range(3):
+                    await heard(sequence)
+                assert state().last_sequence == 2 and state().blocks > 0
+
+                # Killed, then back on the same endpoint numbering from 0.
+                publisher.stop()
+                await until(lambda: not state().connected, "the disconnect is seen")
+                assert name not in feeds.live()
+                publisher.restart()
+                await until(lambda: name in feeds.live(), "live again on the same endpoint")
+                assert state().blocks == 0, "what the old engine held is forgotten"
+                await heard(0)
+                assert state().last_sequence == 0 and state().blocks > 0
+                assert name in feeds.live()
+
+                # Killed, then back on another port: its sources are read again.
+                first = state().endpoint
+                publisher.stop()
+                await until(lambda: not state().connected, "the second disconnect is seen")
+                publisher.restart("tcp://127.0.0.1:0")
+                await until(
+                    lambda: state().endpoint == publisher.endpoint and name in feeds.live(),
+                    "live again on the new port",
+                )
+                assert state().endpoint != first
+                await heard(0)
+                assert state().last_sequence == 0 and name in feeds.live()
+                assert state().messages >= 5
+                fallbacks = metrics.registry.get_sample_value(
+                    "gateway_kv_events_fallbacks_total", {"backend": name, "reason": "disconnected"}
+                )
+                assert fallbacks == 2
+                live = metrics.registry.get_sample_value(
+                    "gateway_kv_events_live", {"backend": name}
+                )
+                assert live == 1
             finally:
                 await feeds.stop()
 

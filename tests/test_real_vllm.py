@@ -515,3 +515,54 @@ def test_kv_events_show_blocks_the_gateway_never_sent(
 
     wait_until(lambda: matched().get(name) == full_blocks, 10, f"{name} holds {full_blocks}")
     assert sum(matched().values()) == full_blocks  # the other replica holds none of it
+
+
+def test_a_restarted_replicas_events_are_followed_again(
+    real: RealFleet, tokens_gateway: GatewayProcess
+) -> None:
+    """Last in the module: it restarts replica 1, whose cache is then empty."""
+    replica = real.replicas[1]
+    name = f"{replica.host}:{replica.port}"
+
+    def feed() -> dict[str, Any]:
+        listed = httpx.get(tokens_gateway.url + "/admin/backends", timeout=10).json()["data"]
+        found: dict[str, Any] = next(row["kv_events"] for row in listed if row["name"] == name)
+        return found
+
+    def live() -> bool:
+        text = tokens_gateway.metrics()
+        return metric_value(text, "gateway_kv_events_live", backend=name) == 1
+
+    wait_until(live, 60, f"{name}'s events flow")
+    before = feed()
+    assert before["connected"] and before["endpoint"] == real.endpoints[1]
+    replica.restart()
+    disconnects = metric_value(
+        tokens_gateway.metrics(),
+        "gateway_kv_events_fallbacks_total",
+        backend=name,
+        reason="disconnected",
+    )
+    assert disconnects >= 1
+    wait_until(live, 30, f"{name}'s events flow again after its restart")
+    assert feed()["live"] and feed()["connected"]
+
+    # A prompt sent to the restarted replica directly is matched there from its new events.
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text(150, "after-the-restart")}],
+        "max_tokens": 1,
+    }
+    reply = httpx.post(replica.url + "/v1/chat/completions", json=body, timeout=60).json()
+    full_blocks = reply["usage"]["prompt_tokens"] // BLOCK
+
+    def matched() -> dict[str, int]:
+        explained = httpx.post(tokens_gateway.url + "/admin/explain", json=body, timeout=10)
+        return {row["backend"]: row["matched_blocks"] for row in explained.json()["candidates"]}
+
+    wait_until(lambda: matched().get(name) == full_blocks, 10, f"{name} holds {full_blocks}")
+    after = feed()
+    assert after["live"] and after["last_sequence"] is not None and after["blocks"] >= full_blocks
+    # Repeated through the gateway, the prompt goes where its blocks are.
+    again = httpx.post(tokens_gateway.url + "/v1/chat/completions", json=body, timeout=60)
+    assert again.status_code == 200 and again.headers["x-gateway-backend"] == name

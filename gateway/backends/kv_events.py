@@ -6,6 +6,11 @@ A replica's events count as flowing while its socket is connected and no message
 when they stop (the publisher went away, a sequence number skipped), the router goes back to
 the predicted index for it, and `gateway_kv_events_fallbacks_total` says why. A replica that
 answers no source is tried again every `interval` seconds.
+
+When the socket connects again, what the engine did meanwhile was not heard (it may have
+restarted with an empty cache, or evicted blocks): its blocks are known afresh from the next
+event, and the feed counts again at once. A feed down for `interval` seconds asks the replica
+for its sources again, so an engine restarted on a new event port is followed there.
 """
 
 from __future__ import annotations
@@ -58,12 +63,31 @@ def sources(answer: Any) -> list[tuple[str, str]]:
     return found
 
 
+@dataclass(frozen=True)
+class FeedState:
+    """A feed as `/admin/backends` shows it."""
+
+    live: bool
+    connected: bool
+    endpoint: str
+    topic: str
+    last_sequence: int | None
+    messages: int
+    blocks: int
+
+
 @dataclass(eq=False)
 class _Feed:
     blocks: EngineBlocks
+    address: str = ""
+    topic: str = ""
     task: asyncio.Task[None] | None = None
     connected: bool = False
     live: bool = False
+    was_connected: bool = False
+    down_since: float = 0.0
+    """When the socket last lost (or began without) its publisher, on the loop's clock."""
+    messages: int = 0
 
 
 class KVEventFeeds:
@@ -91,6 +115,20 @@ class KVEventFeeds:
     def live(self) -> dict[str, EngineBlocks]:
         return {name: feed.blocks for name, feed in self._feeds.items() if feed.live}
 
+    def state(self, name: str) -> FeedState | None:
+        feed = self._feeds.get(name)
+        if feed is None:
+            return None
+        return FeedState(
+            live=feed.live,
+            connected=feed.connected,
+            endpoint=feed.address,
+            topic=feed.topic,
+            last_sequence=feed.blocks.last_sequence,
+            messages=feed.messages,
+            blocks=len(feed.blocks),
+        )
+
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="kv-event-feeds")
 
@@ -111,10 +149,14 @@ class KVEventFeeds:
             feed.task.cancel()
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             for backend in list(self._pool.backends):
                 feed = self._feeds.get(backend.name)
                 if feed is None or feed.task is None or feed.task.done():
+                    await self._open(backend.name, backend.url)
+                elif not feed.connected and loop.time() - feed.down_since >= self._interval:
+                    # Its engine may have come back on another port (`tcp://*:0`).
                     await self._open(backend.name, backend.url)
             await asyncio.sleep(self._interval)
 
@@ -127,9 +169,24 @@ class KVEventFeeds:
         if not found:
             return
         endpoint, topic = found[0]  # one engine per replica (data-parallel rank 0)
-        feed = self._feeds.get(name) or _Feed(EngineBlocks(self._block_size))
-        self._feeds[name] = feed
         address = subscribe_address(endpoint, url)
+        feed = self._feeds.get(name)
+        if feed is not None and feed.task is not None and not feed.task.done():
+            if (feed.address, feed.topic) == (address, topic):
+                return  # the socket reconnects there by itself
+            feed.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await feed.task
+        if self._feeds.get(name) is not feed:
+            return  # left the pool meanwhile
+        if feed is None:
+            feed = _Feed(EngineBlocks(self._block_size))
+            self._feeds[name] = feed
+        else:
+            feed.blocks = EngineBlocks(self._block_size)  # another publisher: nothing known
+        feed.address, feed.topic = address, topic
+        feed.connected = feed.was_connected = False
+        feed.down_since = asyncio.get_running_loop().time()
         feed.task = asyncio.create_task(self._follow(name, feed, address, topic))
 
     async def _follow(self, name: str, feed: _Feed, address: str, topic: str) -> None:
@@ -154,6 +211,7 @@ class KVEventFeeds:
                     else:
                         frames = await socket.recv_multipart()
                         received.inc()
+                        feed.messages += 1
                         self._receive(name, feed, frames)
         finally:
             self._set_live(name, feed, False, None)
@@ -164,13 +222,17 @@ class KVEventFeeds:
     def _watch(self, name: str, feed: _Feed, event: Mapping[str, object]) -> None:
         kind = event["event"]
         if kind in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
-            feed.connected = True
+            if not feed.connected and feed.was_connected:
+                # Back after a gap nothing was heard in: a restarted engine numbers from 0 and
+                # holds nothing, one that ran on may have evicted what is known. Start afresh:
+                # claiming nothing is safe, and its next events are known exactly.
+                feed.blocks = EngineBlocks(self._block_size)
+            feed.connected = feed.was_connected = True
             self._set_live(name, feed, feed.blocks.complete, None)
         elif kind == zmq.EVENT_DISCONNECTED:
+            if feed.connected:
+                feed.down_since = asyncio.get_running_loop().time()
             feed.connected = False
-            # What the engine does meanwhile is not heard: known again only from scratch.
-            feed.blocks.last_sequence = None
-            feed.blocks.complete = False
             self._set_live(name, feed, False, "disconnected")
 
     def _receive(self, name: str, feed: _Feed, frames: list[bytes]) -> None:

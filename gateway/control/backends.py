@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+from dataclasses import asdict
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -14,6 +15,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
+from gateway.backends.kv_events import FeedState
 from gateway.backends.pool import Backend, parse_backend_spec
 from gateway.components import Components
 from gateway.config import ConfigError
@@ -31,7 +33,8 @@ class NewBackend(BaseModel):
     model: str | None = None
 
 
-def backend_view(backend: Backend) -> dict[str, Any]:
+def backend_view(backend: Backend, feed: FeedState | None = None) -> dict[str, Any]:
+    """A backend as listed; `kv_events` is its KV-event feed with `--kv-events`, else null."""
     return {
         "name": backend.name,
         "url": backend.url,
@@ -46,6 +49,7 @@ def backend_view(backend: Backend) -> dict[str, Any]:
         "load": backend.load,
         "pending_prefill_blocks": backend.pending_prefill,
         "source": backend.source,
+        "kv_events": asdict(feed) if feed is not None else None,
     }
 
 
@@ -61,6 +65,10 @@ def build_backends_router(components: Components, guard: Guard) -> APIRouter:
         dependencies=[Depends(guard)],
     )
 
+    def view(backend: Backend) -> dict[str, Any]:
+        feeds = components.kv_events
+        return backend_view(backend, feeds.state(backend.name) if feeds is not None else None)
+
     def find(name: str) -> Backend:
         backend = pool.get(name)
         if backend is None:
@@ -70,9 +78,7 @@ def build_backends_router(components: Components, guard: Guard) -> APIRouter:
     @router.get("")
     async def list_backends() -> JSONResponse:
         """Every backend: health, load, models, draining, and who added it."""
-        return JSONResponse(
-            {"object": "list", "data": [backend_view(item) for item in pool.backends]}
-        )
+        return JSONResponse({"object": "list", "data": [view(item) for item in pool.backends]})
 
     @router.post("", status_code=201)
     async def add_backend(new: NewBackend) -> JSONResponse:
@@ -98,7 +104,7 @@ def build_backends_router(components: Components, guard: Guard) -> APIRouter:
             raise Conflict(f"backend {backend.name} is already in the pool", code="backend_exists")
         pool.add(backend)
         await components.monitor.refresh(backend)
-        return JSONResponse(backend_view(backend), status_code=201)
+        return JSONResponse(view(backend), status_code=201)
 
     @router.post("/{name}/drain", status_code=202)
     async def drain_backend(name: str, wait: bool = False) -> JSONResponse:
@@ -110,15 +116,15 @@ def build_backends_router(components: Components, guard: Guard) -> APIRouter:
         task.add_done_callback(drains.discard)
         if wait:
             removed = await asyncio.shield(task)
-            return JSONResponse({**backend_view(backend), "removed": removed})
-        return JSONResponse({**backend_view(backend), "removed": False}, status_code=202)
+            return JSONResponse({**view(backend), "removed": removed})
+        return JSONResponse({**view(backend), "removed": False}, status_code=202)
 
     @router.delete("/{name}")
     async def remove_backend(name: str) -> JSONResponse:
         """Remove `name` now; requests already sent to it are not cut off."""
         backend = find(name)
         pool.remove(name)
-        return JSONResponse({**backend_view(backend), "removed": True})
+        return JSONResponse({**view(backend), "removed": True})
 
     return router
 
