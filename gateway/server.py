@@ -26,7 +26,7 @@ from gateway.config import Settings
 from gateway.control.gauges import publish_scrape_gauges
 from gateway.errors import GatewayError
 from gateway.proxy.access_log import flush_access_log
-from gateway.proxy.deadlines import WATCHED_EXCHANGE, Exchange, Why
+from gateway.proxy.deadlines import DROP_CONNECTION, WATCHED_EXCHANGE, Exchange, Why
 from gateway.refusals import CLOSE, answer_head, count_refusal, phrase, refused
 
 log = logging.getLogger("gateway.server")
@@ -206,7 +206,15 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = False
         self._head_since = 0.0
         self.scope[WATCHED_EXCHANGE] = None  # type: ignore[literal-required]
+        self.scope[DROP_CONNECTION] = self._drop  # type: ignore[literal-required]
         super().on_headers_complete()
+
+    def _drop(self) -> None:
+        """Close the connection now, discarding unsent bytes: its client stopped reading."""
+        cycle = self.cycle
+        if cycle is not None:
+            cycle.disconnected = True  # the response is left unfinished on purpose
+        self.transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         cycle = self.cycle

@@ -41,6 +41,7 @@ from gateway.config import Settings
 from gateway.emulator.replicas import EmulatedReplicas
 from gateway.errors import GatewayError
 from gateway.prompt.parsing import BodyLimits, Endpoint, parse_request
+from loadtest.slow_readers import slow_readers
 from tests.redis_server import RedisServer
 from tests.support import GatewayProcess
 
@@ -322,6 +323,12 @@ ATTACKS = [
         f" 3 of {LIMIT}",
         long_prompts,
         with_redis=True,
+    ),
+    Attack(
+        "slow_readers",
+        f"6 streams of 40,000 tokens, a 4 KiB receive buffer, never read"
+        f" (`--client-write-timeout` {DEFAULTS.client_write_timeout:g} s)",
+        lambda target: slow_readers(target.host, target.port),
     ),
 ]
 

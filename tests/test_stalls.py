@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import orjson
@@ -28,6 +28,11 @@ class Waiting:
     sent_at: float
     blocks_ahead: int = 1
     first_byte_at: float = 0.0
+    awaiting_client: bool = False
+    judged_from: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.judged_from = self.sent_at
 
     def stop(self) -> None:
         return None
@@ -46,6 +51,22 @@ def test_a_replica_is_stalled_only_when_it_waits_long_and_produces_nothing() -> 
     streaming = {Waiting(100.0, first_byte_at=1.0)}
     assert RULE.verdict(104.0, streaming, progressed_at=101.5, speed=speed) is None
     assert RULE.verdict(105.0, streaming, progressed_at=101.5, speed=speed) is not None
+
+
+def test_a_stream_waiting_on_its_client_is_no_evidence_against_its_replica() -> None:
+    speed = PrefillSpeed(guess_blocks_per_second=100.0)
+    blocked = Waiting(sent_at=100.0, first_byte_at=1.0, awaiting_client=True)
+    # Its client has not read for long: the replica could send nothing, and is not judged.
+    assert RULE.verdict(200.0, {blocked}, progressed_at=101.0, speed=speed) is None
+    # Once the client takes the chunk, the replica's silence counts from then, not before.
+    blocked.awaiting_client, blocked.judged_from = False, 199.0
+    assert RULE.verdict(201.0, {blocked}, progressed_at=101.0, speed=speed) is None
+    assert RULE.verdict(203.0, {blocked}, progressed_at=101.0, speed=speed) is not None
+    # Beside it, a request that waits for its first byte is judged as ever.
+    blocked.awaiting_client = True
+    waiting = Waiting(sent_at=150.0)
+    assert RULE.verdict(152.0, {blocked, waiting}, progressed_at=101.0, speed=speed) is None
+    assert RULE.verdict(154.0, {blocked, waiting}, progressed_at=101.0, speed=speed) is not None
 
 
 def test_without_a_stream_to_show_progress_the_engine_counter_gets_its_lag() -> None:

@@ -29,6 +29,14 @@ class Work(Protocol):
     """Prompt blocks the backend had to compute before this one's first byte, its own included."""
     first_byte_at: float
     """`time.perf_counter()` of its first byte; 0 while it waits for one."""
+    judged_from: float
+    """`time.monotonic()` from which the backend's silence counts against it for this work:
+    when it was sent, or when it last stopped waiting on its client."""
+
+    @property
+    def awaiting_client(self) -> bool:
+        """It waits for its client to read: no evidence against the backend meanwhile."""
+        ...
 
     def stop(self) -> None:
         """End it: before its first byte it moves to another backend, after it fails."""

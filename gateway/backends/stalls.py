@@ -2,10 +2,12 @@
 
 A replica whose HTTP server still answers `/health` while its engine is stuck (a hung kernel
 or collective, an engine loop that died) is found from progress, not from probes: it is
-stalled when requests are on it (waiting for a first byte, or streaming) and it has produced
-nothing at all (no byte of any response, no token in its engine's counter) for longer than
-`min_seconds`, and, when requests wait for a first byte, much longer than the fleet's recent
-prefill speed explains for the work queued ahead of the oldest of them (`factor` times that).
+stalled when requests are on it (waiting for a first byte, or streaming to a client that
+reads) and it has produced nothing at all (no byte of any response, no token in its engine's
+counter) for longer than `min_seconds`, and, when requests wait for a first byte, much longer
+than the fleet's recent prefill speed explains for the work queued ahead of the oldest of them
+(`factor` times that). A stream whose client stopped reading holds its replica back (TCP
+backpressure) and is no evidence against it.
 A long prefill is not a stall: it is expected to take long, and other requests' tokens keep
 coming meanwhile.
 
@@ -44,17 +46,19 @@ class StallRule:
     def verdict(
         self, now: float, work: set[Work], progressed_at: float, speed: PrefillSpeed
     ) -> str | None:
-        """Why the replica doing `work` is stalled, or None."""
-        if not work:
+        """Why the replica doing `work` is stalled, or None. Work waiting on its client is
+        left out: a replica whose client does not read cannot send, and is not to blame."""
+        judged = [item for item in work if not item.awaiting_client]
+        if not judged:
             return None
-        waiting = [item for item in work if not item.first_byte_at]
-        # Silent since its last progress, or since its oldest work was sent if that is later.
-        silent = now - max(progressed_at, min(item.sent_at for item in work))
+        waiting = [item for item in judged if not item.first_byte_at]
+        # Silent since its last progress, or since its oldest judged work began if later.
+        silent = now - max(progressed_at, min(item.judged_from for item in judged))
         limit = self.min_seconds
         if waiting:
             ahead = min(waiting, key=lambda item: item.sent_at).blocks_ahead
             limit = max(limit, self.factor * speed.expected(ahead))
-        if len(waiting) == len(work):  # no stream here to show progress as it happens
+        if len(waiting) == len(judged):  # no stream here to show progress as it happens
             limit += self.scrape_lag
         if silent <= limit:
             return None

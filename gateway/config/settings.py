@@ -119,7 +119,12 @@ class Settings:
     max_attempts: int = _opt(3, "replicas tried for one request before giving up")
     # --- Reliability: timeouts, retries, health thresholds, overload, limits, auth, shutdown ---
     stream_idle_timeout: float = _opt(
-        60.0, "seconds a response may go without a chunk from the replica or to the client"
+        60.0, "seconds a response may go without a chunk from the replica"
+    )
+    client_write_timeout: float = _opt(
+        30.0,
+        "seconds a streamed chunk may wait for the client to take it; then the stream ends and"
+        " the replica's request is aborted",
     )
     request_timeout: float = _opt(
         3600.0, "seconds one request may take, from its admission to its last byte"
@@ -340,6 +345,7 @@ class Settings:
             self.connect_timeout,
             self.first_byte_timeout,
             self.stream_idle_timeout,
+            self.client_write_timeout,
             self.request_timeout,
             self.health_timeout,
         )

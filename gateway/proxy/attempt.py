@@ -30,6 +30,7 @@ class Attempt:
         "chain",
         "decision",
         "first_byte_at",
+        "judged_from",
         "sent_at",
         "started",
     )
@@ -52,6 +53,9 @@ class Attempt:
         self.first_byte_at = 0.0
         self.sent_at = 0.0
         """`time.monotonic()` when it was sent."""
+        self.judged_from = 0.0
+        """`time.monotonic()` from which its replica's silence counts: when it was sent, and
+        again whenever its client takes a chunk it was waiting for (the relay sets it)."""
         self.blocks_ahead = 0
         self._exchange = exchange
         self._speed = speed
@@ -93,9 +97,14 @@ class Attempt:
     def sent(self) -> None:
         backend = self.backend
         self.started = time.perf_counter()
-        self.sent_at = time.monotonic()
+        self.sent_at = self.judged_from = time.monotonic()
         self.blocks_ahead = backend.pending_prefill
         backend.attempt_sent(self)
+
+    @property
+    def awaiting_client(self) -> bool:
+        """Its relay waits for the client to take a chunk: meanwhile its replica cannot send."""
+        return self._exchange.phase is Why.CLIENT_STALLED
 
     def stop(self) -> None:
         """Its backend stalled: before the first byte it moves elsewhere, after it fails."""

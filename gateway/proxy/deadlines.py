@@ -61,6 +61,11 @@ moment the handler stores the request's `Exchange` there, losing the connection 
 Without the key, the handler listens for the client's disconnect with a task of its own."""
 
 
+DROP_CONNECTION = "gateway.drop_connection"
+"""A scope key the server sets to a callable that closes the request's connection at once,
+discarding what waits to be sent (for a client that stopped reading)."""
+
+
 class Interrupted(Exception):
     def __init__(self, why: Why) -> None:
         super().__init__(why.value)

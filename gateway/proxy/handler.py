@@ -33,6 +33,7 @@ from gateway.proxy.access_log import AccessLog
 from gateway.proxy.admission import Admission, PendingBodies
 from gateway.proxy.asgi import Receive, Scope, Send, header, read_body, too_many_pending_bodies
 from gateway.proxy.deadlines import (
+    DROP_CONNECTION,
     WATCHED_EXCHANGE,
     DeadlineWatch,
     Exchange,
@@ -93,6 +94,7 @@ class ProxyHandler:
                 settings.body_timeout,
                 settings.first_byte_timeout,
                 settings.stream_idle_timeout,
+                settings.client_write_timeout,
                 settings.request_timeout,
             )
         )
@@ -108,7 +110,7 @@ class ProxyHandler:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         request_id = _client_request_id(headers) or self._request_ids.next()
-        reply = Reply(send, self._metrics)
+        reply = Reply(send, self._metrics, scope.get(DROP_CONNECTION))
         task = asyncio.current_task()
         assert task is not None
         exchange = Exchange(task, time.monotonic(), self._settings.request_timeout)

@@ -40,11 +40,15 @@ class Timeouts:
     first_byte: float
     idle: float
     total: float
+    client_write: float
 
     @classmethod
     def of(cls, settings: Settings) -> Timeouts:
         return cls(
-            settings.first_byte_timeout, settings.stream_idle_timeout, settings.request_timeout
+            settings.first_byte_timeout,
+            settings.stream_idle_timeout,
+            settings.request_timeout,
+            settings.client_write_timeout,
         )
 
 
@@ -102,9 +106,10 @@ class Relay:
         except Interrupted as stop:
             return Relayed(0, failure=self._first_byte_missed(stop))
         self._first_byte(attempt)
-        idle = self._limits.idle
+        idle, client_write = self._limits.idle, self._limits.client_write
         clock = time.monotonic
         backend = attempt.backend
+        now = clock()
         exchange.expect(Why.IDLE, idle)
         observer = StreamObserver(strip_usage)
         seen = observer.seen
@@ -113,6 +118,7 @@ class Relay:
         placement = forwarding.placement
         stored, hears_answer = placement.hears_response_id, placement.hears_answer
         failed: UpstreamError | None = None
+        looked = True
         try:
             with exchange.guard():
                 while chunk:
@@ -128,9 +134,15 @@ class Relay:
                         )
                         hears_answer = False
                     if passed:
+                        # While the chunk waits for the client, the attempt is not judged
+                        # for a stall (`Attempt.awaiting_client`): its replica cannot send.
                         exchange.phase = Why.CLIENT_STALLED
+                        exchange.due = now + client_write
                         await reply.chunk(passed)
+                        now = clock()
+                        attempt.judged_from = now
                         exchange.phase = Why.IDLE
+                        exchange.due = now + idle
                     if not looked:
                         observer.feed(chunk)
                     if stored and seen.response_id is not None:
@@ -144,8 +156,13 @@ class Relay:
         except HTTPClientError:
             failed = failure("stream_broken")
         except Interrupted as stop:
+            if exchange.phase is Why.CLIENT_STALLED and not looked:
+                # The replica sent this chunk whole (the client may have it): its usage counts.
+                observer.feed(chunk)
             failed = interrupted(stop.why, idle if stop.why is Why.IDLE else self._limits.total)
-            if failed is None:  # the client went away
+            if failed is None:  # the client went away, or stopped reading
+                if stop.why is Why.CLIENT_STALLED:
+                    reply.drop()  # what waits in its buffers is never to be sent
                 if not seen.complete:
                     raise
                 # The client left once it had every event it needs: answered all the same.

@@ -5,7 +5,7 @@ counted as a refusal (`gateway/refusals.py`); one it can no longer tell is not.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 
 from gateway.errors import GatewayError, sse_error
 from gateway.metrics import Metrics
@@ -16,11 +16,16 @@ Headers = list[tuple[bytes, bytes]]
 
 
 class Reply:
-    __slots__ = ("_last", "_metrics", "_send", "begun", "streaming")
+    __slots__ = ("_drop", "_last", "_metrics", "_send", "begun", "streaming")
 
-    def __init__(self, send: Send, metrics: Metrics) -> None:
+    def __init__(
+        self, send: Send, metrics: Metrics, drop: Callable[[], None] | None = None
+    ) -> None:
+        """`drop`: closes the client's connection at once, unsent bytes discarded (the
+        server's `DROP_CONNECTION`)."""
         self._send = send
         self._metrics = metrics
+        self._drop = drop
         self.begun = False
         self.streaming = False
         self._last = b""
@@ -41,6 +46,12 @@ class Reply:
         runs once per chunk of every stream."""
         self._last = data
         return self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    def drop(self) -> None:
+        """Close a connection whose client stopped reading: a response it does not take is
+        left unfinished rather than held in its buffers."""
+        if self._drop is not None:
+            self._drop()
 
     async def end(self, data: bytes = b"") -> None:
         await self._send({"type": "http.response.body", "body": data})
