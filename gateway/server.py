@@ -340,9 +340,9 @@ def _http_protocol(
     )
 
 
-_APP_FIRST = 1.0
+_APP_FIRST = 2.0
 """Seconds past the body timeout before the server closes a body: the proxy path's own timer
-answers first, with the request's headers."""
+answers first, with the request's headers (its deadline watch may notice it a second late)."""
 
 
 class CoalescingTransport:
