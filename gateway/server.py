@@ -256,6 +256,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         self._active_at = self.loop.time()
+        if self._body_since:  # a pipelined request's: timed from when it is served
+            self._body_since = self._active_at
         super().on_response_complete()
 
     def shutdown(self) -> None:
@@ -274,7 +276,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def _expire_body(self, now: float, cycle: RequestResponseCycle | None) -> None:
-        if now - self._body_since <= self.limits.body_timeout + _APP_FIRST:
+        if now - self._body_since <= self.limits.body_timeout + _APP_FIRST or self.pipeline:
             return
         self._body_since = 0.0
         if cycle is None or cycle.response_complete or self.transport.is_closing():

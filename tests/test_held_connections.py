@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import socket
 from collections.abc import Iterator
+from typing import BinaryIO
 
 import httpx
 import openai
@@ -58,16 +59,15 @@ def _read_to_close(raw: socket.socket) -> bytes:
     return received
 
 
-def _read_answer(raw: socket.socket) -> bytes:
-    """One answer with a `content-length`, the connection left as it is."""
-    received = b""
-    while b"\r\n\r\n" not in received:
-        received += raw.recv(65536)
-    head, _, body = received.partition(b"\r\n\r\n")
+def _read_answer(reader: BinaryIO) -> bytes:
+    """One answer with a `content-length` from `raw.makefile("rb")`, the connection left open."""
+    head = b""
+    while not head.endswith(b"\r\n\r\n"):
+        line = reader.readline()
+        assert line, f"closed before the end of a head: {head!r}"
+        head += line
     length = int(head.lower().partition(b"content-length: ")[2].partition(b"\r\n")[0])
-    while len(body) < length:
-        body += raw.recv(65536)
-    return head + b"\r\n\r\n" + body
+    return head + reader.read(length)
 
 
 def _send_more(raw: socket.socket, data: bytes) -> None:
@@ -94,9 +94,9 @@ BEARER = f"authorization: Bearer {KEY}\r\n".encode()
 def test_an_answer_before_the_body_closes_the_connection(
     keyed: GatewayProcess, head: bytes, status: int, code: str
 ) -> None:
-    with _connect(keyed) as raw:
+    with _connect(keyed) as raw, raw.makefile("rb") as reader:
         raw.sendall(head + b"host: x\r\ncontent-length: 100000\r\n\r\n" + b"{" * 10)
-        answer = _read_answer(raw)
+        answer = _read_answer(reader)
         # More of the body changes nothing: the connection is closed after the answer.
         _send_more(raw, b"[" * 1000)
         rest = _read_to_close(raw)
@@ -114,11 +114,11 @@ def test_an_answered_request_whose_body_came_whole_keeps_its_connection(
     request = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(
         body
     )
-    with _connect(keyed) as raw:
+    with _connect(keyed) as raw, raw.makefile("rb") as reader:
         raw.sendall(request + body)
-        refused = _read_answer(raw)  # no key: 401, but the body was in whole
+        refused = _read_answer(reader)  # no key: 401, but the body was in whole
         raw.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
-        health = _read_answer(raw)
+        health = _read_answer(reader)
     assert refused.startswith(b"HTTP/1.1 401 ") and b"connection: close" not in refused.lower()
     assert health.startswith(b"HTTP/1.1 200 ")
 
@@ -171,3 +171,21 @@ def test_one_address_cannot_take_every_connection(replica: EmulatedReplicas) -> 
     assert b"connection: close" in refused.lower()
     assert reply.choices[0].message.content
     assert health.status_code == 200
+
+
+def test_pipelined_requests_are_answered_in_order_on_one_connection(
+    keyed: GatewayProcess,
+) -> None:
+    body = orjson.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    )
+    chat = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n" % len(body)
+    health = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"
+    with _connect(keyed) as raw, raw.makefile("rb") as reader:
+        raw.sendall(chat + BEARER + b"\r\n" + body + health + chat + BEARER + b"\r\n" + body)
+        answers = [_read_answer(reader) for _ in range(3)]
+        raw.sendall(health)
+        last = _read_answer(reader)
+    assert [answer.split(b" ", 2)[1] for answer in [*answers, last]] == [b"200"] * 4
+    assert b'"chat.completion"' in answers[0] and b'"status"' in answers[1]
+    assert b'"chat.completion"' in answers[2]
