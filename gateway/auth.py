@@ -1,7 +1,9 @@
 """Who may call what: client API keys on `/v1/...`, the admin token on `/admin/...`.
 
 Compared in constant time against every key, so that neither timing nor position tells a
-caller anything. Without a token the admin API is open on a loopback listener only.
+caller anything. Without a token the admin API is open on a loopback listener only, and only to
+requests addressed to a loopback host and sent by no page of another origin: a browser on the
+machine would otherwise let any web page post to it (a form, or DNS rebinding).
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ import hashlib
 import hmac
 import ipaddress
 from collections.abc import Iterable
+from urllib.parse import urlsplit
 
 from gateway.errors import Forbidden, Unauthorized
+from gateway.refusals import refused
 
 PROTECTED_PREFIX = "/v1/"
 TENANT = "gateway.tenant"
@@ -68,8 +72,15 @@ class AdminAccess:
         """No token, and only this machine can reach the listener: anyone may."""
         self.disabled = not token and not self.open
 
-    def check(self, authorization: bytes | None) -> None:
+    def check(
+        self, authorization: bytes | None, host: str | None = None, origin: str | None = None
+    ) -> None:
+        """Refuse unless allowed; `host` and `origin` are the request's headers of those names."""
         if self.open:
+            if host is not None and not is_loopback(host_name(host)):
+                raise refused("foreign_host", host)
+            if origin is not None and not is_loopback(urlsplit(origin).hostname or ""):
+                raise refused("foreign_origin", origin)
             return
         if self.disabled:
             raise Forbidden(
@@ -86,9 +97,18 @@ class AdminAccess:
             raise Forbidden("the admin token is not valid", code="invalid_token")
 
 
+def host_name(host: str) -> str:
+    """The name or address of a `Host` header, without its port."""
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    if host.count(":") == 1:
+        return host.partition(":")[0]
+    return host
+
+
 def is_loopback(host: str) -> bool:
     """Whether a listener on `host` is reachable from this machine only."""
-    if host == "localhost":
+    if host.lower() == "localhost":
         return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback

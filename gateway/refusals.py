@@ -59,6 +59,12 @@ REFUSALS: dict[str, Refusal] = {
         "the gateway has as many connections open as it may; retry later",
         (CLOSE, RETRY_AFTER),
     ),
+    "too_many_client_connections": Refusal(
+        Overloaded,
+        "your address has {0} connections open, as many as one client may; close some or retry"
+        " later",
+        (CLOSE, RETRY_AFTER),
+    ),
     "invalid_http": Refusal(BadRequest, "invalid HTTP request", (CLOSE,)),
     "head_timeout": Refusal(
         RequestTimeout,
@@ -88,6 +94,13 @@ REFUSALS: dict[str, Refusal] = {
     ),
     "body_timeout": Refusal(RequestTimeout, "the request body did not arrive in time", (CLOSE,)),
     "disconnected": Refusal(BadRequest, "client disconnected before sending the body", (CLOSE,)),
+    # The admin API open on loopback without a token (auth.py): not for pages in a browser.
+    "foreign_host": Refusal(
+        Forbidden, "the admin API answers only requests addressed to a loopback host, not {0!r}"
+    ),
+    "foreign_origin": Refusal(
+        Forbidden, "the admin API answers no request sent by a page from another origin ({0!r})"
+    ),
     # Admission (proxy/admission.py).
     "overloaded": Refusal(
         Overloaded,

@@ -1,5 +1,6 @@
 """Serving the gateway with uvicorn: every request head bounded from its first byte (bytes,
-header lines, time), a cap on connections, and the graceful shutdown of docs/reliability.md.
+header lines, time), every body and idle connection in time, a cap on connections (in all and
+per client address), and the graceful shutdown of docs/reliability.md.
 Under `--workers` each worker also names itself in a header, publishes its gauges and stops
 when its supervisor is gone.
 """
@@ -10,7 +11,6 @@ import asyncio
 import logging
 import math
 import os
-import resource
 import signal
 import socket
 import time
@@ -19,10 +19,11 @@ from types import FrameType
 from typing import Any, ClassVar, cast
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from gateway.app import GatewayApp
 from gateway.config import Settings
+from gateway.connections import ClientConnections, connection_cap
 from gateway.control.gauges import publish_scrape_gauges
 from gateway.errors import GatewayError
 from gateway.proxy.access_log import flush_access_log
@@ -51,6 +52,8 @@ class HeadLimits:
     max_headers: int
     timeout: float
     max_connections: int
+    body_timeout: float
+    """From the end of a head to the end of its body, for what no application timer watches."""
 
 
 def configure_logging(level: str) -> None:
@@ -66,8 +69,10 @@ def serve(app: GatewayApp, settings: Settings, worker: WorkerRole | None = None)
         settings.max_header_bytes,
         settings.max_headers,
         settings.head_timeout,
-        _connection_cap(settings),
+        connection_cap(settings),
+        settings.body_timeout,
     )
+    clients = ClientConnections(settings.max_connections_per_client)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -75,7 +80,7 @@ def serve(app: GatewayApp, settings: Settings, worker: WorkerRole | None = None)
         log_level=settings.log_level,
         access_log=False,
         loop="auto",
-        http=_http_protocol(limits, Refusals(app)),
+        http=_http_protocol(limits, Refusals(app), clients),
         ws="none",
         lifespan="on",
         # Whole seconds in uvicorn's interface.
@@ -124,18 +129,18 @@ class GatewayServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         flush_access_log()
         if counter % self._head_ticks == 0:
-            self._expire_heads()
+            self._expire()
         if self._exit_at is not None and not self.should_exit and time.monotonic() >= self._exit_at:
             super().handle_exit(self._exit_signal, None)
         if self._worker is not None and counter % 10 == 0:
             self._worker_tick(self._worker)
         return await super().on_tick(counter)
 
-    def _expire_heads(self) -> None:
+    def _expire(self) -> None:
         now = asyncio.get_running_loop().time()
         for connection in tuple(self.server_state.connections):
             if isinstance(connection, BoundedHttpToolsProtocol):
-                connection.expire_head(now)
+                connection.expire(now)
 
     def _worker_tick(self, worker: WorkerRole) -> None:
         if os.getppid() != worker.supervisor_pid and not self._orphaned:
@@ -153,11 +158,15 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     Head bytes are counted in `data_received`, before httptools buffers them (it keeps a
     header line until it ends): a chunk that would take the head past its limit is fed only up
     to it, and the request is refused if the head has not ended there. The time limit is
-    checked by the server's tick (`expire_head`), so a request costs no timer.
+    checked by the server's tick (`expire`), so a request costs no timer; so are the body's
+    and, besides uvicorn's keep-alive timer, an idle connection's. A connection is kept alive
+    only once its request's body is in whole: an answer before that closes it, or the rest of
+    the body would hold it with uvicorn's keep-alive timer stopped.
     """
 
     limits: ClassVar[HeadLimits]
     refusals: ClassVar[Refusals]
+    clients: ClassVar[ClientConnections]
 
     _in_head = True
     """The next bytes belong to a request head."""
@@ -165,15 +174,28 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     _head_lines = 0
     _head_since = 0.0
     """When the head under way began (loop time), 0 when none is."""
+    _body_since = 0.0
+    """When the head of the request whose body is under way ended."""
+    _active_at = 0.0
+    """When the connection last received bytes or finished a response."""
+    _keep_alive = True
+    """Whether the request under way may keep its connection, once its body is in whole."""
+    _peer: str | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(CoalescingTransport(transport))  # type: ignore[arg-type]
         if len(self.connections) > self.limits.max_connections:
             self._refuse(refused("too_many_connections"))
             return
-        self._head_since = self.loop.time()
+        peer = self.client[0] if self.client else ""
+        if not self.clients.admit(peer):
+            self._refuse(refused("too_many_client_connections", self.clients.cap))
+            return
+        self._peer = peer
+        self._head_since = self._active_at = self.loop.time()
 
     def data_received(self, data: bytes) -> None:
+        self._active_at = self.loop.time()
         if self._in_head:
             if not self._head_since:
                 self._head_since = self.loop.time()
@@ -208,6 +230,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self.scope[WATCHED_EXCHANGE] = None  # type: ignore[literal-required]
         self.scope[DROP_CONNECTION] = self._drop  # type: ignore[literal-required]
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None:
+            self._keep_alive, cycle.keep_alive = cycle.keep_alive, False
+            self._body_since = self.loop.time()
 
     def _drop(self) -> None:
         """Close the connection now, discarding unsent bytes: its client stopped reading."""
@@ -217,6 +243,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._peer is not None:
+            self.clients.release(self._peer)
+            self._peer = None
         cycle = self.cycle
         super().connection_lost(exc)
         if cycle is not None and not cycle.response_complete:
@@ -228,9 +257,45 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_complete()
         self._in_head = True
         self._head_bytes = self._head_lines = 0
+        self._body_since = 0.0
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_started:
+            cycle.keep_alive = self._keep_alive
 
-    def expire_head(self, now: float) -> None:
-        """Close the connection if its head has taken longer than the head timeout."""
+    def on_response_complete(self) -> None:
+        self._active_at = self.loop.time()
+        if self._body_since:  # a pipelined request's: timed from when it is served
+            self._body_since = self._active_at
+        super().on_response_complete()
+
+    def shutdown(self) -> None:
+        self._keep_alive = False
+        super().shutdown()
+
+    def expire(self, now: float) -> None:
+        """Close the connection if its head or body has taken too long, or it has been idle
+        well past uvicorn's keep-alive timeout (whose timer a stray byte stops)."""
+        cycle, idle = self.cycle, now - self._active_at
+        if self._body_since:
+            self._expire_body(now, cycle)
+        elif self._head_since or (cycle is not None and not cycle.response_complete):
+            self._expire_head(now)
+        elif idle > self.timeout_keep_alive + self.limits.timeout and not self.pipeline:
+            self.transport.close()
+
+    def _expire_body(self, now: float, cycle: RequestResponseCycle | None) -> None:
+        if now - self._body_since <= self.limits.body_timeout + _APP_FIRST or self.pipeline:
+            return
+        self._body_since = 0.0
+        if cycle is None or cycle.response_complete or self.transport.is_closing():
+            return
+        late = refused("body_timeout")
+        if not cycle.response_started:
+            self.transport.write(_error_response(late))
+        self.transport.close()
+        self.refusals.count(late)
+
+    def _expire_head(self, now: float) -> None:
         since = self._head_since
         if not since or now - since <= self.limits.timeout:
             return
@@ -274,41 +339,20 @@ class Refusals:
             count_refusal(components.metrics, error)
 
 
-def _http_protocol(limits: HeadLimits, refusals: Refusals) -> type[BoundedHttpToolsProtocol]:
+def _http_protocol(
+    limits: HeadLimits, refusals: Refusals, clients: ClientConnections
+) -> type[BoundedHttpToolsProtocol]:
     """The protocol class uvicorn makes per connection, bound to these limits."""
     return type(
         "BoundedHttpToolsProtocol",
         (BoundedHttpToolsProtocol,),
-        {"limits": limits, "refusals": refusals},
+        {"limits": limits, "refusals": refusals, "clients": clients},
     )
 
 
-_FILES_RESERVE = 256
-"""Open files kept for everything but connections: listeners, logs, probes, discovery."""
-
-
-def _connection_cap(settings: Settings) -> int:
-    """`--max-connections`, within the open-file limit (raised towards its hard limit) less
-    what upstream and Redis connections need: without those, replicas would look down."""
-    others = settings.max_concurrency + settings.redis_max_connections + _FILES_RESERVE
-    needed = settings.max_connections + others
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < needed:
-        raised = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-        if raised > soft:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
-            soft = raised
-    if soft != resource.RLIM_INFINITY and soft < needed:
-        cap = max(16, soft - others)
-        log.warning(
-            "the open-file limit (%d) leaves room for %d client connections, not the %d of"
-            " --max-connections; raise `ulimit -n`",
-            soft,
-            cap,
-            settings.max_connections,
-        )
-        return cap
-    return settings.max_connections
+_APP_FIRST = 2.0
+"""Seconds past the body timeout before the server closes a body: the proxy path's own timer
+answers first, with the request's headers (its deadline watch may notice it a second late)."""
 
 
 class CoalescingTransport:

@@ -175,10 +175,14 @@ async def header_flood(target: Target) -> str:
     return f"{_tally(statuses)}; at most {max(sent) / MIB:.1f} MiB sent on one connection"
 
 
-async def _hold(target: Target, first: bytes, drip: bytes, every: float, seconds: float) -> str:
-    """Send `first`, then `drip` every `every` seconds for `seconds`; what the gateway said."""
+async def _hold(
+    target: Target, first: bytes, drip: bytes, every: float, seconds: float, source: str = ""
+) -> str:
+    """Send `first`, then `drip` every `every` seconds for `seconds`, from the address `source`
+    (any if empty); what the gateway said."""
+    local = (source, 0) if source else None
     try:
-        reader, writer = await asyncio.open_connection(target.host, target.port)
+        reader, writer = await asyncio.open_connection(target.host, target.port, local_addr=local)
     except OSError:
         return "not connected"
     answer = asyncio.create_task(reader.read(4096))
@@ -227,6 +231,17 @@ async def bodies_filling_the_budget(target: Target) -> str:
     ) + b" " * size
     results = await asyncio.gather(*(_hold(target, first, b" ", 1.0, 6) for _ in range(48)))
     return _tally(Counter(results))
+
+
+async def held_connections(target: Target) -> str:
+    """Each answered before its body (405), then sent more of it: held, before, with uvicorn's
+    keep-alive timer stopped. From 127.0.0.2, an address of its own beside the watcher's."""
+    first = (
+        b"PUT /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b'content-length: %d\r\n\r\n{"model":' % DEFAULTS.max_body_bytes
+    )
+    held = (_hold(target, first, b" ", 1.0, 8, source="127.0.0.2") for _ in range(4100))
+    return _tally(Counter(await asyncio.gather(*held)))
 
 
 async def _request(target: Target, head: bytes, body: bytes) -> str:
@@ -311,6 +326,12 @@ ATTACKS = [
         "bodies_filling_the_budget",
         f"48 bodies sending {(DEFAULTS.max_body_bytes - MIB) / MIB:g} MiB, then a byte a second",
         bodies_filling_the_budget,
+    ),
+    Attack(
+        "held_connections",
+        "4,100 connections from one address, each answered before its body (405), then a body"
+        " byte a second, for 8 s",
+        held_connections,
     ),
     Attack(
         "session_key_flood",

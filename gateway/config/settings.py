@@ -172,6 +172,11 @@ class Settings:
     max_connections: int = _opt(
         4096, "client connections open at once; more are answered 503 and closed"
     )
+    max_connections_per_client: int = _opt(
+        256,
+        "client connections open at once from one peer address; more are answered 429 and"
+        " closed (0: no cap; behind a proxy every client shares its address)",
+    )
     max_json_depth: int = _opt(64, "deepest nesting of arrays and objects in a request body")
     max_json_values: int = _opt(
         300_000,
@@ -365,6 +370,8 @@ class Settings:
                 "max_attempts, thresholds, max_concurrency, max_connections and max_headers"
                 " must be at least 1"
             )
+        if self.max_connections_per_client < 0:
+            raise ConfigError("max_connections_per_client must be 0 (no cap) or more")
         waits = (
             self.max_queue,
             self.queue_timeout,

@@ -43,7 +43,9 @@ def admin_guard(access: AdminAccess) -> Guard:
     """A dependency that lets through only what `access` allows."""
 
     async def require_admin(request: Request) -> None:
-        header = request.headers.get("authorization")
-        access.check(header.encode("latin-1") if header is not None else None)
+        headers = request.headers
+        header = headers.get("authorization")
+        authorization = header.encode("latin-1") if header is not None else None
+        access.check(authorization, headers.get("host"), headers.get("origin"))
 
     return require_admin

@@ -16,6 +16,7 @@ from gateway.auth import AdminAccess
 from gateway.components import Components
 from gateway.control.access import admin_guard, error_response
 from gateway.control.backends import build_backends_router
+from gateway.control.bodies import BoundedBodies
 from gateway.control.explain import build_explain_router
 from gateway.control.gauges import publish_scrape_gauges
 from gateway.errors import BadRequest
@@ -23,8 +24,15 @@ from gateway.refusals import of_status
 
 
 def build_control_app(components: Components) -> FastAPI:
-    app = FastAPI(title="Prefix Gateway", docs_url="/docs", redoc_url=None)
+    # No /docs or /redoc: their pages load scripts from a CDN. Without slash redirects, whose
+    # Location would be built from the client's Host, a path with a trailing slash is a 404.
+    app = FastAPI(title="Prefix Gateway", docs_url=None, redoc_url=None, redirect_slashes=False)
     settings = components.settings
+    app.add_middleware(
+        BoundedBodies,
+        max_body_bytes=settings.max_body_bytes,
+        max_pending_body_bytes=settings.max_pending_body_bytes,
+    )
     guard = admin_guard(AdminAccess(settings.admin_token, settings.host))
     app.include_router(build_explain_router(components, guard))
     app.include_router(build_backends_router(components, guard))

@@ -72,12 +72,7 @@ def build_explain_router(components: Components, guard: Guard) -> APIRouter:
     @router.post("/explain")
     async def explain(request: Request, endpoint: str | None = None) -> Response:
         """Where this request would go and why, without sending or recording it."""
-        body = await request.body()
-        if len(body) > settings.max_body_bytes:
-            raise BadRequest(
-                f"request body exceeds the limit of {settings.max_body_bytes} bytes",
-                code="body_too_large",
-            )
+        body = await request.body()  # bounded before it was read: control/bodies.py
         parsed = parse_request(
             _endpoint(endpoint, body),
             body,
