@@ -16,7 +16,7 @@ import socket
 import time
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, ClassVar, cast
+from typing import ClassVar, cast
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
@@ -29,6 +29,7 @@ from gateway.errors import GatewayError
 from gateway.proxy.access_log import flush_access_log
 from gateway.proxy.deadlines import DROP_CONNECTION, WATCHED_EXCHANGE, Exchange, Why
 from gateway.refusals import CLOSE, answer_head, count_refusal, phrase, refused
+from gateway.transport import CoalescingTransport
 
 log = logging.getLogger("gateway.server")
 
@@ -353,46 +354,6 @@ def _http_protocol(
 _APP_FIRST = 2.0
 """Seconds past the body timeout before the server closes a body: the proxy path's own timer
 answers first, with the request's headers (its deadline watch may notice it a second late)."""
-
-
-class CoalescingTransport:
-    """A transport that sends a response's head with the write that follows it (uvicorn writes
-    them apart: two system calls), or at the end of the loop's turn if nothing follows."""
-
-    __slots__ = ("_loop", "_pending", "_transport")
-
-    def __init__(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)
-        self._loop = asyncio.get_running_loop()
-        self._pending: bytes | None = None
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        pending = self._pending
-        if pending is not None:
-            self._pending = None
-            self._transport.write(pending + bytes(data))
-        elif data[:9] == b"HTTP/1.1 ":
-            self._pending = bytes(data)
-            self._loop.call_soon(self.flush)
-        else:
-            self._transport.write(data)
-
-    def flush(self) -> None:
-        pending = self._pending
-        if pending is not None:
-            self._pending = None
-            self._transport.write(pending)
-
-    def close(self) -> None:
-        self.flush()
-        self._transport.close()
-
-    def get_write_buffer_size(self) -> int:
-        held = len(self._pending) if self._pending is not None else 0
-        return self._transport.get_write_buffer_size() + held
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
 
 
 def _error_response(error: GatewayError) -> bytes:
