@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,7 +20,7 @@ import httpx
 
 from gateway.proxy.usage import StreamObserver, usage_in_tail
 from tests.conftest import MODEL
-from tests.support import GatewayProcess, metric_value
+from tests.support import GatewayProcess, metric_value, wait_until
 
 _MIB = 1024 * 1024
 _USAGE = {
@@ -251,6 +252,33 @@ def test_a_long_stream_of_tiny_deltas_keeps_no_answer_past_the_prompt_bound() ->
         assert grown < 12 * _MIB, f"peak memory grew {grown} bytes for a {size}-byte stream"
         counted = metric_value(gateway.metrics(), "gateway_upstream_prompt_tokens_total")
         assert counted >= _USAGE["prompt_tokens"]
+
+
+def test_a_client_that_reads_nothing_of_a_large_reply_has_its_request_ended() -> None:
+    with (
+        _replica() as replica,
+        _gateway(replica, "--stream-idle-timeout", "1") as gateway,
+        socket.socket() as client,
+    ):
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect((gateway.host, gateway.port))
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "big"}]})
+        head = f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}"
+        client.sendall(
+            head.encode() + b"\r\ncontent-type: application/json\r\n\r\n" + body.encode()
+        )
+
+        def ended() -> bool:
+            return metric_value(gateway.metrics(), "gateway_client_disconnects_total") >= 1
+
+        # The body waits in the gateway's socket buffer no longer than the idle timeout.
+        wait_until(ended, "the request of a client that reads nothing is ended")
+        chat = httpx.post(
+            gateway.url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "warm-up"}]},
+            timeout=60,
+        )
+        assert chat.status_code == 200
 
 
 def test_a_200_that_is_not_json_is_relayed_as_it_is_and_held_against_its_replica() -> None:

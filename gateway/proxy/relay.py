@@ -104,7 +104,6 @@ class Relay:
             return await self._pass_on(forwarding, attempt, response, headers, held)
         payload = b"".join(held)
         del held
-        exchange.finish()
         self._first_byte(attempt)
         seen = None
         placement = forwarding.placement
@@ -118,7 +117,10 @@ class Relay:
                 await placement.response_stored(seen.response_id, name)
             if hears_answer:
                 await placement.answer_complete(name, seen.answer, seen.completion_tokens)
+        # Interrupted here, a client that stopped reading ends the request as a stream's does.
+        exchange.expect(Why.CLIENT_STALLED, self._limits.idle)
         await forwarding.reply.whole(status, headers, payload)
+        exchange.finish()
         self._ended(attempt)
         if seen is None:
             seen = observe_body(payload, answer_limit) if status == 200 else Observation()
@@ -206,7 +208,7 @@ class Relay:
         clock = time.monotonic
         backend = attempt.backend
         exchange.expect(Why.IDLE, idle)
-        observer = StreamObserver(strip_usage)
+        observer = StreamObserver(strip_usage, self._replies.answer_chars)
         seen = observer.seen
         seen.sent_at = attempt.started
         await reply.start_stream(headers)
