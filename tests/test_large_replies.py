@@ -17,6 +17,7 @@ from types import TracebackType
 from typing import Self
 
 import httpx
+import pytest
 
 from gateway.proxy.usage import StreamObserver, usage_in_tail
 from tests.conftest import MODEL
@@ -62,8 +63,12 @@ class LargeReplica:
     """Answers every POST with one large body: chat with a content-length, embeddings
     chunked, a stream of tiny deltas for a request that asks for one."""
 
-    def __init__(self, chat: list[bytes], embeddings: list[bytes], stream: list[bytes]) -> None:
+    def __init__(
+        self, chat: list[bytes], embeddings: list[bytes], stream: list[bytes], cut: int = 0
+    ) -> None:
         self.bodies = {"chat": chat, "embeddings": embeddings, "stream": stream}
+        self.cut = cut
+        """Parts of the chat body sent before the connection is dropped (0: all of them)."""
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -133,9 +138,11 @@ class LargeReplica:
                         b"set-cookie: replica=1; Domain=example.com\r\n"
                         b"content-length: %d\r\n\r\n" % size
                     )
-                    for part in parts:
+                    for part in parts[: self.cut or len(parts)]:
                         writer.write(part)
                         await writer.drain()
+                    if self.cut:
+                        return
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -279,6 +286,31 @@ def test_a_client_that_reads_nothing_of_a_large_reply_has_its_request_ended() ->
             timeout=60,
         )
         assert chat.status_code == 200
+
+
+def test_a_large_reply_cut_short_reaches_the_client_short_of_its_length() -> None:
+    with (
+        LargeReplica(_chat_body(8 * _MIB), [], [], cut=4) as replica,
+        _gateway(replica, "--failure-threshold", "1000") as gateway,
+    ):
+        payload = {"model": MODEL, "messages": [{"role": "user", "content": "big one"}]}
+        with (
+            pytest.raises(httpx.RemoteProtocolError),
+            httpx.stream("POST", gateway.url + "/v1/chat/completions", json=payload) as answer,
+        ):
+            assert answer.status_code == 200
+            for _ in answer.iter_raw():
+                pass
+        text = gateway.metrics()
+        assert metric_value(text, "gateway_upstream_errors_total", cause="stream_broken") == 1
+        # Counted as a stream broken after its first byte is: 502.
+        assert '"stream":false' in gateway.log() and '"status":502' in gateway.log()
+        again = httpx.post(
+            gateway.url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "warm-up"}]},
+            timeout=60,
+        )
+        assert again.status_code == 200
 
 
 def test_a_200_that_is_not_json_is_relayed_as_it_is_and_held_against_its_replica() -> None:

@@ -183,8 +183,9 @@ class Relay:
                 raise
         exchange.finish()
         if failed is not None:
-            # Its head is sent: the client finds the body short of its length.
-            return Relayed(status, seen, failed)
+            # Its head is sent: the client finds the body short of its length (uvicorn closes
+            # the connection of a response left unfinished, and logs that it was).
+            return Relayed(failed.error.status, seen, failed)
         await reply.end()
         self._ended(attempt)
         if status == 200:
