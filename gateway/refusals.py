@@ -24,6 +24,7 @@ from gateway.errors import (
     HeadersTooLarge,
     LoopDetected,
     MethodNotAllowed,
+    NoHealthyBackend,
     NotFound,
     Overloaded,
     PayloadTooLarge,
@@ -111,6 +112,13 @@ REFUSALS: dict[str, Refusal] = {
         Overloaded, "no capacity was freed in time; retry later", (RETRY_AFTER,)
     ),
     "shutting_down": Refusal(ShuttingDown, "the gateway is shutting down"),
+    # No replica could take the request: none serves the model (routing/router.py), or each
+    # one tried refused the connection (proxy/forwarder.py). One answer for both.
+    "no_healthy_backend": Refusal(
+        NoHealthyBackend,
+        "no healthy backend serves model `{0}`; retry later",
+        (RETRY_AFTER,),
+    ),
     # The replicas (proxy/upstream.py) and the deadlines (proxy/deadlines.py).
     "upstream_unreachable": Refusal(UpstreamFailed, "the replica could not be reached"),
     "upstream_failed": Refusal(UpstreamFailed, "the replica's response was not valid HTTP"),

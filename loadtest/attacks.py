@@ -41,6 +41,12 @@ from gateway.config import Settings
 from gateway.emulator.replicas import EmulatedReplicas
 from gateway.errors import GatewayError
 from gateway.prompt.parsing import BodyLimits, Endpoint, parse_request
+from loadtest.large_replies import (
+    large_chat,
+    large_embeddings,
+    large_reply_replica,
+    unread_replies,
+)
 from loadtest.slow_readers import slow_readers
 from tests.redis_server import RedisServer
 from tests.support import GatewayProcess
@@ -66,6 +72,8 @@ class Attack:
     """Runs the attack; returns what the gateway answered, in words. None: not measured yet."""
     with_redis: bool = False
     """The gateway shares its state through a Redis of its own, whose PING is timed too."""
+    replica: Callable[[], contextlib.AbstractContextManager[str]] | None = None
+    """The gateway's one backend (a `--backend` spec) in place of the emulated replicas."""
 
 
 @dataclass(frozen=True)
@@ -351,6 +359,25 @@ ATTACKS = [
         f" (`--client-write-timeout` {DEFAULTS.client_write_timeout:g} s)",
         lambda target: slow_readers(target.host, target.port),
     ),
+    Attack(
+        "large_reply",
+        "non-streamed chat answers of 300 MB, one after the other for 8 s",
+        lambda target: large_chat(target.host, target.port),
+        replica=large_reply_replica,
+    ),
+    Attack(
+        "large_embeddings_reply",
+        "embeddings answers of 2,048 inputs × 4,096 floats (96 MiB, chunked),"
+        " one after the other for 8 s",
+        lambda target: large_embeddings(target.host, target.port),
+        replica=large_reply_replica,
+    ),
+    Attack(
+        "unread_replies",
+        "4 clients asking for 50 MB answers, reading none of them for 10 s",
+        lambda target: unread_replies(target.host, target.port),
+        replica=large_reply_replica,
+    ),
 ]
 
 
@@ -437,6 +464,8 @@ async def measure(attack: Attack, replicas: list[str]) -> str:
     with contextlib.ExitStack() as stack:
         redis = stack.enter_context(RedisServer()) if attack.with_redis else None
         shared = ("--redis-url", redis.url) if redis is not None else ()
+        if attack.replica is not None:
+            replicas = [stack.enter_context(attack.replica())]
         gateway = stack.enter_context(GatewayProcess(replicas, "--log-level", "warning", *shared))
         target = Target(gateway.host, gateway.port)
         before = _status_kib(gateway.pid, "VmRSS")

@@ -112,6 +112,11 @@ class Settings:
     max_body_bytes: int = _opt(
         8 * 1024 * 1024, "largest request body accepted (413 beyond; see docs/reliability.md)"
     )
+    whole_reply_bytes: int = _opt(
+        1024 * 1024,
+        "largest non-streamed response read whole before it is sent (its answer recorded"
+        " first); larger ones are passed on as they arrive, their usage read from their end",
+    )
     connect_timeout: float = _opt(3.0, "seconds to connect to a replica")
     first_byte_timeout: float = _opt(
         600.0, "seconds from sending a request to a replica to its first body byte (prefill)"
@@ -392,6 +397,7 @@ class Settings:
             self.max_batch_prompts,
             self.max_session_key_bytes,
             self.max_prompt_tokens,
+            self.whole_reply_bytes,
         )
         if min(limits) < 1:
             raise ConfigError("every max_* limit must be at least 1")

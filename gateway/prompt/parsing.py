@@ -52,14 +52,21 @@ class Endpoint(Enum):
 
     @property
     def generates(self) -> bool:
-        """Generates text: a stream's usage and a tenant's `cache_salt` apply to it."""
+        """Generates text: a stream's usage applies to it."""
         return self in _GENERATES
+
+    @property
+    def salted(self) -> bool:
+        """Runs the model on a prompt, whose cached blocks vLLM keys with `cache_salt`
+        (pooling requests too since vLLM 0.11; docs/endpoints.md)."""
+        return self not in _UNSALTED
 
 
 _BY_PREFIX = frozenset(
     {Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.EMBEDDINGS, Endpoint.RESPONSES}
 )
 _GENERATES = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES})
+_UNSALTED = frozenset({Endpoint.TOKENIZE, Endpoint.DETOKENIZE})
 ENDPOINTS = {endpoint.value: endpoint for endpoint in Endpoint}
 
 
@@ -142,26 +149,7 @@ def parse_request(
     """What routing needs of `body`; a `BadRequest` for anything malformed or past `limits`
     (its values are counted before it is parsed, its depth checked before it is walked). With
     `tokenizer`, also the prompt's token ids."""
-    containers = body.count(b"[") + body.count(b"{")
-    if containers + body.count(b",") > limits.values:
-        raise BadRequest(
-            f"request body holds more than {limits.values} values", code="too_many_values"
-        )
-    # A parsed body holds no cycles: the collector, run again and again while millions of
-    # objects are made, would only slow the parse (and the event loop) down.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        payload = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
-    finally:
-        if collecting:
-            gc.enable()
-    if not isinstance(payload, dict):
-        raise BadRequest("request body must be a JSON object", code="invalid_type")
-    if containers > limits.depth:  # fewer brackets than the limit cannot nest deeper
-        _check_depth(payload, limits.depth)
+    payload = _json_object(body, limits)
     model = payload.get("model", default_model or None)
     if model is None or model == "":
         raise BadRequest("you must provide a model parameter", param="model", code="missing_model")
@@ -210,9 +198,17 @@ def parse_request(
 
 
 def stored_response_request(
-    response_id: str, query: bytes, tenant: str | None
+    response_id: str,
+    query: bytes,
+    tenant: str | None,
+    body: bytes = b"",
+    limits: BodyLimits = BodyLimits(),
 ) -> RoutingInput:
-    """A request about the stored response `response_id` (checked here), as routing sees it."""
+    """A request about the stored response `response_id` (checked here), as routing sees it.
+    Its body, which routing does not need (a `cancel` is sent none), goes upstream only if it
+    is empty or a JSON object within `limits`."""
+    if body.strip():
+        _json_object(body, limits)
     return RoutingInput(
         endpoint=Endpoint.RESPONSES,
         model="",
@@ -226,9 +222,34 @@ def stored_response_request(
     )
 
 
+def _json_object(body: bytes, limits: BodyLimits) -> dict[str, Any]:
+    """`body` parsed, once its values are counted; refused past `limits` or unless an object."""
+    containers = body.count(b"[") + body.count(b"{")
+    if containers + body.count(b",") > limits.values:
+        raise BadRequest(
+            f"request body holds more than {limits.values} values", code="too_many_values"
+        )
+    # A parsed body holds no cycles: the collector, run again and again while millions of
+    # objects are made, would only slow the parse (and the event loop) down.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    finally:
+        if collecting:
+            gc.enable()
+    if not isinstance(payload, dict):
+        raise BadRequest("request body must be a JSON object", code="invalid_type")
+    if containers > limits.depth:  # fewer brackets than the limit cannot nest deeper
+        _check_depth(payload, limits.depth)
+    return payload
+
+
 def _client_salt(endpoint: Endpoint, payload: dict[str, Any]) -> str | None:
     salt = payload.get("cache_salt")
-    return salt if endpoint.generates and isinstance(salt, str) and salt else None
+    return salt if endpoint.salted and isinstance(salt, str) and salt else None
 
 
 def _tokens(

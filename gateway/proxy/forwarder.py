@@ -22,9 +22,10 @@ from gateway.proxy.deadlines import Interrupted, Why, client_error
 from gateway.proxy.forwarding import Forwarding
 from gateway.proxy.http1 import Response
 from gateway.proxy.prefills import Prefills
-from gateway.proxy.relay import Relay, Relayed, Timeouts
+from gateway.proxy.relay import Relay, Relayed, ReplyLimits, Timeouts
 from gateway.proxy.rewrite import request_usage, with_cache_salt
 from gateway.proxy.upstream import Upstream, UpstreamError, interrupted, response_headers
+from gateway.refusals import refused
 from gateway.routing.types import Decision, Outcome
 
 _RETRY_STATUSES = frozenset({429, 502, 503, 504})
@@ -47,7 +48,7 @@ class Forwarder:
         self._health = health
         self._metrics = metrics
         self._limits = Timeouts.of(settings)
-        self._relay = Relay(metrics, self._limits)
+        self._relay = Relay(metrics, self._limits, ReplyLimits.of(settings))
         self._prefills = prefills if prefills.max_wait > 0 else None
         self._max_attempts = settings.max_attempts
         self._backoff = settings.retry_backoff
@@ -68,8 +69,9 @@ class Forwarder:
         ):
             forwarding.strip_usage = True
             forwarding.body = request_usage(forwarding.body)
-        salted = request.endpoint.generates and forwarding.method == b"POST"
-        if request.tenant is not None and salted:
+        # A stored response's `cancel` computes nothing: its body (usually none) goes as sent.
+        salted = request.endpoint.salted and request.response_id is None
+        if request.tenant is not None and salted and forwarding.method == b"POST":
             forwarding.body = with_cache_salt(forwarding.body, request.tenant)
         tries = _Tries(forwarding)
         exchange = forwarding.exchange
@@ -154,9 +156,13 @@ class Forwarder:
             moved = self._next(tries, *retry)
             if moved is None:
                 assert failed is not None, "a retryable status is relayed when nothing is left"
+                error = failed.error
+                if failed.cause == "connect":
+                    # Nothing could take it: answered as when no replica is healthy at all.
+                    error = refused("no_healthy_backend", placement.request.model)
                 headers = forwarding.gateway_headers(tries.decision)
-                await forwarding.reply.fail(failed.error, headers)
-                return Relayed(failed.error.status, failure=failed)
+                await forwarding.reply.fail(error, headers)
+                return Relayed(error.status, failure=failed)
             backend, pause = moved
 
     async def _answer(
@@ -166,12 +172,15 @@ class Forwarder:
         `Relayed(0)`, the retry's cause and its pause."""
         backend = attempt.backend
         status = response.status
+        # A non-streamed 200 counts as a success once its body turned out to be JSON.
+        whole = status == 200 and not tries.forwarding.placement.request.stream
         if status >= 500:
             self._failed(backend, f"status_{status}")
         else:
-            self._health.request_succeeded(backend)
             if status < 300:
                 tries.accepted.append(backend.name)
+            if not whole:
+                self._health.request_succeeded(backend)
         if status in _RETRY_STATUSES:
             after = _retry_after(response.headers.get("retry-after")) if status == 429 else None
             if (after is None or after <= self._retry_after_cap) and self._can_move(tries):
@@ -179,7 +188,10 @@ class Forwarder:
         forwarding = tries.forwarding
         out_headers = response_headers(response.raw_headers)
         out_headers.extend(forwarding.gateway_headers(tries.decision))
-        return await self._relay(forwarding, attempt, response, out_headers), None
+        relayed = await self._relay(forwarding, attempt, response, out_headers)
+        if whole and relayed.failure is None:
+            self._health.request_succeeded(backend)
+        return relayed, None
 
     def _can_move(self, tries: _Tries) -> bool:
         if len(tries.tried) >= self._max_attempts:

@@ -197,7 +197,7 @@ class ProxyHandler:
             target = response_target(path)
             if target is not None:
                 query: bytes = scope.get("query_string", b"")
-                request = stored_response_request(target[0], query, tenant)
+                request = stored_response_request(target[0], query, tenant, body, self._limits)
                 path += "?" + query.decode("latin-1") if query else ""
             elif self._tokenizing is not None and len(body) >= _TOKENIZED_BESIDE_THE_LOOP:
                 # The encode releases the GIL: other streams go on while it runs.

@@ -1,6 +1,11 @@
 """Relaying one replica's response to the client as it arrives. Until the first chunk is sent
 the attempt may still fail over, so the relay returns that failure instead of answering; a
 stream that breaks later ends with an SSE error event.
+
+A non-streamed body up to `--whole-reply-bytes` is read whole first, so that its answer and a
+stored response's id are recorded before the client has it; a larger one is passed on as it
+arrives (the replica's content-length with it), its usage read from its last bytes, and a body
+that breaks off is left cut short (the connection closes).
 """
 
 from __future__ import annotations
@@ -17,7 +22,13 @@ from gateway.proxy.forwarding import Forwarding
 from gateway.proxy.http1 import HTTPClientError, Response
 from gateway.proxy.reply import Headers
 from gateway.proxy.upstream import UpstreamError, failure, failure_of, interrupted
-from gateway.proxy.usage import Observation, StreamObserver, observe_body
+from gateway.proxy.usage import (
+    Observation,
+    StreamObserver,
+    observe_body,
+    opening_id,
+    usage_in_tail,
+)
 
 
 @dataclass(slots=True)
@@ -33,6 +44,8 @@ class Relayed:
 
 # What the last event of a stream carries; a chunk holding it is read before it is relayed.
 _LAST_EVENT = re.compile(rb"\[DONE\]|response\.(?:completed|incomplete|failed)")
+_OPENING = 1024  # bytes of a passed-on body looked at for its shape and id
+_TAIL = 64 * 1024  # bytes at the end of a passed-on body kept for its usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,10 +65,24 @@ class Timeouts:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class ReplyLimits:
+    whole_bytes: int
+    """A non-streamed body read whole before it is sent (larger: passed on as it arrives)."""
+    answer_chars: int
+    """Answer text kept for the next turn at most (what its prompt can use)."""
+
+    @classmethod
+    def of(cls, settings: Settings) -> ReplyLimits:
+        answer = round(settings.max_prompt_tokens * settings.chars_per_token)
+        return cls(settings.whole_reply_bytes, answer)
+
+
 class Relay:
-    def __init__(self, metrics: Metrics, limits: Timeouts) -> None:
+    def __init__(self, metrics: Metrics, limits: Timeouts, replies: ReplyLimits) -> None:
         self._metrics = metrics
         self._limits = limits
+        self._replies = replies
 
     async def __call__(
         self, forwarding: Forwarding, attempt: Attempt, response: Response, headers: Headers
@@ -66,32 +93,108 @@ class Relay:
         if forwarding.placement.request.stream and status == 200:
             return await self._stream(forwarding, attempt, response, headers)
         exchange = forwarding.exchange
+        held: list[bytes] = []
+        size, bound = 0, self._replies.whole_bytes
         try:
             with exchange.guard():
-                payload = await response.read()
+                while size <= bound and (chunk := await response.readany()):
+                    held.append(chunk)
+                    size += len(chunk)
         except HTTPClientError as exc:
             return Relayed(0, failure=failure_of(exc))
         except Interrupted as stop:
             return Relayed(0, failure=self._first_byte_missed(stop))
-        exchange.finish()
+        if size > bound:
+            return await self._pass_on(forwarding, attempt, response, headers, held)
+        payload = b"".join(held)
+        del held
         self._first_byte(attempt)
         seen = None
         placement = forwarding.placement
         stored, hears_answer = placement.hears_response_id, placement.hears_answer
+        answer_limit = self._replies.answer_chars
         if status == 200 and (stored or hears_answer):
             # Read before the client has the body: what it starts must be known first.
-            seen = observe_body(payload)
+            seen = observe_body(payload, answer_limit)
             name = attempt.backend.name
             if stored and seen.response_id is not None:
                 await placement.response_stored(seen.response_id, name)
             if hears_answer:
                 await placement.answer_complete(name, seen.answer, seen.completion_tokens)
+        # Interrupted here, a client that stopped reading ends the request as a stream's does.
+        exchange.expect(Why.CLIENT_STALLED, self._limits.idle)
         await forwarding.reply.whole(status, headers, payload)
+        exchange.finish()
         self._ended(attempt)
         if seen is None:
-            seen = observe_body(payload) if status == 200 else Observation()
+            seen = observe_body(payload, answer_limit) if status == 200 else Observation()
         seen.sent_at = attempt.started
-        return Relayed(status, seen)
+        return Relayed(status, seen, _malformed() if seen.malformed else None)
+
+    async def _pass_on(
+        self,
+        forwarding: Forwarding,
+        attempt: Attempt,
+        response: Response,
+        headers: Headers,
+        held: list[bytes],
+    ) -> Relayed:
+        """Send a body too large to hold as it arrives: what is `held`, then the rest, at the
+        client's pace. Its answer is not recorded (too long for a next turn's prompt, most
+        likely); a stored response's id is read from its opening bytes."""
+        exchange, reply = forwarding.exchange, forwarding.reply
+        self._first_byte(attempt)
+        status = response.status
+        opening = b"".join(held[:8])[:_OPENING]
+        seen = Observation(sent_at=attempt.started)
+        if status == 200:
+            seen.malformed = not opening.lstrip().startswith(b"{")
+            seen.response_id = opening_id(opening)
+            placement = forwarding.placement
+            if placement.hears_response_id and seen.response_id is not None:
+                await placement.response_stored(seen.response_id, attempt.backend.name)
+        length = response.headers.get("content-length")
+        if length is not None:
+            headers.append((b"content-length", length.encode("latin-1")))
+        await reply.start(status, headers)
+        idle = self._limits.idle
+        clock = time.monotonic
+        backend = attempt.backend
+        exchange.expect(Why.IDLE, idle)
+        tail = b""
+        failed: UpstreamError | None = None
+        try:
+            with exchange.guard():
+                while held:
+                    chunk = held.pop(0)
+                    tail = (tail + chunk)[-_TAIL:]
+                    exchange.phase = Why.CLIENT_STALLED
+                    await reply.chunk(chunk)
+                    exchange.phase = Why.IDLE
+                while chunk := await response.readany():
+                    now = clock()
+                    exchange.due = now + idle
+                    backend.progressed(now)
+                    tail = (tail + chunk)[-_TAIL:]
+                    exchange.phase = Why.CLIENT_STALLED
+                    await reply.chunk(chunk)
+                    exchange.phase = Why.IDLE
+        except HTTPClientError:
+            failed = failure("stream_broken")
+        except Interrupted as stop:
+            failed = interrupted(stop.why, idle if stop.why is Why.IDLE else self._limits.total)
+            if failed is None:  # the client went away
+                raise
+        exchange.finish()
+        if failed is not None:
+            # Its head is sent: the client finds the body short of its length (uvicorn closes
+            # the connection of a response left unfinished, and logs that it was).
+            return Relayed(failed.error.status, seen, failed)
+        await reply.end()
+        self._ended(attempt)
+        if status == 200:
+            seen.take_usage(usage_in_tail(tail))
+        return Relayed(status, seen, _malformed() if seen.malformed else None)
 
     async def _stream(
         self, forwarding: Forwarding, attempt: Attempt, response: Response, headers: Headers
@@ -111,7 +214,7 @@ class Relay:
         backend = attempt.backend
         now = clock()
         exchange.expect(Why.IDLE, idle)
-        observer = StreamObserver(strip_usage)
+        observer = StreamObserver(strip_usage, self._replies.answer_chars)
         seen = observer.seen
         seen.sent_at = attempt.started
         await reply.start_stream(headers)
@@ -194,3 +297,8 @@ class Relay:
         name = attempt.backend.name
         self._metrics.child(self._metrics.duration_seconds, name).observe(took)
 
+
+
+def _malformed() -> UpstreamError:
+    """A 200 whose body is not the endpoint's JSON: relayed as it is, held against the replica."""
+    return failure("malformed")

@@ -37,6 +37,12 @@ class Reply:
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
         await self._send({"type": "http.response.body", "body": body})
 
+    async def start(self, status: int, headers: Headers) -> None:
+        """Begin a body sent in chunks that is not an event stream (it cannot end in an
+        error event: one cut short is left short)."""
+        self.begun = True
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+
     async def start_stream(self, headers: Headers) -> None:
         self.begun = self.streaming = True
         await self._send({"type": "http.response.start", "status": 200, "headers": headers})

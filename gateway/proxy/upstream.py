@@ -60,6 +60,7 @@ _FAILURES = {
     "stream_idle": "stream_idle_timeout",
     "request_timeout": "request_timeout",
     "stalled": "upstream_stalled",
+    "malformed": "upstream_failed",
 }
 """Each cause of a failed attempt (the `upstream_errors` label) and its refusal's code."""
 _CAUSES = {"connect": "connect", "connect_timeout": "connect"}
@@ -179,5 +180,10 @@ def passed_through(headers: Iterable[tuple[bytes, bytes]]) -> bool:
     return any(name == b"via" and b"prefix-gateway" in value for name, value in headers)
 
 
+_NOT_RELAYED = HOP_BY_HOP | {b"set-cookie"}
+"""A replica's cookies are not the client's business: one with a `Domain` would reach every
+host of that domain through the gateway's name (docs/endpoints.md)."""
+
+
 def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    return [(name.lower(), value) for name, value in raw if name.lower() not in HOP_BY_HOP]
+    return [(name.lower(), value) for name, value in raw if name.lower() not in _NOT_RELAYED]

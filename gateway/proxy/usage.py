@@ -15,6 +15,8 @@ from typing import Any
 import orjson
 
 _HOLD_MAX = 1 << 20  # bytes of one unfinished event held back at most while stripping usage
+_JOINED_EVERY = 256  # answer parts joined into one string past this many (a delta is tiny)
+_OPENING_ID = re.compile(rb'\A\s*\{\s*"id"\s*:\s*"([^"\\]{1,256})"')
 # An event ends at a blank line; lines end in LF or CRLF (sse-starlette's default).
 _BLANK_LINE = re.compile(rb"\r?\n\r?\n")
 
@@ -31,10 +33,32 @@ class Observation:
     response_id: str | None = None
     """A Responses API response's id."""
     completion_tokens: int | None = None
+    answer_limit: int = 1 << 62
+    """Characters of answer text kept at most: the next turn's prompt can use no more."""
+    answer_truncated: bool = False
+    """The answer ran past `answer_limit`: it is dropped, never recorded in part."""
+    malformed: bool = False
+    """A non-streamed 200 whose body is not the endpoint's JSON object."""
+    _answer_chars: int = field(default=0, init=False, repr=False)
 
     @property
     def answer(self) -> str:
-        return "".join(self.answer_parts)
+        """The whole answer; empty when there was none or it was too long to keep."""
+        return "" if self.answer_truncated else "".join(self.answer_parts)
+
+    def add_answer(self, text: str) -> None:
+        if self.answer_truncated:
+            return
+        self._answer_chars += len(text)
+        if self._answer_chars > self.answer_limit:
+            self.answer_truncated = True
+            self.answer_parts.clear()
+            return
+        parts = self.answer_parts
+        parts.append(text)
+        if len(parts) > _JOINED_EVERY:
+            # A list of one-character deltas costs ~60 bytes a character; one string, one.
+            parts[:] = ["".join(parts)]
 
     def take_usage(self, usage: Any) -> None:
         """Chat's usage (`prompt_tokens`...) or the Responses API's (`input_tokens`...)."""
@@ -61,18 +85,21 @@ class Observation:
             if isinstance(item, dict) and item.get("type") == "message":
                 for part in item.get("content") or ():
                     if isinstance(part, dict) and isinstance(part.get("text"), str):
-                        self.answer_parts.append(part["text"])
+                        self.add_answer(part["text"])
                 return
 
 
-def observe_body(body: bytes) -> Observation:
-    """Usage and the first choice's text from a non-streamed response."""
-    seen = Observation()
+def observe_body(body: bytes, answer_limit: int = 1 << 62) -> Observation:
+    """Usage and the first choice's text from a non-streamed response (`malformed` when it is
+    not a JSON object, as no endpoint's answer is)."""
+    seen = Observation(answer_limit=answer_limit)
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError:
+        seen.malformed = True
         return seen
     if not isinstance(payload, dict):
+        seen.malformed = True
         return seen
     if payload.get("object") == "response":
         seen.take_response(payload)
@@ -82,7 +109,7 @@ def observe_body(body: bytes) -> Observation:
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):
         message = choices[0].get("message")
         if isinstance(message, dict) and isinstance(message.get("content"), str):
-            seen.answer_parts.append(message["content"])
+            seen.add_answer(message["content"])
     return seen
 
 
@@ -90,8 +117,8 @@ class StreamObserver:
     """Follows SSE events across chunk boundaries. `feed` returns what the client is to get:
     each chunk as it came, or with `strip_usage` the complete events less the usage-only one."""
 
-    def __init__(self, strip_usage: bool = False) -> None:
-        self.seen = Observation()
+    def __init__(self, strip_usage: bool = False, answer_limit: int = 1 << 62) -> None:
+        self.seen = Observation(answer_limit=answer_limit)
         self._strip_usage = strip_usage
         self._pending = b""
 
@@ -175,7 +202,7 @@ class StreamObserver:
                 if isinstance(delta, dict):
                     content = delta.get("content")
                     if isinstance(content, str):
-                        self.seen.answer_parts.append(content)
+                        self.seen.add_answer(content)
         return usage_only
 
     def _response_event(self, kind: str, message: dict[str, Any]) -> None:
@@ -183,7 +210,7 @@ class StreamObserver:
         seen = self.seen
         if kind == "response.output_text.delta":
             if isinstance(message.get("delta"), str):
-                seen.answer_parts.append(message["delta"])
+                seen.add_answer(message["delta"])
         elif kind == "response.created":
             response = message.get("response")
             if isinstance(response, dict) and isinstance(response.get("id"), str):
@@ -196,3 +223,53 @@ class StreamObserver:
 
 
 _RESPONSE_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+def opening_id(opening: bytes) -> str | None:
+    """The `id` a JSON object opens with (a Responses API response's comes first), if any."""
+    found = _OPENING_ID.match(opening)
+    return None if found is None else found.group(1).decode("utf-8", "replace")
+
+
+def usage_in_tail(tail: bytes) -> Any:
+    """The last `"usage"` object in the tail of a JSON body (OpenAI and vLLM put it at the
+    end), parsed; None when the tail holds no whole one."""
+    at = len(tail)
+    while (at := tail.rfind(b'"usage"', 0, at)) > 0 and tail[at - 1] == 0x5C:
+        pass  # `\"usage\"` inside a string: look further back
+    if at < 0:
+        return None
+    start = tail.find(b"{", at)
+    if start < 0 or tail[at + 7 : start].strip() != b":":
+        return None
+    end = _object_end(tail, start)
+    if end is None:
+        return None
+    try:
+        return orjson.loads(tail[start:end])
+    except orjson.JSONDecodeError:
+        return None
+
+
+def _object_end(data: bytes, start: int) -> int | None:
+    """Where the JSON object opening at `start` ends (past its `}`), strings skipped."""
+    depth = 0
+    in_string = escaped = False
+    for index in range(start, min(len(data), start + 4096)):
+        byte = data[index]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:
+                escaped = True
+            elif byte == 0x22:
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte == 0x7B:
+            depth += 1
+        elif byte == 0x7D:
+            depth -= 1
+            if depth == 0:
+                return index + 1
+    return None

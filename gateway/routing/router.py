@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from gateway.backends.pool import BackendPool, ModelPool
 from gateway.clock import Clock, monotonic
 from gateway.config import Settings
-from gateway.errors import NoHealthyBackend, NotFound
+from gateway.errors import NotFound
 from gateway.metrics import Metrics
 from gateway.prompt.hashing import chain_hashes, chain_seed, key_hash
 from gateway.prompt.parsing import Endpoint, RoutingInput
 from gateway.prompt.tokens import EngineTokenizer
+from gateway.refusals import refused
 from gateway.routing.baselines import LeastLoadedInTurnPolicy
 from gateway.routing.conversations import Turn, fingerprint
 from gateway.routing.observer import RoutingObserver
@@ -208,9 +209,7 @@ class Router:
                 raise NotFound(
                     f"The model `{model}` does not exist.", param="model", code="model_not_found"
                 )
-            raise NoHealthyBackend(
-                f"no healthy backend serves model `{model}`", code="no_healthy_backend"
-            )
+            raise refused("no_healthy_backend", model)
         return serving
 
     def _affinity_key(self, request: RoutingInput) -> int:
