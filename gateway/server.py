@@ -237,7 +237,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._body_since = self.loop.time()
 
     def _drop(self) -> None:
-        """Close the connection now, discarding unsent bytes: its client stopped reading."""
+        """Close the connection now, discarding unsent bytes: its client stopped reading, or its
+        response broke off where no error can be told any more."""
         cycle = self.cycle
         if cycle is not None:
             cycle.disconnected = True  # the response is left unfinished on purpose

@@ -350,25 +350,15 @@ class Settings:
 
     def _validate_reliability(self) -> None:
         timeouts = (
-            self.head_timeout,
-            self.body_timeout,
-            self.connect_timeout,
-            self.first_byte_timeout,
-            self.stream_idle_timeout,
-            self.client_write_timeout,
-            self.request_timeout,
-            self.health_timeout,
+            self.head_timeout, self.body_timeout, self.connect_timeout, self.first_byte_timeout,
+            self.stream_idle_timeout, self.client_write_timeout, self.request_timeout,
+            self.health_timeout
         )
         if min(timeouts) <= 0:
             raise ConfigError("every timeout must be positive")
         counts = (
-            self.max_attempts,
-            self.unhealthy_threshold,
-            self.healthy_threshold,
-            self.failure_threshold,
-            self.max_concurrency,
-            self.max_connections,
-            self.max_headers,
+            self.max_attempts, self.unhealthy_threshold, self.healthy_threshold,
+            self.failure_threshold, self.max_concurrency, self.max_connections, self.max_headers
         )
         if min(counts) < 1:
             raise ConfigError(
@@ -378,12 +368,8 @@ class Settings:
         if self.max_connections_per_client < 0:
             raise ConfigError("max_connections_per_client must be 0 (no cap) or more")
         waits = (
-            self.max_queue,
-            self.queue_timeout,
-            self.retry_backoff,
-            self.retry_after_cap,
-            self.shutdown_delay,
-            self.shutdown_grace,
+            self.max_queue, self.queue_timeout, self.retry_backoff, self.retry_after_cap,
+            self.shutdown_delay, self.shutdown_grace
         )
         if min(waits) < 0:
             raise ConfigError("queue sizes, backoff and shutdown periods must not be negative")
@@ -392,12 +378,8 @@ class Settings:
         if self.max_header_bytes < 1024 or self.max_json_depth < 2:
             raise ConfigError("max_header_bytes must be at least 1024, max_json_depth at least 2")
         limits = (
-            self.max_json_values,
-            self.max_messages,
-            self.max_batch_prompts,
-            self.max_session_key_bytes,
-            self.max_prompt_tokens,
-            self.whole_reply_bytes,
+            self.max_json_values, self.max_messages, self.max_batch_prompts,
+            self.max_session_key_bytes, self.max_prompt_tokens, self.whole_reply_bytes
         )
         if min(limits) < 1:
             raise ConfigError("every max_* limit must be at least 1")

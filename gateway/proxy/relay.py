@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from gateway.config import Settings
 from gateway.metrics import Metrics
 from gateway.proxy.attempt import Attempt
-from gateway.proxy.deadlines import Interrupted, Why
+from gateway.proxy.deadlines import Exchange, Interrupted, Why
 from gateway.proxy.forwarding import Forwarding
 from gateway.proxy.http1 import HTTPClientError, Response
-from gateway.proxy.reply import Headers
+from gateway.proxy.reply import Headers, Reply
 from gateway.proxy.upstream import UpstreamError, failure, failure_of, interrupted
 from gateway.proxy.usage import (
     Observation,
@@ -122,7 +122,7 @@ class Relay:
             if hears_answer:
                 await placement.answer_complete(name, seen.answer, seen.completion_tokens)
         # Interrupted here, a client that stopped reading ends the request as a stream's does.
-        exchange.expect(Why.CLIENT_STALLED, self._limits.idle)
+        exchange.expect(Why.CLIENT_STALLED, self._limits.client_write)
         await forwarding.reply.whole(status, headers, payload)
         exchange.finish()
         self._ended(attempt)
@@ -168,27 +168,26 @@ class Relay:
                 while held:
                     chunk = held.pop(0)
                     tail = (tail + chunk)[-_TAIL:]
-                    exchange.phase = Why.CLIENT_STALLED
-                    await reply.chunk(chunk)
-                    exchange.phase = Why.IDLE
+                    await self._to_client(exchange, attempt, reply, chunk)
                 while chunk := await response.readany():
                     now = clock()
                     exchange.due = now + idle
                     backend.progressed(now)
                     tail = (tail + chunk)[-_TAIL:]
-                    exchange.phase = Why.CLIENT_STALLED
-                    await reply.chunk(chunk)
-                    exchange.phase = Why.IDLE
+                    await self._to_client(exchange, attempt, reply, chunk)
         except HTTPClientError:
             failed = failure("stream_broken")
         except Interrupted as stop:
             failed = interrupted(stop.why, idle if stop.why is Why.IDLE else self._limits.total)
-            if failed is None:  # the client went away
+            if failed is None:  # the client went away, or stopped reading
+                if stop.why is Why.CLIENT_STALLED:
+                    reply.drop()
                 raise
         exchange.finish()
         if failed is not None:
-            # Its head is sent: the client finds the body short of its length (uvicorn closes
-            # the connection of a response left unfinished, and logs that it was).
+            # Its head is sent: the client finds the body short of its length, its
+            # connection closed at once.
+            reply.drop()
             return Relayed(failed.error.status, seen, failed)
         await reply.end()
         self._ended(attempt)
@@ -280,6 +279,19 @@ class Relay:
             await reply.chunk(held)
         await reply.fail(failed.error, [])
         return Relayed(failed.error.status, seen, failed)
+
+    async def _to_client(
+        self, exchange: Exchange, attempt: Attempt, reply: Reply, chunk: bytes
+    ) -> None:
+        """Send a chunk of a passed-on body; while it waits, the client is judged (within
+        `--client-write-timeout`), not the replica."""
+        exchange.phase = Why.CLIENT_STALLED
+        exchange.due = time.monotonic() + self._limits.client_write
+        await reply.chunk(chunk)
+        now = time.monotonic()
+        attempt.judged_from = now
+        exchange.phase = Why.IDLE
+        exchange.due = now + self._limits.idle
 
     def _first_byte_missed(self, stop: Interrupted) -> UpstreamError:
         missed = interrupted(stop.why, self._limits.first_byte)
