@@ -8,6 +8,7 @@ retries on 429/503, health thresholds, a stream that goes quiet.
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import time
 
 import httpx
@@ -194,3 +195,32 @@ def test_the_openai_client_raises_on_a_stream_cut_after_its_first_byte() -> None
             for chunk in stream:
                 pieces.append(chunk.choices[0].delta.content)
     assert pieces == ["fine0 ", "fine1 "]  # everything before the break was relayed
+
+
+def test_a_retry_after_given_as_an_http_date() -> None:
+    """A date already past is no wait: retried on the other replica at once; a date two
+    minutes away is longer than the gateway waits: the replica's 429 goes to the client."""
+    past = email.utils.formatdate(0, usegmt=True)
+    later = email.utils.formatdate(time.time() + 120, usegmt=True)
+    with (
+        FaultServer(mode="status", status=429, extra_headers={"retry-after": past}) as ready,
+        FaultServer(mode="status", status=429, extra_headers={"retry-after": later}) as busy,
+        FaultServer() as good,
+    ):
+        specs = [f"{MODEL}={ready.url}", f"{MODEL}={good.url}"]
+        with GatewayProcess(specs, "--failure-threshold", "1000") as gateway:
+            for attempt in range(8):
+                assert _chat(gateway.url, attempt).status_code == 200
+            text = gateway.metrics()
+        assert ready.posts >= 1
+        assert metric_value(text, "gateway_upstream_retries_total", cause="status_429") == (
+            ready.posts
+        )
+        with GatewayProcess([f"{MODEL}={busy.url}", f"{MODEL}={good.url}"]) as gateway:
+            for attempt in range(8):
+                response = _chat(gateway.url, attempt)
+                if response.status_code == 429:
+                    assert response.headers["retry-after"] == later
+                    break
+            else:
+                raise AssertionError("no request was placed on the busy replica")
