@@ -22,7 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 _TRACEBACK = "Traceback (most recent call last):"
 # A log record's first line, as the gateway (`%(asctime)s %(levelname)s ...`) and uvicorn
-# (`LEVEL:    ...`) write it; the lines up to the next such line (a traceback) belong to it.
+# (`LEVEL:    ...`) write it; the lines up to the next such line (a traceback) belong to it. An
+# access log line (JSON) is a record of its own.
 _RECORD = re.compile(r"^(?:\d{4}-\d\d-\d\d [\d:,.]+ )?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
 _ASGI_ERROR = "Exception in ASGI application"
 
@@ -31,7 +32,7 @@ def log_records(text: str) -> list[str]:
     """`text` cut into records: each from a record's first line to the next one's."""
     records: list[list[str]] = [[]]
     for line in text.splitlines():
-        if _RECORD.match(line) and records[-1]:
+        if (_RECORD.match(line) or line.startswith("{")) and records[-1]:
             records.append([])
         records[-1].append(line)
     return ["\n".join(lines) for lines in records if lines]
