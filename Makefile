@@ -29,7 +29,7 @@ engines: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check gateway tests loadtest engines
-	$(BIN)/mypy gateway
+	$(BIN)/mypy gateway tests loadtest
 	$(BIN)/mypy --strict engines
 	$(BIN)/lint-imports
 

@@ -6,20 +6,47 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import IO, Self
+from typing import IO, ClassVar, Self
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 _TRACEBACK = "Traceback (most recent call last):"
+# A log record's first line, as the gateway (`%(asctime)s %(levelname)s ...`) and uvicorn
+# (`LEVEL:    ...`) write it; the lines up to the next such line (a traceback) belong to it. An
+# access log line (JSON) is a record of its own.
+_RECORD = re.compile(r"^(?:\d{4}-\d\d-\d\d [\d:,.]+ )?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
+_ASGI_ERROR = "Exception in ASGI application"
+
+
+def log_records(text: str) -> list[str]:
+    """`text` cut into records: each from a record's first line to the next one's."""
+    records: list[list[str]] = [[]]
+    for line in text.splitlines():
+        if (_RECORD.match(line) or line.startswith("{")) and records[-1]:
+            records.append([])
+        records[-1].append(line)
+    return ["\n".join(lines) for lines in records if lines]
+
+
+def is_error_record(record: str) -> bool:
+    """An error nobody was answered about: a traceback, `Exception in ASGI application`, or a
+    record logged at ERROR or CRITICAL."""
+    level = _RECORD.match(record)
+    return (
+        _TRACEBACK in record
+        or _ASGI_ERROR in record
+        or (level is not None and level.group(1) in ("ERROR", "CRITICAL"))
+    )
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:
@@ -45,6 +72,9 @@ class ChildProcess:
     """`python -m MODULE ARGS --host H --port P`, healthy once `GET health_path` answers 200."""
 
     health_path = "/health"
+    on_stop: ClassVar[Callable[[ChildProcess], None] | None] = None
+    """Called with each process once it has ended (stopped or killed), its log still readable:
+    a test suite sets it to check `unexpected_errors()`. Unset, stopping never checks."""
 
     def __init__(
         self,
@@ -70,6 +100,9 @@ class ChildProcess:
         """Where the module is found first (`python -m` puts the working directory first)."""
         self._process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
+        self._expected: list[re.Pattern[str]] = []
+        self._checked = 0
+        """How much of the log `unexpected_errors` has already read."""
 
     @property
     def url(self) -> str:
@@ -112,6 +145,7 @@ class ChildProcess:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        self._ended()
         return process.returncode
 
     def kill(self) -> None:
@@ -120,6 +154,7 @@ class ChildProcess:
             self._process.kill()
             self._process.wait()
             self._process = None
+            self._ended()
 
     def log(self) -> str:
         if self._log is None:
@@ -132,6 +167,29 @@ class ChildProcess:
         the next traceback: a witness of an error nobody was answered about."""
         parts = self.log().split(_TRACEBACK)[1:]
         return [_TRACEBACK + part[:4000] for part in parts]
+
+    def expect_log(self, pattern: str) -> Self:
+        """Allow error records in which the regular expression `pattern` is found: an error the
+        test provokes on purpose. Every other one is unexpected."""
+        self._expected.append(re.compile(pattern))
+        return self
+
+    def unexpected_errors(self) -> list[str]:
+        """The error records (`is_error_record`) logged since the last call that no
+        `expect_log` pattern allows."""
+        text = self.log()
+        fresh, self._checked = text[self._checked :], len(text)
+        return [
+            record[:4000]
+            for record in log_records(fresh)
+            if is_error_record(record)
+            and not any(pattern.search(record) for pattern in self._expected)
+        ]
+
+    def _ended(self) -> None:
+        hook = ChildProcess.on_stop
+        if hook is not None:
+            hook(self)
 
     def metrics_text(self) -> str:
         return httpx.get(self.url + "/metrics", timeout=5).text

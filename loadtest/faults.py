@@ -15,8 +15,9 @@ import argparse
 import asyncio
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -30,7 +31,7 @@ from loadtest.fault_clients import (
 from loadtest.fault_load import Result
 from loadtest.fault_replicas import replica_killed, replica_stalls, replicas_misbehave
 
-SCENARIOS: dict[str, Callable[[], Awaitable[Result]]] = {
+SCENARIOS: dict[str, Callable[[], Coroutine[Any, Any, Result]]] = {
     "killed": replica_killed,
     "stalls": replica_stalls,
     "misbehave": replicas_misbehave,

@@ -50,6 +50,7 @@ from gateway.routing.recorder import Stores
 from gateway.routing.router import Router
 from gateway.state import redis as redis_store
 from gateway.state.index import InMemoryPrefixIndex, PrefixIndex
+from gateway.state.redis.connection import RedisClient
 from gateway.state.sessions import InMemorySessionStore, SessionStore
 from loadtest.fleet_bench import fleet, numbers
 from tests.redis_server import RedisServer
@@ -174,7 +175,7 @@ async def time_lookups(settings: Settings, tokens: int, samples: int) -> dict[st
 
 
 async def redis_time_per_script(
-    client: redis_store.RedisClient, namespace: str, chains: list[list[int]]
+    client: RedisClient, namespace: str, chains: list[list[int]]
 ) -> dict[str, float]:
     """Redis's own µs per lookup, per write of a prompt none of whose blocks the backend was
     sent within the refresh window, and per write of one it was (only read, not rewritten)."""
@@ -249,7 +250,7 @@ def lookup(args: argparse.Namespace) -> None:
                     flush=True,
                 )
             for over, under in (("redis", "memory"), ("redis + agreement", "redis")):
-                extra = {key: rows[over][key] - rows[under][key] for key in row}
+                extra = {key: rows[over][key] - rows[under][key] for key in rows[over]}
                 added.append((tokens, f"{over} minus {under}", extra))
     print("\n# what Redis adds, and what the fleet agreement adds to it")
     print(

@@ -79,7 +79,7 @@ class GatewayProcess(ChildProcess):
         *args: str,
         env: dict[str, str] | None = None,
         checkout: str | None = None,
-        startup_seconds: float = 20.0,
+        startup_seconds: float = 60.0,
     ):
         super().__init__(
             "gateway",

@@ -58,6 +58,7 @@ def test_a_line_per_request_with_the_routing_facts(
     client: openai.OpenAI, gateway: GatewayProcess
 ) -> None:
     prompt = words(120, "secret")
+    line: dict[str, Any] = {}
     for attempt in range(2):
         raw = client.chat.completions.with_raw_response.create(
             model=MODEL,

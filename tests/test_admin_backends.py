@@ -68,7 +68,10 @@ def test_the_fleet_api_needs_the_admin_token(
     assert httpx.get(gateway.url + "/admin/backends").status_code == 401
     wrong = {"Authorization": "Bearer nope"}
     assert httpx.get(gateway.url + "/admin/backends", headers=wrong).status_code == 403
-    refusals = (({}, 401, "authentication_error"), (wrong, 403, "permission_error"))
+    refusals: tuple[tuple[dict[str, str], int, str], ...] = (
+        ({}, 401, "authentication_error"),
+        (wrong, 403, "permission_error"),
+    )
     for headers, status, error_type in refusals:
         calls = [
             httpx.post(

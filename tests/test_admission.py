@@ -59,7 +59,8 @@ def test_freed_slots_go_to_the_waiters_in_arrival_order() -> None:
 
 def test_a_full_queue_refuses_at_once_and_a_wait_that_runs_out_is_a_queue_timeout() -> None:
     async def scenario() -> None:
-        admission = Admission(limit=1, queue_limit=1, queue_timeout=0.05)
+        # Long enough that the waiter is still queued when the next one is refused.
+        admission = Admission(limit=1, queue_limit=1, queue_timeout=1.0)
         assert admission.try_enter()
         entered: list[str] = []
         waiter = queue(admission, "waiting", entered)

@@ -37,7 +37,7 @@ def exported_families(exposition: str) -> dict[str, str]:
 
 
 def sample_names(families: dict[str, str]) -> set[str]:
-    names = set()
+    names: set[str] = set()
     for name, kind in families.items():
         if kind == "histogram":
             names.update(name + suffix for suffix in ("_bucket", "_sum", "_count"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import shutil
 import socket
 import ssl
@@ -180,11 +181,11 @@ class FakeKubernetes:
         self._watchers.add(queue)
         try:
             while True:
-                event = await queue.get()
-                if event is None:
+                change = await queue.get()
+                if change is None:
                     break
-                await response.write(orjson.dumps(event) + b"\n")
-                if event["type"] == "ERROR":
+                await response.write(orjson.dumps(change) + b"\n")
+                if change["type"] == "ERROR":
                     break
         finally:
             self._watchers.discard(queue)
@@ -319,6 +320,22 @@ def test_kubernetes_needs_an_api_and_a_namespace(tmp_path: Path) -> None:
 # --- membership ------------------------------------------------------------------------------
 
 
+def drains() -> list[asyncio.Task[Any]]:
+    """The drains under way on the running loop."""
+    return [
+        task
+        for task in asyncio.all_tasks()
+        if not task.done()
+        and getattr(task.get_coro(), "__qualname__", "") == "BackendPool.finish_drain"
+    ]
+
+
+def suspended(task: asyncio.Task[Any]) -> bool:
+    """The task has started and waits on something."""
+    work = task.get_coro()
+    return isinstance(work, Coroutine) and inspect.getcoroutinestate(work) == inspect.CORO_SUSPENDED
+
+
 def test_membership_adds_drains_and_restores() -> None:
     async def scenario() -> None:
         pool = BackendPool.from_specs([f"{MODEL}=http://10.9.9.9:8000"])
@@ -334,7 +351,10 @@ def test_membership_adds_drains_and_restores() -> None:
         with pool.lease(leaving):
             membership.update(["http://10.0.0.1:8000"])
             assert names(pool) == {"10.9.9.9:8000", "10.0.0.1:8000"}
-            await asyncio.sleep(0.05)
+            # The drain has nothing to await before the request's end: once it waits, it
+            # has seen the request in flight.
+            (drain,) = drains()
+            await eventually(lambda: suspended(drain), "the drain waiting")
             assert pool.get("10.0.0.2:8000") is leaving, "removed with a request in flight"
         await eventually(lambda: pool.get("10.0.0.2:8000") is None, "the drained backend removed")
 
@@ -346,7 +366,7 @@ def test_membership_adds_drains_and_restores() -> None:
             assert returning.draining
             membership.update(["http://10.0.0.1:8000"])
             assert not returning.draining
-        await asyncio.sleep(0.05)
+        await eventually(lambda: not drains(), "the interrupted drain ended")
         assert pool.get("10.0.0.1:8000") is returning
         assert pool.get("10.9.9.9:8000") is static, "a static backend is never discovered away"
         await membership.close()
@@ -372,7 +392,7 @@ def test_a_stuck_request_does_not_hold_a_drain_forever() -> None:
 # --- DNS -------------------------------------------------------------------------------------
 
 
-def test_dns_source_follows_a_and_aaaa_records() -> None:
+def test_dns_source_follows_a_and_aaaa_records(caplog: pytest.LogCaptureFixture) -> None:
     async def scenario(server: FakeDns) -> None:
         pool = BackendPool()
         settings = Settings(
@@ -396,7 +416,9 @@ def test_dns_source_follows_a_and_aaaa_records() -> None:
 
         # An unanswered lookup changes nothing; a name that no longer exists empties the pool.
         server.silent = True
-        await asyncio.sleep(1.0)
+        await eventually(
+            lambda: "cannot resolve vllm.inference.svc" in caplog.text, "a lookup unanswered"
+        )
         assert len(names(pool)) == 3
         server.silent = False
         del server.records["vllm.inference.svc"]

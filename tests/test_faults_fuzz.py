@@ -197,7 +197,7 @@ def test_the_openapi_schema_fuzzed_never_gets_a_5xx(target: GatewayProcess) -> N
 
         @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
         @given(case=operation.as_strategy())
-        def call(case: schemathesis.Case) -> None:
+        def call(case: schemathesis.Case[Any]) -> None:
             nonlocal calls
             calls += 1
             case.call_and_validate(

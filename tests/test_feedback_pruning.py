@@ -18,7 +18,7 @@ import pytest
 
 from gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
-from tests.support import GatewayProcess
+from tests.support import GatewayProcess, wait_until
 from tests.test_explain import AUTH, TOKEN
 from tests.words import words
 
@@ -201,8 +201,14 @@ def test_without_feedback_the_index_keeps_predicting_what_was_evicted(
     assert ask(client, question(system, "pbq1"))[0] == backend
     before = matched_tokens(blind, question(system, "pbq0"))[backend]
     evict(backend, "pbf")
+    answered = blind.metric("gateway_requests_total", model=MODEL)
     third, _, cached = ask(client, question(system, "pbq2"))
     assert third == backend and cached == 0
-    time.sleep(0.2)  # time for the feedback to have run, were it on
+    # Counted as answered in the same step that, right after, would give the feedback the
+    # answer's cached tokens, with no wait between them.
+    wait_until(
+        lambda: blind.metric("gateway_requests_total", model=MODEL) > answered,
+        "the third question counted as answered",
+    )
     assert matched_tokens(blind, question(system, "pbq0"))[backend] == before
     assert blind.metric("gateway_index_feedback_total") == 0

@@ -22,7 +22,7 @@ from gateway.proxy.rewrite import request_usage, with_cache_salt
 from gateway.proxy.usage import StreamObserver
 from tests.conftest import MODEL
 from tests.fault_servers import FaultServer
-from tests.support import GatewayProcess
+from tests.support import GatewayProcess, wait_until
 from tests.words import words
 
 # -- the request body ------------------------------------------------------------------------
@@ -258,10 +258,15 @@ def test_a_stream_with_include_usage_gets_it_once(observing: GatewayProcess) -> 
 
 def test_without_the_flag_nothing_is_asked_for(plain: GatewayProcess) -> None:
     prompts = plain.metric("gateway_upstream_prompt_tokens_total", model=MODEL)
+    answered = plain.metric("gateway_requests_total", model=MODEL)
     chunks, answer = streamed(plain, "ou3")
     assert answer and all(item.usage is None for item in chunks)
-    # The replica was not asked for usage, so it sent none: nothing to count.
-    time.sleep(0.2)
+    # The request is counted where its usage would be, just before: once it is, the replica's
+    # usage would have been too. It was not asked for, so it sent none: nothing to count.
+    wait_until(
+        lambda: plain.metric("gateway_requests_total", model=MODEL) > answered,
+        "the stream counted as answered",
+    )
     assert plain.metric("gateway_upstream_prompt_tokens_total", model=MODEL) == prompts
 
 

@@ -160,7 +160,7 @@ def test_the_hash_rule_passes_over_a_full_backend() -> None:
 
 def test_shared_prefix_ties_spread_by_the_block_after_it() -> None:
     # Every backend holds a 10-block system prompt; conversations differ after it.
-    chosen = Counter()
+    chosen: Counter[str] = Counter()
     for conversation in range(400):
         hashes = [*range(10), key_hash(f"conversation {conversation}")]
         given = RoutingState(FOUR, dict.fromkeys(FOUR, 0), hashes, dict.fromkeys(FOUR, 10), 0)

@@ -136,8 +136,9 @@ def prometheus(
 def talk(client: openai.OpenAI, tag: str) -> None:
     """Two users sharing a system prompt, a second turn each, and one trimmed history."""
     system = {"role": "system", "content": words(300, f"{tag}s")}
+    messages: list[Any] = []
     for user in range(2):
-        messages: list[Any] = [system, {"role": "user", "content": words(40, f"{tag}u{user}")}]
+        messages = [system, {"role": "user", "content": words(40, f"{tag}u{user}")}]
         for _ in range(2):
             reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
             messages.append({"role": "assistant", "content": reply.choices[0].message.content})

@@ -489,6 +489,7 @@ def test_with_the_tokenizer_a_responses_conversation_predicts_the_cached_tokens(
                 max_output_tokens=20,
                 store=False,
             )
+            assert response.usage is not None
             hits.append(int(response.usage.input_tokens_details.cached_tokens or 0))
             items.append({"role": "assistant", "content": response.output_text})
     assert_predicted_within_5_percent(before, tokens_gateway.metrics(), hits)

@@ -35,7 +35,8 @@ from gateway.state.sessions import InMemorySessionStore
 from tests.redis_server import RedisServer
 from tests.support import eventually, free_port, metric_value
 
-TIMEOUT = 0.05
+# Redis's deadline: far above a loopback round trip on a busy machine, far below the pause.
+TIMEOUT = 0.5
 MODEL = "m"
 CHAIN = list(range(1001, 1041))  # 40 blocks
 
@@ -125,7 +126,7 @@ def test_a_slow_redis_costs_one_timeout_then_nothing_until_it_answers(server: Re
         await gateway.link.start()
         await gateway.learn(MODEL, "a:1", CHAIN)
         await gateway.settle()
-        server.cli("client", "pause", "1500", "all")
+        server.cli("client", "pause", "3000", "all")
         paused_at = time.monotonic()
         # The local index answers once the deadline passes.
         assert await gateway.index.match(MODEL, CHAIN) == {"a:1": 40}
@@ -139,7 +140,7 @@ def test_a_slow_redis_costs_one_timeout_then_nothing_until_it_answers(server: Re
         assert gateway.count("gateway_redis_fallbacks_total", operation="session_get") == 1
         assert gateway.count("gateway_redis_up") == 0
         await eventually(lambda: gateway.link.up, "the link up again")
-        assert time.monotonic() - paused_at > 1.0
+        assert time.monotonic() - paused_at > 2.5  # not before Redis answered again
         assert gateway.count("gateway_redis_up") == 1
         await gateway.link.close()
 
@@ -352,6 +353,7 @@ def test_gateways_see_each_others_requests_in_flight(server: RedisServer) -> Non
         first, second = first_pool.backends, second_pool.backends
         for backend in [first[0]] * 3 + [second[0]] + [second[1]] * 2:  # requests in flight
             backend.leased()
+        written = time.monotonic()
         for _, _, fleet in gateways:
             await fleet.sync()
         await first_fleet.sync()
@@ -359,10 +361,15 @@ def test_gateways_see_each_others_requests_in_flight(server: RedisServer) -> Non
         assert [backend.queued for backend in first_pool.backends] == [1, 2]
         assert [backend.queued for backend in third_pool.backends] == [4, 2]
         assert [backend.load for backend in first_pool.backends] == [4, 2]
-        # A gateway that stopped writing stops counting within a second.
-        await asyncio.sleep(1.1)
-        await first_fleet.sync()
-        assert [backend.queued for backend in first_pool.backends] == [0, 0]
+        # A gateway that stopped writing stops counting once its last write is a second old,
+        # not before.
+        while True:
+            await first_fleet.sync()
+            if [backend.queued for backend in first_pool.backends] == [0, 0]:
+                break
+            assert time.monotonic() - written < 30, "the silent gateways' counts kept"
+            await asyncio.sleep(0.05)
+        assert time.monotonic() - written >= 1.0
         # With Redis away, the others' counts are dropped rather than kept stale.
         await second_fleet.sync()
         await third_fleet.sync()

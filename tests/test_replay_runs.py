@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import random
 import subprocess
 import sys
@@ -61,7 +62,7 @@ def conversation_trace(
     return path
 
 
-def args_for(*argv: str) -> object:
+def args_for(*argv: str) -> argparse.Namespace:
     return build_parser().parse_args(["replay", *argv])
 
 

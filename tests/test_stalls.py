@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from gateway.backends.health import Health
-from gateway.backends.pool import BackendPool
+from gateway.backends.pool import BackendPool, Work
 from gateway.backends.prefill_speed import PrefillSpeed
 from gateway.backends.stalls import StallRule, StallWatch
 from gateway.emulator.replicas import EmulatedReplicas
@@ -40,7 +40,7 @@ class Waiting:
 
 def test_a_replica_is_stalled_only_when_it_waits_long_and_produces_nothing() -> None:
     speed = PrefillSpeed(guess_blocks_per_second=100.0)
-    waiting = {Waiting(sent_at=100.0)}
+    waiting: set[Work] = {Waiting(sent_at=100.0)}
     assert RULE.verdict(102.0, waiting, progressed_at=90.0, speed=speed) is None  # not yet
     assert RULE.verdict(104.0, waiting, progressed_at=90.0, speed=speed) is not None
     # Something produced lately: busy, not stuck; silent since then for long: stuck.
@@ -48,7 +48,7 @@ def test_a_replica_is_stalled_only_when_it_waits_long_and_produces_nothing() -> 
     assert RULE.verdict(105.0, waiting, progressed_at=101.5, speed=speed) is not None
     # Nothing on it: nothing to judge; a stream of ours gone silent is judged too.
     assert RULE.verdict(104.0, set(), progressed_at=90.0, speed=speed) is None
-    streaming = {Waiting(100.0, first_byte_at=1.0)}
+    streaming: set[Work] = {Waiting(100.0, first_byte_at=1.0)}
     assert RULE.verdict(104.0, streaming, progressed_at=101.5, speed=speed) is None
     assert RULE.verdict(105.0, streaming, progressed_at=101.5, speed=speed) is not None
 
@@ -72,7 +72,7 @@ def test_a_stream_waiting_on_its_client_is_no_evidence_against_its_replica() -> 
 def test_without_a_stream_to_show_progress_the_engine_counter_gets_its_lag() -> None:
     speed = PrefillSpeed(guess_blocks_per_second=100.0)
     lagging = StallRule(min_seconds=3.0, factor=4.0, scrape_lag=4.0)
-    alone = {Waiting(sent_at=100.0)}
+    alone: set[Work] = {Waiting(sent_at=100.0)}
     assert lagging.verdict(105.0, alone, progressed_at=90.0, speed=speed) is None
     assert lagging.verdict(108.0, alone, progressed_at=90.0, speed=speed) is not None
     # A stream of ours running there would have shown progress as it happened.
@@ -85,7 +85,7 @@ def test_a_long_prefill_is_given_the_time_its_size_needs() -> None:
     for _ in range(50):
         speed.observe(blocks=20, seconds=0.02)  # the fleet prefills 1,000 blocks a second
     assert 900 < speed.blocks_per_second < 1_100
-    long = {Waiting(sent_at=100.0, blocks_ahead=6_000)}  # ~6 s of prefill
+    long: set[Work] = {Waiting(sent_at=100.0, blocks_ahead=6_000)}  # ~6 s of prefill
     assert RULE.verdict(110.0, long, progressed_at=90.0, speed=speed) is None
     assert RULE.verdict(130.0, long, progressed_at=90.0, speed=speed) is not None
 

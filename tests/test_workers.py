@@ -125,6 +125,8 @@ def test_a_killed_worker_is_restarted_and_counted_and_requests_keep_succeeding(
 ) -> None:
     before = metric_value(gateway.metrics(), "gateway_requests_total")
     victim, survivor = sorted(worker_pids(gateway))
+    # The supervisor reports a worker's death at ERROR: the one killed here.
+    gateway.expect_log(rf"worker \d \(pid {victim}\) exited with status -9")
     os.kill(victim, signal.SIGKILL)
     # Served throughout: by the survivor, then by both.
     served_by = Counter(chat(gateway.url, f"after the kill {tag}") for tag in range(30))

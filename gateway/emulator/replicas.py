@@ -52,6 +52,13 @@ class EmulatedReplicas:
         """Every traceback a replica logged (see `ChildProcess.tracebacks`)."""
         return [trace for replica in self.replicas for trace in replica.tracebacks()]
 
+    def expect_log(self, pattern: str) -> EmulatedReplicas:
+        """Allow, in every replica's log, the error records `pattern` is found in (see
+        `ChildProcess.expect_log`)."""
+        for replica in self.replicas:
+            replica.expect_log(pattern)
+        return self
+
     def __enter__(self) -> EmulatedReplicas:
         return self.start()
 
