@@ -15,7 +15,7 @@ import pytest
 
 from gateway.auth import host_name, is_loopback
 from gateway.emulator.replicas import EmulatedReplicas
-from tests.conftest import MODEL, assert_no_traceback
+from tests.conftest import MODEL
 from tests.support import GatewayProcess
 
 MAX_BODY = 100_000
@@ -25,7 +25,6 @@ MAX_BODY = 100_000
 def replicas() -> Iterator[EmulatedReplicas]:
     with EmulatedReplicas(2, MODEL, ["--chat-template", "plain"]) as started:
         yield started
-        assert_no_traceback(started)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +33,6 @@ def gateway(replicas: EmulatedReplicas) -> Iterator[GatewayProcess]:
     args = ("--max-body-bytes", str(MAX_BODY))
     with GatewayProcess(replicas.urls[:1], *args) as started:
         yield started
-        assert_no_traceback(started)
 
 
 def _names(gateway: GatewayProcess) -> list[str]:

@@ -10,11 +10,11 @@ import hashlib
 import json
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 import httpx
 import pytest
@@ -24,7 +24,7 @@ from tests.conftest import MODEL
 from tests.support import GatewayProcess, metric_value, wait_until
 
 _MIB = 1024 * 1024
-_USAGE = {
+_USAGE: dict[str, Any] = {
     "prompt_tokens": 1234,
     "completion_tokens": 56,
     "total_tokens": 1290,
@@ -176,7 +176,7 @@ def _digest(parts: list[bytes]) -> str:
     return digest.hexdigest()
 
 
-def _fetch(url: str, payload: dict[str, object]) -> tuple[int, str, int, httpx.Headers]:
+def _fetch(url: str, payload: Mapping[str, object]) -> tuple[int, str, int, httpx.Headers]:
     """Status, digest and length of the body, read as it comes, and the headers."""
     digest = hashlib.sha256()
     size = 0
