@@ -264,7 +264,7 @@ def test_a_long_stream_of_tiny_deltas_keeps_no_answer_past_the_prompt_bound() ->
 def test_a_client_that_reads_nothing_of_a_large_reply_has_its_request_ended() -> None:
     with (
         _replica() as replica,
-        _gateway(replica, "--stream-idle-timeout", "1") as gateway,
+        _gateway(replica, "--client-write-timeout", "1") as gateway,
         socket.socket() as client,
     ):
         client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -278,7 +278,7 @@ def test_a_client_that_reads_nothing_of_a_large_reply_has_its_request_ended() ->
         def ended() -> bool:
             return metric_value(gateway.metrics(), "gateway_client_disconnects_total") >= 1
 
-        # The body waits in the gateway's socket buffer no longer than the idle timeout.
+        # The body waits in the gateway's socket buffer no longer than the write timeout.
         wait_until(ended, "the request of a client that reads nothing is ended")
         chat = httpx.post(
             gateway.url + "/v1/chat/completions",
