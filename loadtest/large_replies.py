@@ -17,6 +17,8 @@ from contextlib import contextmanager
 
 import orjson
 
+from tests.fault_servers import read_request
+
 MODEL = "emulated-model"
 MIB = 2**20
 CHAT_BYTES = 300 * 1000 * 1000
@@ -50,16 +52,8 @@ def _embeddings_parts() -> Iterator[bytes]:
 
 async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
-        while True:
-            head = await reader.readuntil(b"\r\n\r\n")
-            lines = head.decode("latin-1").split("\r\n")
-            method, path = lines[0].split(" ")[:2]
-            length = 0
-            for line in lines[1:]:
-                name, _, value = line.partition(":")
-                if name.strip().lower() == "content-length":
-                    length = int(value)
-            body = await reader.readexactly(length)
+        while (request := await read_request(reader)) is not None:
+            method, path, body = request.method, request.path, request.body
             large = path == "/v1/embeddings" or b'"large"' in body or b'"unread"' in body
             if method == "GET" or not large:
                 # Probes, and the watcher's normal requests: answered small.

@@ -116,7 +116,7 @@ class FaultServer:
         self._writers.add(writer)
         try:
             while True:
-                request = await _read_request(reader)
+                request = await read_request(reader)
                 if request is None:
                     return
                 if request.method == "GET" and request.path == "/health":
@@ -193,7 +193,7 @@ class FaultServer:
 _JSON = {"content-type": "application/json"}
 
 
-async def _read_request(reader: asyncio.StreamReader) -> Request | None:
+async def read_request(reader: asyncio.StreamReader) -> Request | None:
     try:
         head = await reader.readuntil(b"\r\n\r\n")
     except (asyncio.IncompleteReadError, asyncio.LimitOverrunError):

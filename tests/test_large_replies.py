@@ -9,19 +9,19 @@ import asyncio
 import hashlib
 import json
 import socket
-import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 import httpx
 import pytest
 
 from gateway.proxy.usage import StreamObserver, usage_in_tail
 from tests.conftest import MODEL
+from tests.fault_servers import read_request
 from tests.support import GatewayProcess, metric_value, wait_until
+from tests.threaded_server import ThreadedServer
 
 _MIB = 1024 * 1024
 _USAGE: dict[str, Any] = {
@@ -59,7 +59,7 @@ def _stream_body(deltas: int) -> list[bytes]:
     return [block] * (deltas // 1000) + [b"data: " + usage + b"\n\ndata: [DONE]\n\n"]
 
 
-class LargeReplica:
+class LargeReplica(ThreadedServer):
     """Answers every POST with one large body: chat with a content-length, embeddings
     chunked, a stream of tiny deltas for a request that asks for one."""
 
@@ -69,58 +69,13 @@ class LargeReplica:
         self.bodies = {"chat": chat, "embeddings": embeddings, "stream": stream}
         self.cut = cut
         """Parts of the chat body sent before the connection is dropped (0: all of them)."""
-        self.port = 0
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._server: asyncio.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
+        super().__init__()
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> Self:
-        self._thread.start()
-        started = asyncio.run_coroutine_threadsafe(self._start(), self._loop)
-        self.port = started.result(30)
-        return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        trace: TracebackType | None,
-    ) -> None:
-        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(30)
-        self._loop.close()
-
-    async def _start(self) -> int:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        port: int = self._server.sockets[0].getsockname()[1]
-        return port
-
-    async def _stop(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for writer in self._writers:
-            writer.transport.abort()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.add(writer)
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                lines = head.decode("latin-1").split("\r\n")
-                method, path = lines[0].split(" ")[:2]
-                length = 0
-                for line in lines[1:]:
-                    name, _, value = line.partition(":")
-                    if name.strip().lower() == "content-length":
-                        length = int(value)
-                body = await reader.readexactly(length)
-                if method == "GET":
+            while (request := await read_request(reader)) is not None:
+                path, body = request.path, request.body
+                if request.method == "GET":
                     writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
                 elif b"warm-up" in body:
                     small = json.dumps({"object": "chat.completion", "choices": []}).encode()
@@ -147,7 +102,6 @@ class LargeReplica:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
-            self._writers.discard(writer)
             writer.close()
 
     @staticmethod

@@ -4,10 +4,7 @@ replica, recorded on the wire between the gateway and the replica by a relaying 
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Iterator
-from types import TracebackType
-from typing import Self
 
 import httpx
 import pytest
@@ -15,53 +12,20 @@ import pytest
 from gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
 from tests.support import GatewayProcess, wait_until
+from tests.threaded_server import ThreadedServer
 from tests.words import words
 
 
-class RecordingRelay:
+class RecordingRelay(ThreadedServer):
     """A loopback port that relays every connection to `target` and keeps what came back."""
 
     def __init__(self, target_host: str, target_port: int) -> None:
+        super().__init__()
         self._target = (target_host, target_port)
-        self.port = 0
         self.received: list[bytearray] = []
         """Per connection, every byte the target sent."""
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._server: asyncio.Server | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> Self:
-        self._thread.start()
-        started = asyncio.run_coroutine_threadsafe(self._start(), self._loop)
-        self.port = started.result(30)
-        return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        trace: TracebackType | None,
-    ) -> None:
-        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(30)
-        self._loop.close()
-
-    async def _start(self) -> int:
-        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
-        port: int = self._server.sockets[0].getsockname()[1]
-        return port
-
-    async def _stop(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        await self._server.wait_closed()
-
-    async def _relay(self, client: asyncio.StreamReader, to_client: asyncio.StreamWriter) -> None:
+    async def _handle(self, client: asyncio.StreamReader, to_client: asyncio.StreamWriter) -> None:
         target, to_target = await asyncio.open_connection(*self._target)
         record = bytearray()
         self.received.append(record)

@@ -1,0 +1,64 @@
+"""A TCP server of a test's own on 127.0.0.1, served by an event loop on a thread of its
+own so that the test around it can block: subclasses answer each connection in `_handle`.
+Connections still open when it stops are aborted."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import TracebackType
+from typing import Self
+
+
+class ThreadedServer:
+    def __init__(self) -> None:
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        started = asyncio.run_coroutine_threadsafe(self._start(), self._loop)
+        self.port = started.result(30)
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30)
+        self._loop.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+    async def _start(self) -> int:
+        self._server = await asyncio.start_server(self._connected, "127.0.0.1", 0)
+        port: int = self._server.sockets[0].getsockname()[1]
+        return port
+
+    async def _stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in list(self._writers):
+            writer.transport.abort()
+        await self._server.wait_closed()
+
+    async def _connected(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        self._writers.add(writer)
+        try:
+            await self._handle(reader, writer)
+        finally:
+            self._writers.discard(writer)
