@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -39,6 +40,17 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {seconds:g} s: {what}")
         time.sleep(every)
+
+
+def read_to_close(raw: socket.socket) -> bytes:
+    """Everything a server sends on `raw` until it closes the connection."""
+    received = b""
+    try:
+        while chunk := raw.recv(65536):
+            received += chunk
+    except ConnectionResetError:
+        pass
+    return received
 
 
 def stall(replica: ChildProcess, stalled: bool) -> None:

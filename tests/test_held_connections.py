@@ -20,7 +20,7 @@ import pytest
 
 from gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
-from tests.support import GatewayProcess, wait_until
+from tests.support import GatewayProcess, read_to_close, wait_until
 
 KEY = "client-key"
 PER_CLIENT = 4
@@ -44,17 +44,6 @@ def _connect(gateway: GatewayProcess, source: str = "127.0.0.1") -> socket.socke
     raw = socket.create_connection(("127.0.0.1", gateway.port), source_address=(source, 0))
     raw.settimeout(30)
     return raw
-
-
-def _read_to_close(raw: socket.socket) -> bytes:
-    """Everything the gateway sends until it closes the connection."""
-    received = b""
-    try:
-        while chunk := raw.recv(65536):
-            received += chunk
-    except ConnectionResetError:
-        pass
-    return received
 
 
 def _read_answer(reader: BinaryIO) -> bytes:
@@ -97,7 +86,7 @@ def test_an_answer_before_the_body_closes_the_connection(
         answer = _read_answer(reader)
         # More of the body changes nothing: the connection is closed after the answer.
         _send_more(raw, b"[" * 1000)
-        rest = _read_to_close(raw)
+        rest = read_to_close(raw)
     assert answer.startswith(b"HTTP/1.1 %d " % status), answer
     assert b"connection: close" in answer.lower()
     if code:
@@ -127,7 +116,7 @@ def test_a_control_plane_body_that_stops_is_closed_after_the_body_timeout(
     head = b"POST /admin/explain HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: 1000\r\n\r\n"
     with _connect(keyed) as raw:
         raw.sendall(head + b'{"model": ')
-        answer = _read_to_close(raw)
+        answer = read_to_close(raw)
     assert answer.startswith(b"HTTP/1.1 408 ") and _code(answer) == "body_timeout"
     assert httpx.get(keyed.url + "/health", timeout=30).status_code == 200
 
@@ -138,7 +127,7 @@ def test_a_proxied_body_that_stops_is_closed_after_the_body_timeout(
     head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n"
     with _connect(keyed) as raw:
         raw.sendall(head + BEARER + b"\r\n" + b'{"model": ')
-        answer = _read_to_close(raw)
+        answer = read_to_close(raw)
     assert answer.startswith(b"HTTP/1.1 408 ") and _code(answer) == "body_timeout"
 
 
@@ -147,7 +136,7 @@ def test_one_address_cannot_take_every_connection(replica: EmulatedReplicas) -> 
     with GatewayProcess(replica.urls, *args) as gateway:
         held = [_connect(gateway, ATTACKER) for _ in range(PER_CLIENT)]
         with _connect(gateway, ATTACKER) as extra:
-            refused = _read_to_close(extra)
+            refused = read_to_close(extra)
         # Another address is served meanwhile: the official client and the probes.
         with openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0) as api:
             reply = api.chat.completions.create(
@@ -160,7 +149,7 @@ def test_one_address_cannot_take_every_connection(replica: EmulatedReplicas) -> 
         def attacker_served_again() -> bool:
             with _connect(gateway, ATTACKER) as raw:
                 raw.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-                return _read_to_close(raw).startswith(b"HTTP/1.1 200 ")
+                return read_to_close(raw).startswith(b"HTTP/1.1 200 ")
 
         wait_until(attacker_served_again, "the closed connections are no longer counted")
     assert refused.startswith(b"HTTP/1.1 429 ")

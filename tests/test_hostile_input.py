@@ -29,7 +29,7 @@ from gateway.emulator.replicas import EmulatedReplicas
 from gateway.processes import free_port
 from tests.conftest import MODEL
 from tests.fault_servers import FaultServer
-from tests.support import GatewayProcess, metric_value
+from tests.support import GatewayProcess, metric_value, read_to_close
 
 MAX_HEADER_BYTES = 8192
 MAX_HEADERS = 50
@@ -114,17 +114,6 @@ def _answered(raw: socket.socket) -> bool:
     return bool(select.select([raw], [], [], 0)[0])
 
 
-def _read_to_close(raw: socket.socket) -> bytes:
-    """Everything the gateway sends until it closes the connection."""
-    received = b""
-    try:
-        while chunk := raw.recv(65536):
-            received += chunk
-    except ConnectionResetError:
-        pass
-    return received
-
-
 def _error_code(reply: bytes) -> str:
     return str(orjson.loads(reply.partition(b"\r\n\r\n")[2])["error"]["code"])
 
@@ -152,7 +141,7 @@ def test_a_huge_header_line_gets_431_before_much_of_it_was_read(edge: GatewayPro
                 sent += len(piece)
         except OSError:
             pass  # closed while we were sending
-        reply = _read_to_close(raw)
+        reply = read_to_close(raw)
         traffic.wait_for(3)
     assert reply.startswith(b"HTTP/1.1 431 ") and _error_code(reply) == "headers_too_large"
     # What the client could send is the limit plus what the sockets' buffers held meanwhile.
@@ -165,7 +154,7 @@ def test_too_many_header_lines_get_431(edge: GatewayProcess) -> None:
     lines = b"".join(b"x-%d: 1\r\n" % index for index in range(MAX_HEADERS + 1))
     with NormalTraffic(edge) as traffic, _connect(edge) as raw:
         raw.sendall(_head(0, lines))
-        reply = _read_to_close(raw)
+        reply = read_to_close(raw)
     assert reply.startswith(b"HTTP/1.1 431 ") and _error_code(reply) == "too_many_headers"
     traffic.assert_served()
 
@@ -177,7 +166,7 @@ def test_a_head_near_the_limit_arriving_with_its_body_in_one_write_is_served(
     padding = b"x-padding: " + b"p" * (MAX_HEADER_BYTES - 300) + b"\r\n"
     with _connect(edge) as raw:
         raw.sendall(_head(len(body), padding + b"connection: close\r\n") + body)
-        reply = _read_to_close(raw)
+        reply = read_to_close(raw)
     assert reply.startswith(b"HTTP/1.1 200 "), reply[:200]
 
 
@@ -192,8 +181,8 @@ def test_a_head_that_never_ends_gets_408_after_the_head_timeout(edge: GatewayPro
                 time.sleep(0.2)
         except OSError:
             pass
-        reply = _read_to_close(trickle)
-        unanswered = _read_to_close(idle)
+        reply = read_to_close(trickle)
+        unanswered = read_to_close(idle)
     assert reply.startswith(b"HTTP/1.1 408 ") and _error_code(reply) == "head_timeout"
     assert trickled > 1  # the connection took bytes for a while before the timeout closed it
     assert unanswered == b""  # a connection that sent nothing is closed without an answer
@@ -216,7 +205,7 @@ def test_slow_bodies_hold_no_concurrency_slot(edge: GatewayProcess) -> None:
                 if not _answered(raw):
                     raw.sendall(b" ")
             time.sleep(0.2)
-        replies = [_read_to_close(raw) for raw in slow]
+        replies = [read_to_close(raw) for raw in slow]
     for raw in slow:
         raw.close()
     assert served_while_open  # normal requests were served while both slow bodies held on
@@ -236,10 +225,10 @@ def test_bodies_being_read_are_bounded_together(edge: GatewayProcess) -> None:
             with _connect(edge) as fourth:
                 fourth.sendall(_head(MAX_BODY))
                 if select.select([fourth], [], [], 0.5)[0]:
-                    refused = _read_to_close(fourth)
+                    refused = read_to_close(fourth)
                     break
         traffic.wait_for(3)
-        replies = [_read_to_close(raw) for raw in stalled]  # their body timeout ends them
+        replies = [read_to_close(raw) for raw in stalled]  # their body timeout ends them
     for raw in stalled:
         raw.close()
     assert refused.startswith(b"HTTP/1.1 429 ") and _error_code(refused) == "pending_bodies"
@@ -291,7 +280,7 @@ def test_a_body_over_the_limit_gets_413(edge: GatewayProcess) -> None:
         # Declared too large: refused before a byte of it is sent, and the connection closed.
         with _connect(edge) as raw:
             raw.sendall(_head(MAX_BODY + 1))
-            declared = _read_to_close(raw)
+            declared = read_to_close(raw)
         # Chunked, with no length given: refused once the limit is passed.
         chunks = (b"x" * 10_000 for _ in range(30))
         streamed = httpx.post(edge.url + "/v1/chat/completions", content=chunks, timeout=30)
@@ -345,9 +334,9 @@ def test_connections_past_the_cap_get_503_and_idle_ones_are_closed(
     with GatewayProcess(fleet.urls, *args) as gateway:
         idle = [_connect(gateway) for _ in range(8)]
         with _connect(gateway) as extra:
-            refused = _read_to_close(extra)
+            refused = read_to_close(extra)
         # The idle connections are closed by the head timeout, without an answer ...
-        closed = [_read_to_close(raw) for raw in idle]
+        closed = [read_to_close(raw) for raw in idle]
         for raw in idle:
             raw.close()
         # ... and the gateway serves again.

@@ -30,7 +30,7 @@ from gateway.proxy.deadlines import Why, client_error
 from gateway.refusals import REFUSALS, headers_of, refused
 from tests.conftest import MODEL
 from tests.fault_servers import FaultServer
-from tests.support import GatewayProcess, wait_until
+from tests.support import GatewayProcess, read_to_close, wait_until
 
 KEY = "client-key"
 STALLING = "stalling-model"
@@ -150,16 +150,6 @@ def connect(gateway: GatewayProcess) -> socket.socket:
     raw = socket.create_connection(("127.0.0.1", gateway.port))
     raw.settimeout(30)
     return raw
-
-
-def read_to_close(raw: socket.socket) -> bytes:
-    received = b""
-    try:
-        while chunk := raw.recv(65536):
-            received += chunk
-    except ConnectionResetError:
-        pass
-    return received
 
 
 def raw_answer(gateway: GatewayProcess, sent: bytes) -> Answer:
