@@ -20,7 +20,8 @@ MAX_TOKENS = 40_000
 """About 7 MB of events: past what the kernel buffers for one socket on loopback (4 MiB)."""
 
 
-def _blocked_reader(host: str, port: int, turn: int) -> socket.socket:
+def blocked_reader(host: str, port: int, turn: int, max_tokens: int = MAX_TOKENS) -> socket.socket:
+    """A client that asks for a long stream with a small receive buffer and never reads."""
     client = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     client.connect((host, port))
@@ -28,7 +29,7 @@ def _blocked_reader(host: str, port: int, turn: int) -> socket.socket:
         {
             "model": MODEL,
             "messages": [{"role": "user", "content": f"a long story, reader {turn}"}],
-            "max_tokens": MAX_TOKENS,
+            "max_tokens": max_tokens,
             "stream": True,
         }
     )
@@ -67,7 +68,7 @@ def _ended(reader: socket.socket) -> str:
 def run(host: str, port: int, clients: int = 6, patience: float = 120.0) -> str:
     """What the gateway did about `clients` slow readers, in words."""
     began = time.monotonic()
-    readers = [_blocked_reader(host, port, turn) for turn in range(clients)]
+    readers = [blocked_reader(host, port, turn) for turn in range(clients)]
     while _metric(host, port, "gateway_client_disconnects_total") < clients:
         if time.monotonic() - began > patience:
             break

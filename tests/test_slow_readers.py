@@ -11,9 +11,9 @@ import socket
 import threading
 
 import httpx
-import orjson
 
 from gateway.emulator.replicas import EmulatedReplicas
+from loadtest.slow_readers import blocked_reader
 from tests.support import GatewayProcess, metric_value, wait_until
 
 MODEL = "emulated-model"
@@ -23,25 +23,8 @@ REPLICA_ARGS = ["--decode-ms-per-token", "0.2", "--cache-blocks", "65536"]
 
 
 def _blocked_reader(url: str, turn: int) -> socket.socket:
-    """A client that asks for a long stream with a small receive buffer and never reads."""
     host, port = url.removeprefix("http://").split(":")
-    client = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    client.connect((host, int(port)))
-    body = orjson.dumps(
-        {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": f"tell a very long story, reader {turn}"}],
-            "max_tokens": 100_000,
-            "stream": True,
-        }
-    )
-    head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    )
-    client.sendall(head.encode() + body)
-    return client
+    return blocked_reader(host, int(port), turn, max_tokens=100_000)
 
 
 def _aborted(fleet: EmulatedReplicas) -> float:
