@@ -27,7 +27,7 @@ from gateway.connections import ClientConnections, connection_cap
 from gateway.control.gauges import publish_scrape_gauges
 from gateway.errors import GatewayError
 from gateway.proxy.access_log import flush_access_log
-from gateway.proxy.deadlines import DROP_CONNECTION, WATCHED_EXCHANGE, Exchange, Why
+from gateway.proxy.deadlines import CLIENT_CONNECTION, Exchange, Why
 from gateway.refusals import CLOSE, answer_head, count_refusal, phrase, refused
 from gateway.transport import CoalescingTransport
 
@@ -182,6 +182,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     _keep_alive = True
     """Whether the request under way may keep its connection, once its body is in whole."""
     _peer: str | None = None
+    _watched: Exchange | None = None
+    """The request last told to `watch` the connection."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(CoalescingTransport(transport))  # type: ignore[arg-type]
@@ -228,15 +230,19 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._head_since = 0.0
-        self.scope[WATCHED_EXCHANGE] = None  # type: ignore[literal-required]
-        self.scope[DROP_CONNECTION] = self._drop  # type: ignore[literal-required]
+        self.scope[CLIENT_CONNECTION] = self  # type: ignore[literal-required]
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is not None:
             self._keep_alive, cycle.keep_alive = cycle.keep_alive, False
             self._body_since = self.loop.time()
 
-    def _drop(self) -> None:
+    def watch(self, exchange: Exchange) -> None:
+        """Interrupt `exchange` if the connection is lost before it is done (a done exchange
+        ignores it): no task per request listens for the hang-up."""
+        self._watched = exchange
+
+    def drop(self) -> None:
         """Close the connection now, discarding unsent bytes: its client stopped reading, or its
         response broke off where no error can be told any more."""
         cycle = self.cycle
@@ -248,12 +254,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self._peer is not None:
             self.clients.release(self._peer)
             self._peer = None
-        cycle = self.cycle
         super().connection_lost(exc)
-        if cycle is not None and not cycle.response_complete:
-            exchange = cycle.scope.get(WATCHED_EXCHANGE)
-            if isinstance(exchange, Exchange):
-                exchange.interrupt(Why.DISCONNECTED)
+        if self._watched is not None:
+            self._watched.interrupt(Why.DISCONNECTED)
+            self._watched = None
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

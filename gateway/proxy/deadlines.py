@@ -11,7 +11,7 @@ import time
 from contextlib import suppress
 from enum import Enum
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 from gateway.errors import GatewayError
 from gateway.proxy.asgi import Receive
@@ -55,15 +55,9 @@ def client_error(why: Why | None, seconds: float = 0.0) -> GatewayError | None:
     return None if code is None else refused(code, seconds)
 
 
-WATCHED_EXCHANGE = "gateway.watched_exchange"
-"""A scope key the server sets (to None) on every request of a connection it watches: from the
-moment the handler stores the request's `Exchange` there, losing the connection interrupts it.
-Without the key, the handler listens for the client's disconnect with a task of its own."""
-
-
-DROP_CONNECTION = "gateway.drop_connection"
-"""A scope key the server sets to a callable that closes the request's connection at once,
-discarding what waits to be sent (for a client that stopped reading)."""
+CLIENT_CONNECTION = "gateway.client_connection"
+"""A scope key the server sets to the request's `ClientConnection`. Without it, the handler
+listens for the client's disconnect with a task of its own (`Exchange.watch_client`)."""
 
 
 class Interrupted(Exception):
@@ -103,10 +97,22 @@ class Exchange:
 
     async def watch_client(self, receive: Receive) -> None:
         """Interrupt as soon as the client disconnects (run once the body was read), where
-        the server does not watch the connection itself (`WATCHED_EXCHANGE`)."""
+        the server does not watch the connection itself (`CLIENT_CONNECTION`)."""
         message = await receive()
         if message["type"] == "http.disconnect":
             self.interrupt(Why.DISCONNECTED)
+
+
+class ClientConnection(Protocol):
+    """The client's connection, as the server that holds it offers it to a request."""
+
+    def watch(self, exchange: Exchange) -> None:
+        """Interrupt `exchange` if the connection is lost before it is done."""
+        ...
+
+    def drop(self) -> None:
+        """Close the connection now, discarding what waits to be sent."""
+        ...
 
 
 class _Guard:

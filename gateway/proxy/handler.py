@@ -33,8 +33,7 @@ from gateway.proxy.access_log import AccessLog
 from gateway.proxy.admission import Admission, PendingBodies
 from gateway.proxy.asgi import Receive, Scope, Send, header, read_body, too_many_pending_bodies
 from gateway.proxy.deadlines import (
-    DROP_CONNECTION,
-    WATCHED_EXCHANGE,
+    CLIENT_CONNECTION,
     DeadlineWatch,
     Exchange,
     Interrupted,
@@ -110,7 +109,8 @@ class ProxyHandler:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         request_id = _client_request_id(headers) or self._request_ids.next()
-        reply = Reply(send, self._metrics, scope.get(DROP_CONNECTION))
+        connection = scope.get(CLIENT_CONNECTION)
+        reply = Reply(send, self._metrics, connection)
         task = asyncio.current_task()
         assert task is not None
         exchange = Exchange(task, time.monotonic(), self._settings.request_timeout)
@@ -224,9 +224,9 @@ class ProxyHandler:
             path,
         )
         began = time.perf_counter()
-        if WATCHED_EXCHANGE in scope:
-            # The server interrupts it when the connection is lost: no task per request.
-            scope[WATCHED_EXCHANGE] = exchange
+        connection = scope.get(CLIENT_CONNECTION)
+        if connection is not None:
+            connection.watch(exchange)
             outcome = await self._forwarder.forward(forwarding)
         else:
             watcher = asyncio.create_task(exchange.watch_client(receive))

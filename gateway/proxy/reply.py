@@ -5,27 +5,27 @@ counted as a refusal (`gateway/refusals.py`); one it can no longer tell is not.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 
 from gateway.errors import GatewayError, sse_error
 from gateway.metrics import Metrics
 from gateway.proxy.asgi import Send, send_error
+from gateway.proxy.deadlines import ClientConnection
 from gateway.refusals import count_refusal
 
 Headers = list[tuple[bytes, bytes]]
 
 
 class Reply:
-    __slots__ = ("_drop", "_last", "_metrics", "_send", "begun", "streaming")
+    __slots__ = ("_connection", "_last", "_metrics", "_send", "begun", "streaming")
 
     def __init__(
-        self, send: Send, metrics: Metrics, drop: Callable[[], None] | None = None
+        self, send: Send, metrics: Metrics, connection: ClientConnection | None = None
     ) -> None:
-        """`drop`: closes the client's connection at once, unsent bytes discarded (the
-        server's `DROP_CONNECTION`)."""
+        """`connection`: the server's, which can close it at once (`CLIENT_CONNECTION`)."""
         self._send = send
         self._metrics = metrics
-        self._drop = drop
+        self._connection = connection
         self.begun = False
         self.streaming = False
         self._last = b""
@@ -56,8 +56,8 @@ class Reply:
     def drop(self) -> None:
         """Close a connection whose client stopped reading: a response it does not take is
         left unfinished rather than held in its buffers."""
-        if self._drop is not None:
-            self._drop()
+        if self._connection is not None:
+            self._connection.drop()
 
     async def end(self, data: bytes = b"") -> None:
         await self._send({"type": "http.response.body", "body": data})
