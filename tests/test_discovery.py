@@ -618,7 +618,7 @@ class Traffic:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def send(self, session: str) -> tuple[int, str]:
+    def send(self, session: str) -> tuple[int, str, str]:
         response = self._client.post(
             "/v1/chat/completions",
             headers={"x-session-id": session},
@@ -628,13 +628,17 @@ class Traffic:
                 "messages": [{"role": "user", "content": f"conversation {session} goes on"}],
             },
         )
-        return response.status_code, response.headers.get("x-gateway-backend", "")
+        return (
+            response.status_code,
+            response.headers.get("x-gateway-backend", ""),
+            response.headers.get("x-gateway-route", ""),
+        )
 
     def _run(self) -> None:
         while not self._stop.is_set():
             number, session = self.sent, f"s{self.sent % 24}"
             self.sent += 1
-            status, backend = self.send(session)
+            status, backend, _ = self.send(session)
             self.results.append((number, status, backend, session))
 
     def __enter__(self) -> Traffic:
@@ -672,7 +676,7 @@ def leave_mid_run(
         )
         replicas[-1].stop()  # the pod is gone for good
         wait_until(lambda: len(traffic.results) > left_before + 10, "traffic after the leave")
-        after = {session: traffic.send(session)[1] for session in before}
+        after = {session: traffic.send(session)[1:] for session in before}
     statuses = {status for _, status, _, _ in traffic.results}
     assert statuses == {200}, "a request failed while a replica left"
     late = [backend for number, _, backend, _ in traffic.results if number >= left_before]
@@ -680,9 +684,16 @@ def leave_mid_run(
     # Only the sessions of the replica that left moved; every other session stayed put.
     for session, backend in before.items():
         if backend != leaving:
-            assert after[session] == backend, session
+            assert after[session][0] == backend, (session, after[session], _moves(gateway))
         else:
-            assert after[session] != leaving
+            assert after[session][0] != leaving
+
+
+def _moves(gateway: GatewayProcess) -> str:
+    """The gateway's counts of sessions moved and of healthy backends, to tell why one moved."""
+    lines = gateway.metrics().splitlines()
+    wanted = ("gateway_session_moves_total{", "gateway_backend_healthy{", "gateway_backend_stalls")
+    return "\n".join(line for line in lines if line.startswith(wanted))
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -187,6 +188,55 @@ def test_chat_stream_ends_with_a_usage_chunk(client: openai.OpenAI) -> None:
     assert with_choices[-1].choices[0].finish_reason == "length"
     content = "".join(chunk.choices[0].delta.content or "" for chunk in with_choices)
     assert content
+
+
+def _stream_to_done(url: str, question: str) -> tuple[int, int]:
+    """A stream read as the official sync client reads it: the connection closed at
+    `data: [DONE]`; the prompt and cached tokens the replica reported in its usage chunk."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "max_tokens": 8,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    usage: dict[str, Any] = {}
+    with (
+        httpx.Client(base_url=url, timeout=120) as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line == "data: [DONE]":
+                break  # leaving the block closes the connection: nothing more is read
+            if line.startswith("data: ") and '"usage":{' in line.replace(" ", ""):
+                usage = json.loads(line[6:])["usage"] or usage
+    assert usage, "the replica sent its usage before [DONE]"
+    details = usage.get("prompt_tokens_details") or {}
+    return int(usage["prompt_tokens"]), int(details.get("cached_tokens") or 0)
+
+
+def test_streams_closed_at_done_lose_no_reported_tokens(real: RealFleet) -> None:
+    gateway = real.gateway
+
+    def counted() -> tuple[float, float]:
+        scrape = gateway.metrics()
+        return (
+            metric_value(scrape, "gateway_upstream_prompt_tokens_total"),
+            metric_value(scrape, "gateway_upstream_cached_tokens_total"),
+        )
+
+    before = counted()
+    seen = [_stream_to_done(gateway.url, text(12, "done-first"))]  # the system prompt cached
+    with ThreadPoolExecutor(8) as pool:
+        questions = [text(12, f"done-{n}") for n in range(8)]
+        seen += pool.map(lambda question: _stream_to_done(gateway.url, question), questions)
+    prompt, cached_tokens = (sum(column) for column in zip(*seen, strict=True))
+    assert cached_tokens > 0
+    expected = (before[0] + prompt, before[1] + cached_tokens)
+    what = f"{prompt} prompt and {cached_tokens} cached tokens counted"
+    wait_until(lambda: counted() == expected, 30, what)
 
 
 def test_completion(client: openai.OpenAI) -> None:
