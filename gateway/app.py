@@ -12,7 +12,7 @@ import orjson
 from fastapi import FastAPI, Path
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.auth import PROTECTED_PREFIX, TENANT, ApiKeys, tenant_of
+from gateway.auth import KEY_POSITION, PROTECTED_PREFIX, TENANT, ApiKeys, tenant_of
 from gateway.backends.pool import BackendPool
 from gateway.components import Components
 from gateway.config import Settings
@@ -33,7 +33,7 @@ class GatewayApp:
         self._pool = pool
         self.components: Components | None = None
         self._control: ASGIApp | None = None
-        self._api_keys = ApiKeys(settings.api_key)
+        self._api_keys = ApiKeys((*settings.api_key, *(t.api_key for t in settings.tenants)))
         self._isolate_tenants = settings.isolate_tenants
         self.shutting_down = False
 
@@ -51,7 +51,7 @@ class GatewayApp:
             # The engines' endpoints outside /v1/ (`/tokenize`...) need a client key too.
             if self._api_keys and (path.startswith(PROTECTED_PREFIX) or path in ENDPOINTS):
                 try:
-                    key = self._api_keys.check(scope["headers"])
+                    key, scope[KEY_POSITION] = self._api_keys.check(scope["headers"])
                 except GatewayError as unknown_key:
                     await self._refuse(unknown_key, send)
                     return

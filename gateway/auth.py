@@ -19,7 +19,9 @@ from gateway.refusals import refused
 
 PROTECTED_PREFIX = "/v1/"
 TENANT = "gateway.tenant"
-"""The ASGI scope key of the request's tenant, under `--isolate-tenants`."""
+"""The ASGI scope key of the request's cache namespace, under `--isolate-tenants`."""
+KEY_POSITION = "gateway.key_position"
+"""The ASGI scope key of where the request's key is among the client keys (its tenant)."""
 
 
 def bearer(authorization: bytes | None) -> bytes | None:
@@ -43,8 +45,9 @@ class ApiKeys:
     def __bool__(self) -> bool:
         return bool(self._keys)
 
-    def check(self, headers: list[tuple[bytes, bytes]]) -> bytes:
-        """The key the headers carry; `Unauthorized` unless it is one of the keys."""
+    def check(self, headers: list[tuple[bytes, bytes]]) -> tuple[bytes, int]:
+        """The key the headers carry and its position among the keys; `Unauthorized` unless
+        it is one of them."""
         given = None
         for name, value in headers:
             if name == b"authorization":
@@ -56,13 +59,14 @@ class ApiKeys:
                 code="missing_api_key",
             )
         token = bearer(given) or b""
-        matched = False
-        for key in self._keys:
-            # `|` rather than `or`: every key is compared, matched or not.
-            matched |= hmac.compare_digest(token, key)
-        if not matched:
+        position = -1
+        for index, key in enumerate(self._keys):
+            # Every key is compared, matched or not.
+            if hmac.compare_digest(token, key):
+                position = index
+        if position < 0:
             raise Unauthorized("Incorrect API key provided.", code="invalid_api_key")
-        return token
+        return token, position
 
 
 class AdminAccess:

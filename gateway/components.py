@@ -34,6 +34,7 @@ from gateway.state import redis as redis_store
 from gateway.state.engine_blocks import EventFedIndex
 from gateway.state.index import InMemoryPrefixIndex, PrefixIndex
 from gateway.state.sessions import InMemorySessionStore, SessionStore
+from gateway.tenants.gate import TenantGate
 
 
 @dataclass
@@ -53,6 +54,7 @@ class Components:
     redis: redis_store.RedisLink | None = None
     kv_events: KVEventFeeds | None = None
     shared_load: SharedLoad | None = None
+    tenants: TenantGate | None = None
 
     @classmethod
     def build(cls, settings: Settings, pool: BackendPool | None = None) -> Components:
@@ -131,7 +133,8 @@ class Components:
         prefills = Prefills(settings.prefill_wait, metrics)
         forwarder = Forwarder(settings, upstream, health, metrics, prefills, stalls.speed)
         admission = Admission(settings.max_concurrency, settings.max_queue, settings.queue_timeout)
-        proxy = ProxyHandler(settings, router, forwarder, admission, metrics)
+        tenants = TenantGate(settings, metrics) if settings.tenants else None
+        proxy = ProxyHandler(settings, router, forwarder, admission, metrics, tenants)
         discovery = Discovery.build(settings, pool, monitor.refresh)
         engine_load = EngineLoadScraper(pool, probes, settings.scrape_interval)
         pool.removed.append(engine_load.forget)
@@ -158,6 +161,7 @@ class Components:
             shared.link if shared is not None else None,
             feeds,
             shared_load,
+            tenants,
         )
 
     async def start(self) -> None:

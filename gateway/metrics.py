@@ -19,25 +19,11 @@ from gateway.metric_registry import (
     worker_restarts_counter,
 )
 
+# fmt: off
 _LATENCY_BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1,
-    2.5,
-    5,
-    10,
-    30,
-    60,
-    120,
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 )
+# fmt: on
 _DECISION_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.01)
 _GAP_BUCKETS = (-4096, -1024, -256, -64, -16, 0, 16, 32, 64, 256, 1024, 4096)
 _REDIS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
@@ -323,6 +309,41 @@ class Metrics:
             "gateway_session_moves",
             "Sticky sessions moved to another backend, by cause.",
             ["cause"],
+            registry=r,
+        )
+
+        # --- Tenants (only with `tenants:`; `anonymous` for every other client) -------------
+        self.tenant_requests = Counter(
+            "gateway_tenant_requests",
+            "Requests answered, by tenant and status (429: refused by the tenant's limits).",
+            ["tenant", "status"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "gateway_tenant_tokens",
+            "Tokens the engines reported for a tenant's requests, by kind (prompt, cached,"
+            " completion).",
+            ["tenant", "kind"],
+            registry=r,
+        )
+        self.tenant_refusals = Counter(
+            "gateway_tenant_refusals",
+            "Requests refused by a tenant's limits, by the limit.",
+            ["tenant", "reason"],
+            registry=r,
+        )
+        self.tenant_in_flight = Gauge(
+            "gateway_tenant_in_flight",
+            "A tenant's requests admitted and not yet answered.",
+            ["tenant"],
+            multiprocess_mode="livesum",
+            registry=r,
+        )
+        self.tenant_budget_remaining = Gauge(
+            "gateway_tenant_budget_remaining",
+            "What remains of a tenant's budget for the minute, by budget (requests, tokens).",
+            ["tenant", "budget"],
+            multiprocess_mode="livemin",
             registry=r,
         )
 

@@ -112,6 +112,8 @@ REFUSALS: dict[str, Refusal] = {
         Overloaded, "no capacity was freed in time; retry later", (RETRY_AFTER,)
     ),
     "shutting_down": Refusal(ShuttingDown, "the gateway is shutting down"),
+    # A tenant's limits (tenants/tenant.py): the message says which; Retry-After is its own.
+    "rate_limit_exceeded": Refusal(Overloaded, "{0}"),
     # No replica could take the request: none serves the model (routing/router.py), or each
     # one tried refused the connection (proxy/forwarder.py). One answer for both.
     "no_healthy_backend": Refusal(

@@ -8,9 +8,10 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from gateway.config.errors import ConfigError
+from gateway.config.tenants import TenantSpec, check_tenants
 
-class ConfigError(ValueError):
-    """A setting that cannot be used; raised at start-up, never while serving."""
+__all__ = ["ConfigError", "Settings"]
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -213,7 +214,14 @@ class Settings:
     isolate_tenants: bool = _opt(
         False,
         "give each client API key its own prefix-cache namespace: its own index entries, and"
-        " vLLM's `cache_salt` added to its requests (needs --api-key)",
+        " vLLM's `cache_salt` added to its requests (needs --api-key or tenants)",
+    )
+    tenants: tuple[TenantSpec, ...] = _opt((), "the `tenants:` list (YAML only)", file_only=True)
+    cached_token_cost: float = _opt(
+        0.1, "what a cached prompt token counts for in tenants' token budgets (1: a full token)"
+    )
+    budget_max_tokens: int = _opt(
+        256, "completion tokens charged ahead to a token budget when a request sets no max_tokens"
     )
     upstream_ca_file: str = _opt(
         "",
@@ -383,8 +391,9 @@ class Settings:
         )
         if min(limits) < 1:
             raise ConfigError("every max_* limit must be at least 1")
-        if self.isolate_tenants and not self.api_key:
-            raise ConfigError("isolate_tenants needs client API keys (--api-key): keys are tenants")
+        check_tenants(self.tenants, self.api_key, self.isolate_tenants)
+        if not 0 <= self.cached_token_cost <= 1 or self.budget_max_tokens < 1:
+            raise ConfigError("cached_token_cost must be in [0, 1], budget_max_tokens positive")
         if self.max_pending_body_bytes < self.max_body_bytes:
             raise ConfigError("max_pending_body_bytes must be at least max_body_bytes")
         if self.upstream_ca_file and not os.path.isfile(self.upstream_ca_file):

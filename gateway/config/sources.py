@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from gateway.config.settings import ConfigError, Settings
+from gateway.config.tenants import parse_tenants
 
 
 def _env_name(f: dataclasses.Field[Any]) -> str:
@@ -50,6 +51,8 @@ def _coerce(f: dataclasses.Field[Any], raw: Any) -> Any:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file of settings (keys as the flags, with _)")
     for f in dataclasses.fields(Settings):
+        if f.metadata.get("file_only"):
+            continue
         flag = "--" + f.name.replace("_", "-")
         help_text = f"{f.metadata['help']} (env {_env_name(f)}; default {f.default!r})"
         kind = _field_type(f)
@@ -80,7 +83,10 @@ def load_settings(
         from_file = loaded
     values: dict[str, Any] = {}
     for f in dataclasses.fields(Settings):
-        if given.get(f.name) is not None:
+        if f.metadata.get("file_only"):
+            if f.name == "tenants":
+                values[f.name] = parse_tenants(from_file.get(f.name), environ)
+        elif given.get(f.name) is not None:
             raw = given[f.name]
             if isinstance(raw, list):
                 raw = [part for item in raw for part in str(item).split(",") if part]

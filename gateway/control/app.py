@@ -19,6 +19,7 @@ from gateway.control.backends import build_backends_router
 from gateway.control.bodies import BoundedBodies
 from gateway.control.explain import build_explain_router
 from gateway.control.gauges import publish_scrape_gauges
+from gateway.control.tenants import build_tenants_router
 from gateway.errors import BadRequest
 from gateway.refusals import of_status
 
@@ -36,6 +37,7 @@ def build_control_app(components: Components) -> FastAPI:
     guard = admin_guard(AdminAccess(settings.admin_token, settings.host))
     app.include_router(build_explain_router(components, guard))
     app.include_router(build_backends_router(components, guard))
+    app.include_router(build_tenants_router(components, guard))
     pool = components.pool
     metrics = components.metrics
 

@@ -122,6 +122,8 @@ class RoutingInput:
     `distinct_from` is its own history (unknown, so False, for a plain prompt)."""
     response_id: str | None = None
     """The stored response a `GET`, `DELETE` or `cancel` is about (it has no body to parse)."""
+    max_tokens: int | None = None
+    """The most tokens the answer may have, if the request says (charged ahead to budgets)."""
 
     def estimated_tokens(self, chars_per_token: float) -> float:
         """The prompt's tokens: counted with the engine's tokenizer, else estimated."""
@@ -194,7 +196,16 @@ def parse_request(
         tokens=None if tokenizer is None else _tokens(endpoint, payload, tokenizer),
         cache_salt=tenant if tenant is not None else _client_salt(endpoint, payload),
         first_turn=first_turn,
+        max_tokens=_max_tokens(payload),
     )
+
+
+def _max_tokens(payload: dict[str, Any]) -> int | None:
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+        value = payload.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def stored_response_request(

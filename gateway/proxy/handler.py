@@ -16,7 +16,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from gateway.auth import TENANT
+from gateway.auth import KEY_POSITION, TENANT
 from gateway.config import Settings
 from gateway.errors import GatewayError
 from gateway.metrics import Metrics
@@ -45,7 +45,9 @@ from gateway.proxy.forwarding import Forwarding
 from gateway.proxy.reply import Headers, Reply
 from gateway.refusals import refused
 from gateway.routing.router import Router
-from gateway.routing.types import Decision
+from gateway.routing.types import Decision, Outcome
+from gateway.tenants.gate import TenantGate
+from gateway.tenants.tenant import Charge
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _TOKENIZED_BESIDE_THE_LOOP = 4096
@@ -73,8 +75,10 @@ class ProxyHandler:
         forwarder: Forwarder,
         admission: Admission,
         metrics: Metrics,
+        tenants: TenantGate | None = None,
     ) -> None:
         self._settings = settings
+        self._tenants = tenants
         self._router = router
         self._forwarder = forwarder
         self._admission = admission
@@ -193,6 +197,8 @@ class ProxyHandler:
         path: str = scope["path"]
         tenant = scope.get(TENANT)
         issued = None
+        gate = self._tenants
+        charge: Charge | None = None
         try:
             target = response_target(path)
             if target is not None:
@@ -206,8 +212,12 @@ class ProxyHandler:
                 )
             else:
                 request, issued = self._parse(path, headers, body, tenant)
+            if gate is not None:
+                charge = gate.admit(gate.of_key(scope.get(KEY_POSITION, -1)), request)
             placement = await self._router.route(request)
         except GatewayError as error:
+            if gate is not None:
+                gate.release(charge, error.status)
             await self._reject(scope, request_id, error, reply)
             return
         outgoing = self._forwarder.upstream.headers_for(
@@ -219,23 +229,34 @@ class ProxyHandler:
             outgoing,
             exchange,
             reply,
-            lambda decision: self._gateway_headers(decision, request_id, issued),
+            lambda decision: self._gateway_headers(decision, request_id, issued, charge),
             scope["method"].encode(),
             path,
         )
         began = time.perf_counter()
+        try:
+            outcome = await self._forward(scope, receive, exchange, forwarding)
+        except BaseException:
+            if gate is not None:
+                gate.settle(charge, None)
+            raise
+        if gate is not None:
+            gate.settle(charge, outcome)
+        self._access_log.answered(placement, outcome, request_id, began)
+        await placement.settle(outcome)
+
+    async def _forward(
+        self, scope: Scope, receive: Receive, exchange: Exchange, forwarding: Forwarding
+    ) -> Outcome:
         connection = scope.get(CLIENT_CONNECTION)
         if connection is not None:
             connection.watch(exchange)
-            outcome = await self._forwarder.forward(forwarding)
-        else:
-            watcher = asyncio.create_task(exchange.watch_client(receive))
-            try:
-                outcome = await self._forwarder.forward(forwarding)
-            finally:
-                watcher.cancel()
-        self._access_log.answered(placement, outcome, request_id, began)
-        await placement.settle(outcome)
+            return await self._forwarder.forward(forwarding)
+        watcher = asyncio.create_task(exchange.watch_client(receive))
+        try:
+            return await self._forwarder.forward(forwarding)
+        finally:
+            watcher.cancel()
 
     def _parse(
         self, path: str, headers: list[tuple[bytes, bytes]], body: bytes, tenant: str | None
@@ -270,9 +291,14 @@ class ProxyHandler:
         reply: Reply,
     ) -> None:
         self._access_log.rejected(request_id, scope["path"], error)
+        gate = self._tenants
+        if gate is not None:
+            gate.refused(gate.of_key(scope.get(KEY_POSITION, -1)), error.status)
         await reply.fail(error, [(b"x-request-id", request_id.encode())])
 
-    def _gateway_headers(self, decision: Decision, request_id: str, issued: str | None) -> Headers:
+    def _gateway_headers(
+        self, decision: Decision, request_id: str, issued: str | None, charge: Charge | None
+    ) -> Headers:
         headers = [
             (b"x-gateway-backend", decision.backend.encode()),
             (b"x-gateway-route", decision.route.value.encode()),
@@ -283,6 +309,8 @@ class ProxyHandler:
             # back after that simply binds again.
             cookie = f"{self._settings.sticky_cookie}={issued}"
             headers.append((b"set-cookie", f"{cookie}; Path=/; HttpOnly; SameSite=Lax".encode()))
+        if charge is not None:
+            headers += charge.tenant.headers(time.monotonic())
         return headers
 
 

@@ -1,0 +1,63 @@
+"""`/admin/tenants`: each named tenant's limits, what it has in flight, what remains of its
+budgets and what it used, as this gateway process counts them (docs/tenants.md)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse
+
+from gateway.components import Components
+from gateway.control.access import AdminRoute, Guard
+from gateway.tenants.tenant import Tenant
+
+
+def tenant_view(tenant: Tenant, now: float) -> dict[str, Any]:
+    spec = tenant.spec
+    budgets = {}
+    for kind, budget in (("requests", tenant.requests), ("tokens", tenant.tokens)):
+        if budget is not None:
+            budgets[kind] = {
+                "remaining": tenant.shown(budget.remaining(now)),
+                "reset_seconds": round(budget.reset_seconds(now), 3),
+            }
+    return {
+        "name": tenant.name,
+        "priority": spec.priority,
+        "weight": spec.weight,
+        "limits": {
+            "requests_per_minute": spec.requests_per_minute,
+            "tokens_per_minute": spec.tokens_per_minute,
+            "max_concurrency": spec.max_concurrency,
+        },
+        "in_flight": tenant.in_flight,
+        "budgets": budgets,
+        "requests": {str(status): count for status, count in sorted(tenant.statuses.items())},
+        "refusals": dict(sorted(tenant.refusals.items())),
+        "tokens": {
+            "prompt": tenant.used.prompt,
+            "cached": tenant.used.cached,
+            "completion": tenant.used.completion,
+        },
+    }
+
+
+def build_tenants_router(components: Components, guard: Guard) -> APIRouter:
+    router = APIRouter(
+        prefix="/admin/tenants",
+        tags=["admin"],
+        route_class=AdminRoute,
+        dependencies=[Depends(guard)],
+    )
+
+    @router.get("")
+    async def list_tenants() -> JSONResponse:
+        """Every named tenant (none without a `tenants:` configuration)."""
+        gate = components.tenants
+        now = time.monotonic()
+        data = [] if gate is None else [tenant_view(tenant, now) for tenant in gate.tenants]
+        return JSONResponse({"object": "list", "data": data})
+
+    return router

@@ -1,0 +1,1 @@
+"""Tenants: named clients with priorities, shares and budgets (docs/tenants.md)."""

@@ -1,0 +1,110 @@
+"""The tenants' gate on the proxy path: which tenant a client key is, its charge when its
+request is admitted, its settlement when the answer ends, and the per-tenant series.
+
+Built only when the configuration names tenants: without them the proxy path does not call it.
+Every request no named tenant sent is counted as `anonymous`, so that clients cannot mint
+series. Budgets are this process's: with `--workers N` each worker holds an equal share of
+every limit (docs/tenants.md).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from gateway.config import Settings
+from gateway.config.tenants import ANONYMOUS
+from gateway.metrics import Metrics
+from gateway.prompt.parsing import RoutingInput
+from gateway.routing.types import Outcome
+from gateway.tenants.tenant import Charge, Tenant, TenantRefused
+
+
+class TenantGate:
+    def __init__(
+        self, settings: Settings, metrics: Metrics, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        now = clock()
+        share = 1.0 / settings.workers
+        self.tenants = [Tenant(spec, now, share) for spec in settings.tenants]
+        self.by_name = {tenant.name: tenant for tenant in self.tenants}
+        self._first_key = len(settings.api_key)
+        self._metrics = metrics
+        self._clock = clock
+        self._chars_per_token = settings.chars_per_token
+        self._completion_estimate = settings.budget_max_tokens
+        self._cached_cost = settings.cached_token_cost
+        for tenant in self.tenants:
+            self._publish(tenant)
+
+    def of_key(self, position: int) -> Tenant | None:
+        """The tenant whose key is at `position` among the client keys (`--api-key`'s first,
+        anonymous)."""
+        index = position - self._first_key
+        return self.tenants[index] if index >= 0 else None
+
+    def admit(self, tenant: Tenant | None, request: RoutingInput) -> Charge | None:
+        """Charge `request` to `tenant` (None: anonymous, not charged); the 429 that refuses
+        it, its limit counted, if it does not fit."""
+        if tenant is None:
+            return None
+        estimate = request.estimated_tokens(self._chars_per_token)
+        if request.endpoint.generates:
+            estimate += request.max_tokens or self._completion_estimate
+        metrics = self._metrics
+        try:
+            charge = tenant.admit(estimate, self._clock())
+        except TenantRefused as refusal:
+            metrics.child(metrics.tenant_refusals, tenant.name, refusal.reason).inc()
+            self._publish(tenant)
+            raise refusal.error from None
+        metrics.tenant_in_flight.labels(tenant.name).inc()
+        self._publish(tenant)
+        return charge
+
+    def refused(self, tenant: Tenant | None, status: int) -> None:
+        """A request of `tenant` answered by the gateway itself: refused or failed before any
+        replica was asked."""
+        name = ANONYMOUS if tenant is None else tenant.name
+        self._metrics.child(self._metrics.tenant_requests, name, str(status)).inc()
+
+    def release(self, charge: Charge | None, status: int) -> None:
+        """A charged request that ends before any replica was asked (its refusal counted by
+        `refused`): its tokens back."""
+        if charge is not None:
+            charge.settle(status, (None, None, None), self._cached_cost, self._clock())
+            self._ended(charge.tenant)
+
+    def settle(self, charge: Charge | None, outcome: Outcome | None) -> None:
+        """A request forwarded ended with `outcome` (None: cut short before it had one):
+        charged as used, and counted."""
+        status = 499 if outcome is None else outcome.status
+        usage: tuple[int | None, int | None, int | None] = (None, None, None)
+        if outcome is not None:
+            usage = (outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens)
+        if charge is None:
+            name = ANONYMOUS
+            prompt, cached, completion = (count or 0 for count in usage)
+        else:
+            name = charge.tenant.name
+            used = charge.settle(status, usage, self._cached_cost, self._clock())
+            prompt, cached, completion = used.prompt, used.cached, used.completion
+            self._ended(charge.tenant)
+        metrics = self._metrics
+        metrics.child(metrics.tenant_requests, name, str(status)).inc()
+        for kind, count in (("prompt", prompt), ("cached", cached), ("completion", completion)):
+            if count:
+                metrics.child(metrics.tenant_tokens, name, kind).inc(count)
+
+    def _ended(self, tenant: Tenant) -> None:
+        self._metrics.tenant_in_flight.labels(tenant.name).dec()
+        self._publish(tenant)
+
+    def _publish(self, tenant: Tenant) -> None:
+        """The tenant's budgets as they stand now, on the remaining-budget gauge."""
+        now = self._clock()
+        metrics = self._metrics
+        for kind, budget in (("requests", tenant.requests), ("tokens", tenant.tokens)):
+            if budget is not None:
+                gauge = metrics.tenant_budget_remaining.labels(tenant.name, kind)
+                gauge.set(tenant.shown(budget.remaining(now)))
