@@ -25,7 +25,7 @@ def test_flags_fill_every_field_and_convert_time_units() -> None:
         "--host", "0.0.0.0", "--port", "9000", "--name", "m", "--cache-blocks", "128",
         "--block-size", "32", "--max-running", "4", "--prefill-us-per-token", "250",
         "--decode-ms-per-token", "12.5", "--chat-template", "chatml",
-        "--default-max-tokens", "9", "--seed", "3",
+        "--default-max-tokens", "9", "--seed", "3", "--pooling",
     )  # fmt: skip
     assert config.prefill_seconds_per_token == pytest.approx(0.00025)
     assert config.decode_seconds_per_token == pytest.approx(0.0125)
@@ -40,6 +40,7 @@ def test_flags_fill_every_field_and_convert_time_units() -> None:
             chat_template="chatml",
             default_max_tokens=9,
             seed=3,
+            pooling=True,
         )
     )
     assert config.max_model_len == 128 * 32

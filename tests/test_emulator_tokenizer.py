@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from gateway.emulator.errors import InvalidRequest
 from gateway.emulator.prompts import chat_prompt_ids, completion_prompts
 from gateway.emulator.sampler import VOCABULARY, Sampler
-from gateway.emulator.tokenizer import encode, split_tokens, token_id, token_ids
+from gateway.emulator.tokenizer import decode, encode, split_tokens, token_id, token_ids
 
 token_id_lists = st.lists(st.integers(min_value=0, max_value=2**32 - 1), min_size=1, max_size=50)
 
@@ -55,6 +55,17 @@ def test_generated_text_tokenizes_to_the_generated_tokens(
     assert not tokens[0].startswith(" ")
     assert all(token.startswith(" ") and token[1:] in VOCABULARY for token in tokens[1:])
     assert encode("".join(tokens)) == token_ids(tokens)
+
+
+@given(token_id_lists, st.integers(min_value=1, max_value=300), st.integers())
+def test_generated_text_decodes_back(prompt: list[int], count: int, seed: int) -> None:
+    text = "".join(Sampler(seed).sample(prompt, count))
+    assert decode(encode(text)) == text
+
+
+def test_ids_a_hash_cannot_give_back_decode_to_nothing() -> None:
+    assert decode(encode("river zzzzzz stone")) == "river stone"
+    assert decode([]) == ""
 
 
 def test_generated_text_depends_on_prompt_and_seed_only() -> None:

@@ -15,6 +15,7 @@ from gateway.emulator.bodies import (
     DONE,
     Envelope,
     Usage,
+    detokenize_body,
     embeddings_body,
     models_body,
     tokenize_body,
@@ -29,24 +30,30 @@ from gateway.emulator.errors import (
 )
 from gateway.emulator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.emulator.metrics import EngineMetrics
+from gateway.emulator.pooling import classify_body, cohere_embed_body, pooling_body
 from gateway.emulator.prefix_cache import PrefixCache
 from gateway.emulator.protocol import (
     GenerationRequest,
     parse_body,
     parse_chat,
     parse_completion,
+    parse_detokenize,
     parse_embedding,
     parse_tokenize,
 )
 from gateway.emulator.responses_api import ResponsesAPI
 from gateway.emulator.sampler import Sampler
+from gateway.emulator.scoring import rerank_body, score_body
 from gateway.emulator.timing import TimeModel
+from gateway.emulator.tokenizer import decode
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 Handler = Callable[[Receive, Send], Awaitable[None]]
+PoolingAnswer = Callable[[dict[str, Any], EmulatorConfig, str], bytes]
+"""A pooling endpoint's answer to a body, given the id it names itself with."""
 _T = TypeVar("_T")
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -56,6 +63,17 @@ _SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
 ]
+_POOLING: dict[str, tuple[str, PoolingAnswer]] = {
+    # path: (its answers' id prefix, as vLLM's, and what answers it)
+    "/pooling": ("pooling", pooling_body),
+    "/classify": ("classify", classify_body),
+    "/v2/embed": ("embd", cohere_embed_body),
+    "/score": ("score", score_body),
+    "/v1/score": ("score", score_body),
+    "/rerank": ("score", rerank_body),
+    "/v1/rerank": ("score", rerank_body),
+    "/v2/rerank": ("score", rerank_body),
+}
 
 
 class _ClientGone(Exception):
@@ -84,12 +102,16 @@ class EmulatorApp:
             "/v1/embeddings": ("POST", self._embeddings),
             "/v1/responses": ("POST", self._create_response),
             "/tokenize": ("POST", self._tokenize),
+            "/detokenize": ("POST", self._detokenize),
             "/v1/models": ("GET", self._models),
             "/health": ("GET", self._health),
             "/metrics": ("GET", self._metrics),
             # Not vLLM's: lets tests and benchmarks hang the engine while /health still answers.
             "/emulator/stall": ("POST", self._stall),
         }
+        if config.pooling:
+            for path, (prefix, answer) in _POOLING.items():
+                self._routes[path] = ("POST", self._pooled(prefix, answer))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -137,6 +159,17 @@ class EmulatorApp:
     async def _tokenize(self, receive: Receive, send: Send) -> None:
         ids = parse_tokenize(parse_body(await _read_body(receive)), self.config)
         await _respond(send, 200, tokenize_body(ids, self.config.max_model_len))
+
+    async def _detokenize(self, receive: Receive, send: Send) -> None:
+        ids = parse_detokenize(parse_body(await _read_body(receive)), self.config)
+        await _respond(send, 200, detokenize_body(decode(ids)))
+
+    def _pooled(self, prefix: str, answer: PoolingAnswer) -> Handler:
+        async def handler(receive: Receive, send: Send) -> None:
+            body = parse_body(await _read_body(receive))
+            await _respond(send, 200, answer(body, self.config, self._new_id(prefix)))
+
+        return handler
 
     async def _create_response(self, receive: Receive, send: Send) -> None:
         body = parse_body(await _read_body(receive))

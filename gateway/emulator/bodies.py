@@ -106,9 +106,7 @@ def embeddings_body(
     data = []
     for index, ids in enumerate(inputs):
         vector = embedding(ids)
-        encoded: list[float] | str = (
-            base64.b64encode(_little_endian_floats(vector)).decode() if as_base64 else vector
-        )
+        encoded = base64_floats(vector) if as_base64 else vector
         data.append({"index": index, "object": "embedding", "embedding": encoded})
     prompt_tokens = sum(len(ids) for ids in inputs)
     return orjson.dumps(
@@ -161,6 +159,26 @@ def tokenize_body(ids: list[int], max_model_len: int) -> bytes:
     return orjson.dumps(
         {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": None}
     )
+
+
+def detokenize_body(text: str) -> bytes:
+    return orjson.dumps({"prompt": text})
+
+
+def pooling_usage(prompt_tokens: int) -> dict[str, Any]:
+    """vLLM's usage of a pooling request (scores, classes, pooled vectors): prompt tokens only."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens,
+        "completion_tokens": 0,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
+
+
+def base64_floats(vector: list[float]) -> str:
+    """`vector` as OpenAI's clients decode `encoding_format: "base64"`: little-endian float32."""
+    return base64.b64encode(_little_endian_floats(vector)).decode()
 
 
 def _event(obj: dict[str, Any]) -> bytes:

@@ -21,6 +21,9 @@ class EmulatorConfig:
     chat_template: str = "plain"
     default_max_tokens: int = 64
     seed: int = 0
+    pooling: bool = False
+    """Also serve what vLLM serves only for a pooling model: `/pooling`, `/classify`,
+    `/v2/embed`, score and rerank (a generative vLLM answers them 404)."""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -90,6 +93,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seed", type=int, default=defaults.seed, help="seed of the generated text"
     )
+    parser.add_argument(
+        "--pooling",
+        action="store_true",
+        help="also serve a pooling model's endpoints: /pooling, /classify, /v2/embed, /score,"
+        " /v1/score, /rerank, /v1/rerank, /v2/rerank",
+    )
 
 
 def config_from_args(ns: argparse.Namespace) -> EmulatorConfig:
@@ -105,4 +114,5 @@ def config_from_args(ns: argparse.Namespace) -> EmulatorConfig:
         chat_template=ns.chat_template,
         default_max_tokens=ns.default_max_tokens,
         seed=ns.seed,
+        pooling=ns.pooling,
     )

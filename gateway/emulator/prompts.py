@@ -68,30 +68,30 @@ def _message_tokens(message: object, where: str) -> tuple[str, list[int]]:
     role = message.get("role")
     if not isinstance(role, str):
         raise InvalidRequest(f"{where}.role must be a string", param="messages")
-    tokens = _content_tokens(message.get("content"), where)
+    tokens = content_ids(message.get("content"), where)
     tool_calls = message.get("tool_calls")
     if tool_calls is not None:
         tokens.extend(encode(_json_text(tool_calls)))
     return role, tokens
 
 
-def _content_tokens(content: object, where: str) -> list[int]:
+def content_ids(content: object, where: str, param: str = "messages") -> list[int]:
+    """The ids of a message's content: a string, or a list of parts (text, or one token per
+    image, audio or file part)."""
     if content is None:
         return []
     if isinstance(content, str):
         return encode(content)
     if not isinstance(content, list):
-        raise InvalidRequest(f"{where}.content must be a string or a list", param="messages")
+        raise InvalidRequest(f"{where}.content must be a string or a list", param=param)
     tokens: list[int] = []
     for part in content:
         if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
-            raise InvalidRequest(
-                f"{where}.content parts must be objects with a type", param="messages"
-            )
+            raise InvalidRequest(f"{where}.content parts must be objects with a type", param=param)
         if part["type"] == "text":
             text = part.get("text")
             if not isinstance(text, str):
-                raise InvalidRequest(f"{where}.content text must be a string", param="messages")
+                raise InvalidRequest(f"{where}.content text must be a string", param=param)
             tokens.extend(encode(text))
         else:
             # Images, audio and files are one token each, named by a digest of the part.

@@ -92,6 +92,18 @@ def parse_tokenize(body: Mapping[str, Any], config: EmulatorConfig) -> list[int]
     return completion_prompts(body.get("prompt"))[0]
 
 
+def parse_detokenize(body: Mapping[str, Any], config: EmulatorConfig) -> list[int]:
+    """`/detokenize`'s `tokens`: ids from 0 to 2**63-1, as vLLM takes them."""
+    check_model(body, config)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(
+        isinstance(token, int) and not isinstance(token, bool) and 0 <= token < 2**63
+        for token in tokens
+    ):
+        raise InvalidRequest("tokens must be a list of token ids (integers >= 0)", param="tokens")
+    return tokens
+
+
 def _generation(
     kind: Literal["chat", "completion"],
     prompts: list[list[int]],
