@@ -237,6 +237,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._keep_alive, cycle.keep_alive = cycle.keep_alive, False
             self._body_since = self.loop.time()
 
+    @property
+    def peer(self) -> str:
+        """The address at the connection's other end (not what a proxy says it forwards)."""
+        return self.client[0] if self.client else ""
+
     def watch(self, exchange: Exchange) -> None:
         """Interrupt `exchange` if the connection is lost before it is done (a done exchange
         ignores it): no task per request listens for the hang-up."""

@@ -1,8 +1,8 @@
-"""Which address is the client's (`--trusted-proxies`): the connection's peer, unless the peer is
-a trusted proxy, whose `X-Forwarded-For` then names the client. What the gateway takes it for
-shows in the address it appends to the `X-Forwarded-For` a replica is sent, read here at a
-replica that records its requests. The per-client connection cap counts peers whatever the
-headers say: a connection is counted before its first byte (docs/deploy.md).
+"""What a replica is told of the client (`--trusted-proxies`), read at a replica that records its
+requests: the `X-Forwarded-For` chain the client sent with the connection's peer appended (every
+hop kept), and an `X-Forwarded-Proto` that is the client's claim only when the peer is a
+trusted proxy. The per-client connection cap counts peers whatever the headers say: a
+connection is counted before its first byte (docs/deploy.md).
 
 The gateway is reached from two loopback addresses: 127.0.0.1, which some settings trust, and
 127.0.0.2, which none does.
@@ -79,31 +79,35 @@ def _served(gateway: GatewayProcess, source: str) -> bool:
     return reply.status_code == 200
 
 
-def _forwarded_for(
+def _forwarded(
     gateway: GatewayProcess, replica: FaultServer, source: str, **headers: str
-) -> list[str]:
-    """The `X-Forwarded-For` chain the replica got for a request sent from `source`."""
+) -> tuple[list[str], str]:
+    """The `X-Forwarded-For` chain and `X-Forwarded-Proto` the replica got for a request sent
+    from `source`."""
     transport = httpx.HTTPTransport(local_address=source)
     with httpx.Client(transport=transport, timeout=30) as client:
         before = len(replica.seen)
         reply = client.post(gateway.url + "/v1/chat/completions", content=_body(), headers=headers)
         assert reply.status_code == 200, reply.text
     (seen,) = replica.seen[before:]
-    return seen.headers["x-forwarded-for"].split(", ")
+    return seen.headers["x-forwarded-for"].split(", "), seen.headers["x-forwarded-proto"]
 
 
-def test_the_client_is_the_peer_unless_the_peer_is_trusted(
+def test_the_peer_is_appended_and_only_a_trusted_proxy_names_the_scheme(
     gateway: GatewayProcess, replica: FaultServer, trust: str
 ) -> None:
-    from_proxy = _forwarded_for(gateway, replica, PROXY, **{"x-forwarded-for": CLIENT})
-    from_stranger = _forwarded_for(gateway, replica, STRANGER, **{"x-forwarded-for": CLIENT})
-    plain = _forwarded_for(gateway, replica, PROXY)
-    # The chain the client sent is kept; the gateway appends the address it takes for the
-    # client's: the forwarded one only from a trusted peer.
-    assert from_proxy[0] == from_stranger[0] == CLIENT
-    assert from_proxy[-1] == (CLIENT if trust in TRUSTS_THE_PROXY else PROXY)
-    assert from_stranger[-1] == STRANGER
-    assert plain == [PROXY]
+    claims = {"x-forwarded-for": CLIENT, "x-forwarded-proto": "https"}
+    from_proxy = _forwarded(gateway, replica, PROXY, **claims)
+    from_stranger = _forwarded(gateway, replica, STRANGER, **claims)
+    plain = _forwarded(gateway, replica, PROXY)
+    # The chain the client sent is kept and the hop that reached the gateway appended, once.
+    assert from_proxy[0] == [CLIENT, PROXY]
+    assert from_stranger[0] == [CLIENT, STRANGER]
+    assert plain[0] == [PROXY]
+    # The scheme is the connection's unless a trusted proxy says otherwise.
+    assert from_proxy[1] == ("https" if trust in TRUSTS_THE_PROXY else "http")
+    assert from_stranger[1] == "http"
+    assert plain[1] == "http"
 
 
 def test_the_connection_cap_counts_the_peer_whatever_it_forwards(
@@ -134,8 +138,7 @@ def test_the_connection_cap_counts_the_peer_whatever_it_forwards(
     error = orjson.loads(refused.partition(b"\r\n\r\n")[2])["error"]
     assert error["code"] == "too_many_client_connections"
     assert all(answer.startswith(b"HTTP/1.1 200 ") for answer in answers), answers
-    # The held requests were taken as from their own clients when the proxy is trusted ...
-    appended = {seen.headers["x-forwarded-for"].split(", ")[-1] for seen in replica.seen[before:]}
-    assert appended == (set(clients) if trust in TRUSTS_THE_PROXY else {PROXY})
-    # ... and once they are closed the peer is served again.
+    chains = sorted(seen.headers["x-forwarded-for"] for seen in replica.seen[before:])
+    assert chains == [f"{client}, {PROXY}" for client in clients]
+    # Once they are closed the peer is served again.
     wait_until(lambda: _served(gateway, PROXY), "the closed connections are no longer counted")

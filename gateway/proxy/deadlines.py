@@ -106,6 +106,11 @@ class Exchange:
 class ClientConnection(Protocol):
     """The client's connection, as the server that holds it offers it to a request."""
 
+    @property
+    def peer(self) -> str:
+        """The address at the connection's other end: a proxy's, behind one."""
+        ...
+
     def watch(self, exchange: Exchange) -> None:
         """Interrupt `exchange` if the connection is lost before it is done."""
         ...

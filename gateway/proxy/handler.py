@@ -220,8 +220,11 @@ class ProxyHandler:
                 gate.release(charge, error.status)
             await self._reject(scope, request_id, error, reply)
             return
+        connection = scope.get(CLIENT_CONNECTION)
+        client = scope.get("client")
+        peer = connection.peer if connection is not None else client[0] if client else None
         outgoing = self._forwarder.upstream.headers_for(
-            headers, request_id.encode(), scope.get("client"), scope.get("scheme", "http")
+            headers, request_id.encode(), peer, scope.get("scheme", "http")
         )
         forwarding = Forwarding(
             placement,

@@ -122,16 +122,19 @@ class Upstream:
         self,
         headers: Iterable[tuple[bytes, bytes]],
         request_id: bytes,
-        client: tuple[str, int] | None,
+        peer: str | None,
         scheme: str,
     ) -> list[tuple[bytes, bytes]]:
         """The client's headers as a replica gets them: hop-by-hop ones dropped (RFC 9110
         7.6.1, with any the Connection header names), the client's credentials unless told
         to pass them, and the gateway's own added: the request id, `Via` (which stops a
-        request from looping back through the gateway) and `X-Forwarded-For`/`-Proto`."""
+        request from looping back through the gateway), `X-Forwarded-For` with the address of
+        the connection's other end appended (a proxy's, behind one: the chain keeps every hop)
+        and `X-Forwarded-Proto` as the gateway takes it (a client's own claim only from a
+        trusted proxy, `--trusted-proxies`)."""
         dropped = self._dropped
         forwarded: list[tuple[bytes, bytes]] = []
-        forwarded_for = via = proto = b""
+        forwarded_for = via = b""
         named: set[bytes] = set()
         for name, value in headers:
             if name in dropped:
@@ -142,17 +145,15 @@ class Upstream:
                     forwarded_for = value + b", "
                 elif name == b"via":
                     via = value + b", "
-                elif name == b"x-forwarded-proto":
-                    proto = value
             else:
                 forwarded.append((name, value))
         if named:
             forwarded = [item for item in forwarded if item[0] not in named]
         forwarded.append((b"x-request-id", request_id))
         forwarded.append((b"via", via + _VIA))
-        if client is not None:
-            forwarded.append((b"x-forwarded-for", forwarded_for + client[0].encode()))
-        forwarded.append((b"x-forwarded-proto", proto or scheme.encode()))
+        if peer:
+            forwarded.append((b"x-forwarded-for", forwarded_for + peer.encode()))
+        forwarded.append((b"x-forwarded-proto", scheme.encode()))
         return forwarded
 
     async def send(
