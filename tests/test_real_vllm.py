@@ -614,6 +614,13 @@ def test_a_restarted_replicas_events_are_followed_again(
     wait_until(lambda: matched().get(name) == full_blocks, 10, f"{name} holds {full_blocks}")
     after = feed()
     assert after["live"] and after["last_sequence"] is not None and after["blocks"] >= full_blocks
-    # Repeated through the gateway, the prompt goes where its blocks are.
+    # Repeated through the gateway, the prompt goes where its blocks are, once the replica is
+    # back in routing (its events may flow again before its probes pass).
+    wait_until(
+        lambda: tokens_gateway.metric("gateway_backend_healthy", backend=name) == 1,
+        60,
+        f"{name} healthy again",
+    )
     again = httpx.post(tokens_gateway.url + "/v1/chat/completions", json=body, timeout=60)
-    assert again.status_code == 200 and again.headers["x-gateway-backend"] == name
+    assert again.status_code == 200
+    assert again.headers["x-gateway-backend"] == name, again.headers["x-gateway-route"]

@@ -4,12 +4,11 @@ The policy's name is checked where policies are registered (`gateway.routing.pol
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.config.errors import ConfigError
-from gateway.config.tenants import TenantSpec, check_tenants
+from gateway.config.tenants import TenantSpec
 
 __all__ = ["ConfigError", "Settings"]
 
@@ -307,94 +306,6 @@ class Settings:
         return max(1, self.min_match_tokens // self.block_tokens)
 
     def validate(self) -> Settings:
-        if self.workers < 1:
-            raise ConfigError("workers must be at least 1")
-        if self.load_factor < 1.0:
-            raise ConfigError("load_factor must be at least 1.0")
-        self._validate_policy()
-        if self.block_tokens < 1 or self.chars_per_token <= 0:
-            raise ConfigError("block_tokens and chars_per_token must be positive")
-        if self.engine_block_size < 0:
-            raise ConfigError("engine_block_size must not be negative")
-        if self.kv_events and (not self.tokenizer or self.isolate_tenants):
-            raise ConfigError(
-                "kv_events needs --tokenizer (events carry token ids), and tenants' chains are"
-                " seeded apart from the engine's (no --isolate-tenants)"
-            )
-        if self.tokenizer and not os.path.exists(self.tokenizer):
-            raise ConfigError(f"tokenizer {self.tokenizer!r} is neither a folder nor a file")
-        if not (self.backend or self.backend_dns or self.k8s_service) and self.emulate <= 0:
-            raise ConfigError(
-                "no backends: give --backend URL (or GATEWAY_BACKENDS), --backend-dns HOST:PORT,"
-                " --k8s-service NAME or --emulate N"
-            )
-        if self.discovery_interval <= 0 or self.drain_timeout < 0:
-            raise ConfigError("discovery_interval must be positive, drain_timeout not negative")
-        unknown = set(self.fleet_share) - {"claims", "traffic", "prompts", "none"}
-        if unknown:
-            raise ConfigError(
-                f"fleet_share: unknown {', '.join(sorted(unknown))}; choose claims, traffic,"
-                " prompts or none"
-            )
-        if self.redis_timeout <= 0 or self.redis_max_connections < 2 or self.claim_ttl <= 0:
-            raise ConfigError(
-                "redis_timeout and claim_ttl must be positive, redis_max_connections at least 2"
-            )
-        self._validate_reliability()
-        if self.engine_block_size:
-            return replace(self, block_tokens=self.engine_block_size)
-        return self
+        from gateway.config.validation import validated  # it checks a Settings: imported late
 
-    def _validate_policy(self) -> None:
-        if self.recent_cap < 1.0 or self.recent_slack < 0 or self.recent_half_life <= 0:
-            raise ConfigError(
-                "recent_cap must be at least 1.0, recent_slack not negative and"
-                " recent_half_life positive"
-            )
-        if min(self.owner_margin_blocks, self.ring_choices, self.shared_prompts_max) < 1:
-            raise ConfigError(
-                "owner_margin_blocks, ring_choices and shared_prompts_max must be at least 1"
-            )
-
-    def _validate_reliability(self) -> None:
-        timeouts = (
-            self.head_timeout, self.body_timeout, self.connect_timeout, self.first_byte_timeout,
-            self.stream_idle_timeout, self.client_write_timeout, self.request_timeout,
-            self.health_timeout
-        )
-        if min(timeouts) <= 0:
-            raise ConfigError("every timeout must be positive")
-        counts = (
-            self.max_attempts, self.unhealthy_threshold, self.healthy_threshold,
-            self.failure_threshold, self.max_concurrency, self.max_connections, self.max_headers
-        )
-        if min(counts) < 1:
-            raise ConfigError(
-                "max_attempts, thresholds, max_concurrency, max_connections and max_headers"
-                " must be at least 1"
-            )
-        if self.max_connections_per_client < 0:
-            raise ConfigError("max_connections_per_client must be 0 (no cap) or more")
-        waits = (
-            self.max_queue, self.queue_timeout, self.retry_backoff, self.retry_after_cap,
-            self.shutdown_delay, self.shutdown_grace
-        )
-        if min(waits) < 0:
-            raise ConfigError("queue sizes, backoff and shutdown periods must not be negative")
-        if self.stall_seconds <= 0 or self.stall_factor < 1:
-            raise ConfigError("stall_seconds must be positive and stall_factor at least 1")
-        if self.max_header_bytes < 1024 or self.max_json_depth < 2:
-            raise ConfigError("max_header_bytes must be at least 1024, max_json_depth at least 2")
-        limits = (
-            self.max_json_values, self.max_messages, self.max_batch_prompts,
-            self.max_session_key_bytes, self.max_prompt_tokens, self.whole_reply_bytes
-        )
-        if min(limits) < 1:
-            raise ConfigError("every max_* limit must be at least 1")
-        check_tenants(self.tenants, self.api_key, self.isolate_tenants)
-        if not 0 <= self.cached_token_cost <= 1 or self.budget_max_tokens < 1:
-            raise ConfigError("cached_token_cost must be in [0, 1], budget_max_tokens positive")
-        if self.max_pending_body_bytes < self.max_body_bytes:
-            raise ConfigError("max_pending_body_bytes must be at least max_body_bytes")
-        if self.upstream_ca_file and not os.path.isfile(self.upstream_ca_file):
-            raise ConfigError(f"upstream_ca_file {self.upstream_ca_file!r} is not a file")
+        return validated(self)
