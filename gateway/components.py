@@ -22,6 +22,7 @@ from gateway.metrics import Metrics
 from gateway.prompt.tokens import EngineTokenizer
 from gateway.proxy.access_log import configure_access_logger
 from gateway.proxy.admission import Admission
+from gateway.proxy.flow import Flow
 from gateway.proxy.forwarder import Forwarder
 from gateway.proxy.handler import ProxyHandler
 from gateway.proxy.http1 import client_tls
@@ -55,6 +56,7 @@ class Components:
     kv_events: KVEventFeeds | None = None
     shared_load: SharedLoad | None = None
     tenants: TenantGate | None = None
+    flow: Flow | None = None
 
     @classmethod
     def build(cls, settings: Settings, pool: BackendPool | None = None) -> Components:
@@ -134,7 +136,10 @@ class Components:
         forwarder = Forwarder(settings, upstream, health, metrics, prefills, stalls.speed)
         admission = Admission(settings.max_concurrency, settings.max_queue, settings.queue_timeout)
         tenants = TenantGate(settings, metrics) if settings.tenants else None
-        proxy = ProxyHandler(settings, router, forwarder, admission, metrics, tenants)
+        flow = None
+        if settings.max_inflight_per_replica:
+            flow = Flow(settings, router, pool, metrics)
+        proxy = ProxyHandler(settings, router, forwarder, admission, metrics, tenants, flow)
         discovery = Discovery.build(settings, pool, monitor.refresh)
         engine_load = EngineLoadScraper(pool, probes, settings.scrape_interval)
         pool.removed.append(engine_load.forget)
@@ -162,6 +167,7 @@ class Components:
             feeds,
             shared_load,
             tenants,
+            flow,
         )
 
     async def start(self) -> None:

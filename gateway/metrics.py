@@ -18,6 +18,7 @@ from gateway.metric_registry import (
     render,
     worker_restarts_counter,
 )
+from gateway.tenant_metrics import TenantSeries
 
 # fmt: off
 _LATENCY_BUCKETS = (
@@ -313,39 +314,7 @@ class Metrics:
         )
 
         # --- Tenants (only with `tenants:`; `anonymous` for every other client) -------------
-        self.tenant_requests = Counter(
-            "gateway_tenant_requests",
-            "Requests answered, by tenant and status (429: refused by the tenant's limits).",
-            ["tenant", "status"],
-            registry=r,
-        )
-        self.tenant_tokens = Counter(
-            "gateway_tenant_tokens",
-            "Tokens the engines reported for a tenant's requests, by kind (prompt, cached,"
-            " completion).",
-            ["tenant", "kind"],
-            registry=r,
-        )
-        self.tenant_refusals = Counter(
-            "gateway_tenant_refusals",
-            "Requests refused by a tenant's limits, by the limit.",
-            ["tenant", "reason"],
-            registry=r,
-        )
-        self.tenant_in_flight = Gauge(
-            "gateway_tenant_in_flight",
-            "A tenant's requests admitted and not yet answered.",
-            ["tenant"],
-            multiprocess_mode="livesum",
-            registry=r,
-        )
-        self.tenant_budget_remaining = Gauge(
-            "gateway_tenant_budget_remaining",
-            "What remains of a tenant's budget for the minute, by budget (requests, tokens).",
-            ["tenant", "budget"],
-            multiprocess_mode="livemin",
-            registry=r,
-        )
+        self.tenants = TenantSeries(r, _LATENCY_BUCKETS)
 
         # --- Worker processes ---------------------------------------------------------------
         self.workers = Gauge(

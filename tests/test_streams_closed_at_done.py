@@ -12,7 +12,6 @@ import httpx
 import orjson
 
 from gateway.emulator.replicas import EmulatedReplicas
-from tests.fault_servers import read_request
 from tests.support import GatewayProcess, metric_value, wait_until
 from tests.threaded_server import ThreadedServer
 
@@ -99,11 +98,7 @@ class LingeringReplica(ThreadedServer):
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            while (request := await read_request(reader)) is not None:
-                if request.method == "GET":
-                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
-                    await writer.drain()
-                    continue
+            async for _ in self.posts(reader, writer):
                 writer.write(
                     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                     b"transfer-encoding: chunked\r\n\r\n"

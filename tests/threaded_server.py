@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Self
+
+from tests.fault_servers import Request, read_request
 
 
 class ThreadedServer:
@@ -41,6 +44,19 @@ class ThreadedServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         raise NotImplementedError
+
+    @staticmethod
+    async def posts(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> AsyncIterator[Request]:
+        """The requests sent on this connection but the gateway's probes (a GET, answered 200
+        with nothing)."""
+        while (request := await read_request(reader)) is not None:
+            if request.method == "GET":
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                await writer.drain()
+                continue
+            yield request
 
     async def _start(self) -> int:
         self._server = await asyncio.start_server(self._connected, "127.0.0.1", 0)

@@ -208,6 +208,12 @@ class ModelPool:
         self.pending_prefill = PendingPrefillView(self.by_name)
         self.total_load = sum(backend.load for backend in backends)
 
+    def having(self, room: Callable[[Backend], bool]) -> ModelPool:
+        """The backends `room` admits, as a group of their own (this one when it admits all);
+        a group made here is not kept up to date: it serves one decision."""
+        chosen = [backend for backend in self.backends if room(backend)]
+        return self if len(chosen) == len(self.backends) else ModelPool(chosen)
+
 
 @dataclass
 class BackendPool:

@@ -219,6 +219,11 @@ class Settings:
     cached_token_cost: float = _opt(
         0.1, "what a cached prompt token counts for in tenants' token budgets (1: a full token)"
     )
+    max_inflight_per_replica: int = _opt(
+        0,
+        "flow control: requests this gateway has in flight on one replica at most (fewer where"
+        " its engine reports others'); the rest wait here, by priority and fair share (0: off)",
+    )
     budget_max_tokens: int = _opt(
         256, "completion tokens charged ahead to a token budget when a request sets no max_tokens"
     )

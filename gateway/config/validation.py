@@ -124,6 +124,8 @@ def _check_reliability(settings: Settings) -> None:
     if min(limits) < 1:
         raise ConfigError("every max_* limit must be at least 1")
     check_tenants(settings.tenants, settings.api_key, settings.isolate_tenants)
+    if settings.max_inflight_per_replica < 0:
+        raise ConfigError("max_inflight_per_replica must be 0 (off) or more")
     if not 0 <= settings.cached_token_cost <= 1 or settings.budget_max_tokens < 1:
         raise ConfigError("cached_token_cost must be in [0, 1], budget_max_tokens positive")
     if settings.max_pending_body_bytes < settings.max_body_bytes:

@@ -14,7 +14,7 @@ from gateway.control.access import AdminRoute, Guard
 from gateway.tenants.tenant import Tenant
 
 
-def tenant_view(tenant: Tenant, now: float) -> dict[str, Any]:
+def tenant_view(tenant: Tenant, now: float, waiting: int) -> dict[str, Any]:
     spec = tenant.spec
     budgets = {}
     for kind, budget in (("requests", tenant.requests), ("tokens", tenant.tokens)):
@@ -33,6 +33,7 @@ def tenant_view(tenant: Tenant, now: float) -> dict[str, Any]:
             "max_concurrency": spec.max_concurrency,
         },
         "in_flight": tenant.in_flight,
+        "waiting": waiting,
         "budgets": budgets,
         "requests": {str(status): count for status, count in sorted(tenant.statuses.items())},
         "refusals": dict(sorted(tenant.refusals.items())),
@@ -55,9 +56,13 @@ def build_tenants_router(components: Components, guard: Guard) -> APIRouter:
     @router.get("")
     async def list_tenants() -> JSONResponse:
         """Every named tenant (none without a `tenants:` configuration)."""
-        gate = components.tenants
+        gate, flow = components.tenants, components.flow
         now = time.monotonic()
-        data = [] if gate is None else [tenant_view(tenant, now) for tenant in gate.tenants]
+        tenants = [] if gate is None else gate.tenants
+        data = [
+            tenant_view(tenant, now, 0 if flow is None else flow.waiting_of(tenant.name))
+            for tenant in tenants
+        ]
         return JSONResponse({"object": "list", "data": data})
 
     return router

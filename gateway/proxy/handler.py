@@ -40,14 +40,16 @@ from gateway.proxy.deadlines import (
     Why,
     client_error,
 )
+from gateway.proxy.flow import Flow
 from gateway.proxy.forwarder import Forwarder
 from gateway.proxy.forwarding import Forwarding
 from gateway.proxy.reply import Headers, Reply
 from gateway.refusals import refused
+from gateway.routing.placement import Placement
 from gateway.routing.router import Router
 from gateway.routing.types import Decision, Outcome
 from gateway.tenants.gate import TenantGate
-from gateway.tenants.tenant import Charge
+from gateway.tenants.tenant import Charge, Tenant
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _TOKENIZED_BESIDE_THE_LOOP = 4096
@@ -76,9 +78,11 @@ class ProxyHandler:
         admission: Admission,
         metrics: Metrics,
         tenants: TenantGate | None = None,
+        flow: Flow | None = None,
     ) -> None:
         self._settings = settings
         self._tenants = tenants
+        self._flow = flow
         self._router = router
         self._forwarder = forwarder
         self._admission = admission
@@ -104,8 +108,12 @@ class ProxyHandler:
 
     def start(self) -> None:
         self.deadlines.start()
+        if self._flow is not None:
+            self._flow.start()
 
     async def stop(self) -> None:
+        if self._flow is not None:
+            await self._flow.stop()
         await self.deadlines.stop()
         if self._tokenizing is not None:
             self._tokenizing.shutdown(wait=False, cancel_futures=True)
@@ -198,6 +206,7 @@ class ProxyHandler:
         tenant = scope.get(TENANT)
         issued = None
         gate = self._tenants
+        named = None if gate is None else gate.of_key(scope.get(KEY_POSITION, -1))
         charge: Charge | None = None
         try:
             target = response_target(path)
@@ -213,8 +222,8 @@ class ProxyHandler:
             else:
                 request, issued = self._parse(path, headers, body, tenant)
             if gate is not None:
-                charge = gate.admit(gate.of_key(scope.get(KEY_POSITION, -1)), request)
-            placement = await self._router.route(request)
+                charge = gate.admit(named, request)
+            placement = await self._place(named, request)
         except GatewayError as error:
             if gate is not None:
                 gate.release(charge, error.status)
@@ -240,13 +249,32 @@ class ProxyHandler:
         try:
             outcome = await self._forward(scope, receive, exchange, forwarding)
         except BaseException:
-            if gate is not None:
-                gate.settle(charge, None)
+            self._ended(named, placement, charge, None)
             raise
-        if gate is not None:
-            gate.settle(charge, outcome)
+        self._ended(named, placement, charge, outcome)
         self._access_log.answered(placement, outcome, request_id, began)
         await placement.settle(outcome)
+
+    async def _place(self, tenant: Tenant | None, request: RoutingInput) -> Placement:
+        """Its placement: under flow control once a replica has a free slot for it (a request
+        about a stored response goes to the replica that holds it at once)."""
+        flow = self._flow
+        if flow is None or request.response_id or request.previous_response_id:
+            return await self._router.route(request)
+        return await flow.place(tenant, request)
+
+    def _ended(
+        self,
+        tenant: Tenant | None,
+        placement: Placement,
+        charge: Charge | None,
+        outcome: Outcome | None,
+    ) -> None:
+        """What a forwarded request held is given back and charged as it used it."""
+        usage = None if self._tenants is None else self._tenants.settle(charge, outcome)
+        flow = self._flow
+        if flow is not None and not placement.pinned:
+            flow.ended(tenant, placement, usage)
 
     async def _forward(
         self, scope: Scope, receive: Receive, exchange: Exchange, forwarding: Forwarding

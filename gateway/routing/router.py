@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from gateway.backends.pool import BackendPool, ModelPool
+from gateway.backends.pool import Backend, BackendPool, ModelPool
 from gateway.clock import Clock, monotonic
 from gateway.config import Settings
 from gateway.errors import NotFound
@@ -64,15 +64,18 @@ class Router:
         self._affinity_chars = round(settings.affinity_tokens * settings.chars_per_token)
         self._routed = 0
 
-    async def route(self, request: RoutingInput) -> Placement:
-        """Decide where `request` goes, record it there, and hand back its placement."""
+    async def route(
+        self, request: RoutingInput, room: Callable[[Backend], bool] | None = None
+    ) -> Placement:
+        """Decide where `request` goes, record it there, and hand back its placement; with
+        `room`, among the backends it admits (flow control: those with a free slot)."""
         began = time.perf_counter()
         named = request.response_id or request.previous_response_id
         if named is not None:
             param = "response_id" if request.response_id is not None else "previous_response_id"
             placement = await self._to_holder(request, named, param)
         else:
-            placement = await self.decide(request, count=True)
+            placement = await self.decide(request, count=True, room=room)
             self._routed += 1
         await placement.commit(self.memory, self._observer, time.perf_counter() - began)
         return placement
@@ -91,12 +94,19 @@ class Router:
         decision = Decision(holder.name, Route.PREVIOUS_RESPONSE)
         return Placement(request, [], decision, serving, state, self.policy, pinned=True)
 
-    async def decide(self, request: RoutingInput, count: bool = False) -> Placement:
+    async def decide(
+        self,
+        request: RoutingInput,
+        count: bool = False,
+        room: Callable[[Backend], bool] | None = None,
+    ) -> Placement:
         """The policy's placement for `request` now, not recorded. With `count` (`route`),
         the request is counted in its shared prompt's recent traffic, here and, in the same
         round trip as the look-ups, in the fleet's: the share the policy weighs includes it."""
         memory = self.memory
         serving = self.serving(request.model)
+        if room is not None:
+            serving = serving.having(room)
         if not request.endpoint.by_prefix:
             state = RoutingState(
                 candidates=serving.names, loads=serving.loads, sequence=self._routed

@@ -17,7 +17,8 @@ from gateway.config.tenants import ANONYMOUS
 from gateway.metrics import Metrics
 from gateway.prompt.parsing import RoutingInput
 from gateway.routing.types import Outcome
-from gateway.tenants.tenant import Charge, Tenant, TenantRefused
+from gateway.tenants.cost import estimated_cost
+from gateway.tenants.tenant import Charge, Tenant, TenantRefused, Usage
 
 
 class TenantGate:
@@ -48,17 +49,15 @@ class TenantGate:
         it, its limit counted, if it does not fit."""
         if tenant is None:
             return None
-        estimate = request.estimated_tokens(self._chars_per_token)
-        if request.endpoint.generates:
-            estimate += request.max_tokens or self._completion_estimate
+        estimate = estimated_cost(request, self._chars_per_token, self._completion_estimate)
         metrics = self._metrics
         try:
             charge = tenant.admit(estimate, self._clock())
         except TenantRefused as refusal:
-            metrics.child(metrics.tenant_refusals, tenant.name, refusal.reason).inc()
+            metrics.child(metrics.tenants.refusals, tenant.name, refusal.reason).inc()
             self._publish(tenant)
             raise refusal.error from None
-        metrics.tenant_in_flight.labels(tenant.name).inc()
+        metrics.tenants.in_flight.labels(tenant.name).inc()
         self._publish(tenant)
         return charge
 
@@ -66,7 +65,7 @@ class TenantGate:
         """A request of `tenant` answered by the gateway itself: refused or failed before any
         replica was asked."""
         name = ANONYMOUS if tenant is None else tenant.name
-        self._metrics.child(self._metrics.tenant_requests, name, str(status)).inc()
+        self._metrics.child(self._metrics.tenants.requests, name, str(status)).inc()
 
     def release(self, charge: Charge | None, status: int) -> None:
         """A charged request that ends before any replica was asked (its refusal counted by
@@ -75,9 +74,9 @@ class TenantGate:
             charge.settle(status, (None, None, None), self._cached_cost, self._clock())
             self._ended(charge.tenant)
 
-    def settle(self, charge: Charge | None, outcome: Outcome | None) -> None:
+    def settle(self, charge: Charge | None, outcome: Outcome | None) -> Usage | None:
         """A request forwarded ended with `outcome` (None: cut short before it had one):
-        charged as used, and counted."""
+        charged as used, and counted; what it used, if the engine said."""
         status = 499 if outcome is None else outcome.status
         usage: tuple[int | None, int | None, int | None] = (None, None, None)
         if outcome is not None:
@@ -91,13 +90,16 @@ class TenantGate:
             prompt, cached, completion = used.prompt, used.cached, used.completion
             self._ended(charge.tenant)
         metrics = self._metrics
-        metrics.child(metrics.tenant_requests, name, str(status)).inc()
+        metrics.child(metrics.tenants.requests, name, str(status)).inc()
         for kind, count in (("prompt", prompt), ("cached", cached), ("completion", completion)):
             if count:
-                metrics.child(metrics.tenant_tokens, name, kind).inc(count)
+                metrics.child(metrics.tenants.tokens, name, kind).inc(count)
+        if status != 200 or (usage[0] is None and usage[2] is None):
+            return None
+        return Usage(prompt, cached, completion)
 
     def _ended(self, tenant: Tenant) -> None:
-        self._metrics.tenant_in_flight.labels(tenant.name).dec()
+        self._metrics.tenants.in_flight.labels(tenant.name).dec()
         self._publish(tenant)
 
     def _publish(self, tenant: Tenant) -> None:
@@ -106,5 +108,5 @@ class TenantGate:
         metrics = self._metrics
         for kind, budget in (("requests", tenant.requests), ("tokens", tenant.tokens)):
             if budget is not None:
-                gauge = metrics.tenant_budget_remaining.labels(tenant.name, kind)
+                gauge = metrics.tenants.budget_remaining.labels(tenant.name, kind)
                 gauge.set(tenant.shown(budget.remaining(now)))

@@ -18,6 +18,7 @@ from gateway.config.tenants import TenantSpec
 from gateway.errors import GatewayError, Headers
 from gateway.refusals import refused
 from gateway.tenants.budget import MinuteBudget, duration_text
+from gateway.tenants.cost import used_cost
 
 
 class TenantRefused(Exception):
@@ -172,6 +173,5 @@ class Charge:
             if status != 200:
                 tokens.give(self.charged, now)
             elif usage[0] is not None or usage[2] is not None:
-                cost = prompt - cached + cached * cached_cost + completion
-                tokens.give(self.charged - cost, now)
+                tokens.give(self.charged - used_cost(prompt, cached, completion, cached_cost), now)
         return used

@@ -1,0 +1,237 @@
+"""Flow control (`--max-inflight-per-replica N`): at most N requests of this gateway in flight
+on one replica — fewer where the engine reports requests this gateway did not send — and the
+others waiting here, where their order can be chosen, instead of in the engines' first-come
+queues.
+
+Whenever a slot may have freed (a request ended, a request arrived, or at least every
+`_RECHECK` s, for health and engine-load changes), the dispatcher picks the next waiting request:
+the highest priority first; among tenants of that priority, the one that received the least
+service for its weight (tokens: its requests' estimates when dispatched, corrected to the
+engine's usage when they end, cached prompt tokens at `--cached-token-cost`); within a tenant,
+the oldest. Only a request whose model has a replica with a free slot is picked. The routing
+policy then places it among the replicas with a free slot, so that affinity is decided with
+the loads of the moment it leaves, not those of its arrival.
+
+One task routes every waiting request, one after another: a slot counted free is taken before
+the next request is looked at. A tenant that had nothing waiting starts level with the least
+served tenant waiting (it gains no credit for its idle time). A request waits at most
+`--queue-timeout` s, and at most `--max-queue` wait at once: beyond, a 429 that says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from gateway.backends.pool import Backend, BackendPool
+from gateway.config import Settings
+from gateway.config.tenants import ANONYMOUS
+from gateway.errors import GatewayError
+from gateway.metrics import Metrics
+from gateway.prompt.parsing import RoutingInput
+from gateway.refusals import refused
+from gateway.routing.placement import Placement
+from gateway.routing.router import Router
+from gateway.tenants.cost import estimated_cost, used_cost
+from gateway.tenants.tenant import Tenant, Usage
+
+_RECHECK = 0.05
+"""Seconds between looks at the replicas while requests wait and nothing else happened."""
+
+
+@dataclass(eq=False)
+class _Waiter:
+    request: RoutingInput
+    cost: float
+    since: float
+    placed: asyncio.Future[Placement] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+@dataclass(eq=False)
+class _Lane:
+    """One tenant's waiting requests and the service it received, per unit of weight: what
+    its ended requests used, and the estimates of those still in flight."""
+
+    name: str
+    priority: int
+    weight: float
+    waiting: deque[_Waiter] = field(default_factory=deque)
+    settled: float = 0.0
+    outstanding: float = 0.0
+
+    @property
+    def service(self) -> float:
+        return self.settled + self.outstanding
+
+
+class Flow:
+    def __init__(
+        self, settings: Settings, router: Router, pool: BackendPool, metrics: Metrics
+    ) -> None:
+        self.capacity = settings.max_inflight_per_replica
+        self._router = router
+        self._pool = pool
+        self._metrics = metrics
+        self._queue_limit = settings.max_queue
+        self._queue_timeout = settings.queue_timeout
+        self._chars_per_token = settings.chars_per_token
+        self._completion_estimate = settings.budget_max_tokens
+        self._cached_cost = settings.cached_token_cost
+        self._lanes: dict[str, _Lane] = {}
+        self._held: dict[str, int] = {}
+        """Requests dispatched to each backend by this gateway that have not ended."""
+        self.waiting = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._dispatch_forever())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def waiting_of(self, name: str) -> int:
+        """Requests of tenant `name` (or `anonymous`) waiting now."""
+        lane = self._lanes.get(name)
+        return 0 if lane is None else len(lane.waiting)
+
+    def room(self, backend: Backend) -> bool:
+        """Whether `backend` has a free slot: this gateway's requests and what the engine
+        reports beyond them below the capacity."""
+        return self._held.get(backend.name, 0) + backend.queued < self.capacity
+
+    async def place(self, tenant: Tenant | None, request: RoutingInput) -> Placement:
+        """Wait for a free slot for `request` and its placement there; a 429 past the queue's
+        bounds, or routing's own refusal."""
+        if self.waiting >= self._queue_limit:
+            raise refused("overloaded")
+        lane = self._lane(tenant)
+        waiter = _Waiter(request, self._cost(request), time.monotonic())
+        if not lane.waiting:
+            lane.settled = max(lane.settled, self._least_settled(lane.priority))
+        lane.waiting.append(waiter)
+        self.waiting += 1
+        self._wake.set()
+        try:
+            async with asyncio.timeout(self._queue_timeout):
+                placement = await asyncio.shield(waiter.placed)
+        except TimeoutError:
+            if waiter.placed.done() and not waiter.placed.cancelled():
+                return waiter.placed.result()  # placed (or refused) just as the wait ran out
+            self._leave(lane, waiter)
+            raise refused("queue_timeout") from None
+        except GatewayError:
+            raise  # routing refused it: it holds no slot
+        except BaseException:
+            placed = waiter.placed
+            if placed.done() and not placed.cancelled() and placed.exception() is None:
+                self.ended(tenant, placed.result(), None)  # placed, then the client left
+            else:
+                self._leave(lane, waiter)
+            raise
+        finally:
+            waited = time.monotonic() - waiter.since
+            self._metrics.child(self._metrics.tenants.wait_seconds, lane.name).observe(waited)
+        return placement
+
+    def ended(self, tenant: Tenant | None, placement: Placement, usage: Usage | None) -> None:
+        """The request placed with `placement` ended: its slot is free, and its tenant's service
+        counts what it used as the engine reported it (None, unknown: its estimate)."""
+        self._free(placement.backend.name)
+        lane = self._lanes.get(ANONYMOUS if tenant is None else tenant.name)
+        if lane is None:
+            return
+        estimate = self._cost(placement.request)
+        used = estimate
+        if usage is not None:
+            used = used_cost(usage.prompt, usage.cached, usage.completion, self._cached_cost)
+        lane.outstanding = max(0.0, lane.outstanding - estimate / lane.weight)
+        lane.settled += used / lane.weight
+
+    def _free(self, name: str) -> None:
+        left = self._held.get(name, 0) - 1
+        if left > 0:
+            self._held[name] = left
+        else:
+            self._held.pop(name, None)
+        self._wake.set()
+
+    def _cost(self, request: RoutingInput) -> float:
+        return estimated_cost(request, self._chars_per_token, self._completion_estimate)
+
+    def _lane(self, tenant: Tenant | None) -> _Lane:
+        name = ANONYMOUS if tenant is None else tenant.name
+        lane = self._lanes.get(name)
+        if lane is None:
+            priority, weight = (
+                (0, 1.0) if tenant is None else (tenant.spec.priority, tenant.spec.weight)
+            )
+            lane = self._lanes[name] = _Lane(name, priority, weight)
+        return lane
+
+    def _least_settled(self, priority: int) -> float:
+        """Where a tenant that had nothing waiting starts: level with the least served tenant
+        of its priority that is waiting (it gains no credit for its idle time)."""
+        busy = [
+            lane.settled
+            for lane in self._lanes.values()
+            if lane.waiting and lane.priority == priority
+        ]
+        return min(busy, default=0.0)
+
+    def _leave(self, lane: _Lane, waiter: _Waiter) -> None:
+        with contextlib.suppress(ValueError):
+            lane.waiting.remove(waiter)
+            self.waiting -= 1
+        if not waiter.placed.done():
+            waiter.placed.cancel()
+
+    def _next(self) -> tuple[_Lane, _Waiter] | None:
+        """The next request to dispatch: by priority, then least service for the weight, then
+        age; only one whose model has a replica with a free slot."""
+        lanes = sorted(
+            (lane for lane in self._lanes.values() if lane.waiting),
+            key=lambda lane: (-lane.priority, lane.service, lane.waiting[0].since),
+        )
+        for lane in lanes:
+            head = lane.waiting[0]
+            serving = self._pool.serving(head.request.model)
+            if serving is None or any(self.room(backend) for backend in serving.backends):
+                return lane, head  # no replica at all: routing answers why
+        return None
+
+    async def _dispatch_forever(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_RECHECK if self.waiting else None):
+                    await self._wake.wait()
+            self._wake.clear()
+            while (found := self._next()) is not None:
+                lane, waiter = found
+                lane.waiting.popleft()
+                self.waiting -= 1
+                await self._dispatch(lane, waiter)
+
+    async def _dispatch(self, lane: _Lane, waiter: _Waiter) -> None:
+        if waiter.placed.done():
+            return  # it gave up meanwhile
+        try:
+            placement = await self._router.route(waiter.request, self.room)
+        except GatewayError as error:
+            if not waiter.placed.done():
+                waiter.placed.set_exception(error)
+            return
+        name = placement.backend.name
+        if waiter.placed.done():  # it gave up while it was routed
+            return
+        self._held[name] = self._held.get(name, 0) + 1
+        lane.outstanding += waiter.cost / lane.weight
+        waiter.placed.set_result(placement)
