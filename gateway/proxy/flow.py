@@ -40,6 +40,10 @@ from gateway.tenants.tenant import Tenant, Usage
 
 _RECHECK = 0.05
 """Seconds between looks at the replicas while requests wait and nothing else happened."""
+_ACTIVE = 10.0
+"""Seconds after its last request during which a tenant counts as active."""
+_MOST_KEPT = 0.25
+"""The largest part of a model's slots kept free for quiet tenants."""
 
 
 @dataclass(eq=False)
@@ -63,6 +67,9 @@ class _Lane:
     waiting: deque[_Waiter] = field(default_factory=deque)
     settled: float = 0.0
     outstanding: float = 0.0
+    in_flight: int = 0
+    seen: float = 0.0
+    """When its latest request arrived."""
 
     @property
     def service(self) -> float:
@@ -106,7 +113,7 @@ class Flow:
     def room(self, backend: Backend) -> bool:
         """Whether `backend` has a free slot: this gateway's requests and what the engine
         reports beyond them below the capacity."""
-        return self._held.get(backend.name, 0) + backend.queued < self.capacity
+        return self._free_slots(backend) > 0
 
     async def place(self, tenant: Tenant | None, request: RoutingInput) -> Placement:
         """Wait for a free slot for `request` and its placement there; a 429 past the queue's
@@ -118,6 +125,7 @@ class Flow:
         if not lane.waiting:
             lane.settled = max(lane.settled, self._least_settled(lane.priority))
         lane.waiting.append(waiter)
+        lane.seen = waiter.since
         self.waiting += 1
         self._wake.set()
         try:
@@ -154,6 +162,7 @@ class Flow:
         if usage is not None:
             used = used_cost(usage.prompt, usage.cached, usage.completion, self._cached_cost)
         lane.outstanding = max(0.0, lane.outstanding - estimate / lane.weight)
+        lane.in_flight -= 1
         lane.settled += used / lane.weight
 
     def _free(self, name: str) -> None:
@@ -196,17 +205,39 @@ class Flow:
 
     def _next(self) -> tuple[_Lane, _Waiter] | None:
         """The next request to dispatch: by priority, then least service for the weight, then
-        age; only one whose model has a replica with a free slot."""
+        age; only one whose model has a free slot beyond those kept for quiet tenants."""
         lanes = sorted(
             (lane for lane in self._lanes.values() if lane.waiting),
             key=lambda lane: (-lane.priority, lane.service, lane.waiting[0].since),
         )
+        now = time.monotonic()
         for lane in lanes:
             head = lane.waiting[0]
             serving = self._pool.serving(head.request.model)
-            if serving is None or any(self.room(backend) for backend in serving.backends):
+            if serving is None:
                 return lane, head  # no replica at all: routing answers why
+            free = sum(self._free_slots(backend) for backend in serving.backends)
+            most_kept = int(self.capacity * len(serving.backends) * _MOST_KEPT)
+            if free > min(self._quiet(lane, now), most_kept):
+                return lane, head
         return None
+
+    def _free_slots(self, backend: Backend) -> int:
+        return max(0, self.capacity - self._held.get(backend.name, 0) - backend.queued)
+
+    def _quiet(self, lane: _Lane, now: float) -> int:
+        """Tenants of `lane`'s priority or above, active lately, with nothing waiting or in
+        flight: a slot is kept free for each (up to `_MOST_KEPT` of them), so that a tenant
+        sending one request at a time does not wait behind one that fills every slot."""
+        return sum(
+            1
+            for other in self._lanes.values()
+            if other is not lane
+            and other.priority >= lane.priority
+            and not other.waiting
+            and not other.in_flight
+            and now - other.seen < _ACTIVE
+        )
 
     async def _dispatch_forever(self) -> None:
         while True:
@@ -234,4 +265,5 @@ class Flow:
             return
         self._held[name] = self._held.get(name, 0) + 1
         lane.outstanding += waiter.cost / lane.weight
+        lane.in_flight += 1
         waiter.placed.set_result(placement)
