@@ -1,6 +1,8 @@
 """The ASGI application: the lean proxy path for inference, FastAPI for everything else, with
 client keys and the shutting-down `/ready` in front of both. The inference routes are declared
-on FastAPI only so that `/openapi.json` describes them.
+on FastAPI only so that `/openapi.json` describes them. With `--metrics-port`, a request is
+first told apart by the port it came in on: that port serves `/metrics` alone, and the API's
+port serves everything else.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class GatewayApp:
         self._control: ASGIApp | None = None
         self._api_keys = ApiKeys((*settings.api_key, *(t.api_key for t in settings.tenants)))
         self._isolate_tenants = settings.isolate_tenants
+        self._metrics_port = settings.metrics_port
         self.shutting_down = False
 
     def begin_shutdown(self) -> None:
@@ -48,6 +51,16 @@ class GatewayApp:
         if kind == "http":
             assert self.components is not None and self._control is not None
             path = scope["path"]
+            if self._metrics_port:
+                on_metrics_port = _local_port(scope) == self._metrics_port
+                if on_metrics_port != (path == "/metrics"):
+                    # Not counted as a rejection: neither is a request of the proxy path.
+                    code = "metrics_port_only" if on_metrics_port else "metrics_elsewhere"
+                    await send_error(send, refused(code))
+                    return
+                if on_metrics_port:
+                    await self._control(scope, receive, send)
+                    return
             # The engines' endpoints outside /v1/ (`/tokenize`...) need a client key too.
             if self._api_keys and (path.startswith(PROTECTED_PREFIX) or path in ENDPOINTS):
                 try:
@@ -194,6 +207,13 @@ def _declare_inference_routes(app: FastAPI) -> None:
 
 _POST = ("POST",)
 _STORED_RESPONSE = ("GET", "DELETE")
+
+
+def _local_port(scope: Scope) -> int | None:
+    """The port of the listener whose connection carries the request: `server` is the
+    connection's own local address, whatever the client's headers say."""
+    server = scope.get("server")
+    return server[1] if server else None
 
 
 def _proxied_methods(path: str) -> tuple[str, ...] | None:

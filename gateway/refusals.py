@@ -84,6 +84,11 @@ REFUSALS: dict[str, Refusal] = {
         "this request already passed through the gateway: a backend points back at it",
     ),
     "http_405": Refusal(MethodNotAllowed, "use {0} for {1}"),
+    # The two ports of --metrics-port (app.py); like the control plane's errors, not counted.
+    "metrics_elsewhere": Refusal(
+        NotFound, "/metrics is served on the gateway's metrics port, not on this one"
+    ),
+    "metrics_port_only": Refusal(NotFound, "this port serves GET /metrics and nothing else"),
     # The body (proxy/asgi.py, proxy/handler.py): refused before it was read whole.
     "body_too_large": Refusal(
         PayloadTooLarge, "request body exceeds the limit of {0} bytes", (CLOSE,)

@@ -2,7 +2,8 @@
 header lines, time), every body and idle connection in time, a cap on connections (in all and
 per client address), and the graceful shutdown of docs/reliability.md.
 Under `--workers` each worker also names itself in a header, publishes its gauges and stops
-when its supervisor is gone.
+when its supervisor is gone. With `--metrics-port` the server listens on two ports, both
+bounded alike.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ import logging
 import math
 import os
 import signal
-import socket
+import sys
 import time
 from dataclasses import dataclass
 from types import FrameType
 from typing import ClassVar, cast
 
 import uvicorn
+from uvicorn.config import STARTUP_FAILURE
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from gateway.app import GatewayApp
@@ -26,6 +28,7 @@ from gateway.config import Settings
 from gateway.connections import ClientConnections, connection_cap
 from gateway.control.gauges import publish_scrape_gauges
 from gateway.errors import GatewayError
+from gateway.listeners import Listeners, bind_listeners
 from gateway.proxy.access_log import flush_access_log
 from gateway.proxy.deadlines import CLIENT_CONNECTION, Exchange, Why
 from gateway.refusals import CLOSE, answer_head, count_refusal, phrase, refused
@@ -38,11 +41,11 @@ WORKER_HEADER = "x-gateway-worker"
 
 @dataclass(frozen=True)
 class WorkerRole:
-    """One of several worker processes: its number, its supervisor and their shared socket."""
+    """One of several worker processes: its number, its supervisor and their shared sockets."""
 
     number: int
     supervisor_pid: int
-    listener: socket.socket
+    listeners: Listeners
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,22 @@ def serve(app: GatewayApp, settings: Settings, worker: WorkerRole | None = None)
         forwarded_allow_ips=list(settings.trusted_proxies) or None,
     )
     server = GatewayServer(config, app, settings.shutdown_delay, worker, settings.head_timeout)
-    server.run(sockets=[worker.listener] if worker is not None else None)
+    listeners = worker.listeners if worker is not None else _own_listeners(settings)
+    # Without sockets of its own, uvicorn binds --host and --port itself.
+    server.run(sockets=listeners.sockets if listeners is not None else None)
+
+
+def _own_listeners(settings: Settings) -> Listeners | None:
+    """One process's sockets: bound here only when there are two to serve."""
+    if not settings.metrics_port:
+        return None
+    try:
+        listeners = bind_listeners(settings)
+    except OSError as exc:
+        log.error("cannot listen: %s", exc)
+        sys.exit(STARTUP_FAILURE)  # as uvicorn exits when it cannot bind its port
+    log.info("serving on %s", listeners.describe())
+    return listeners
 
 
 class GatewayServer(uvicorn.Server):

@@ -1,6 +1,7 @@
 """Several worker processes on one port under a supervisor (`--workers N`): it binds the socket
-once for every worker to accept from (docs/deploy.md), restarts dead workers with a growing
-pause, passes signals on and keeps the multiprocess metrics directory.
+(and the metrics port's, with `--metrics-port`) once for every worker to accept from
+(docs/deploy.md), restarts dead workers with a growing pause, passes signals on and keeps the
+multiprocess metrics directory.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gateway.config import Settings
+from gateway.listeners import Listeners, bind_listeners
 
 if TYPE_CHECKING:
     from prometheus_client import Counter
@@ -31,7 +33,6 @@ log = logging.getLogger("gateway.workers")
 _METRICS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 # uvicorn's exit status when the app's start-up failed: starting again would fail again.
 _STARTUP_FAILURE = 3
-_LISTEN_BACKLOG = 2048
 # A worker that dies younger than this is restarted after a pause that doubles each time.
 _SHORT_LIFE_SECONDS = 5.0
 _FIRST_PAUSE_SECONDS = 0.5
@@ -84,15 +85,18 @@ def run_workers(settings: Settings, directory: MetricsDirectory) -> int:
             " worker, and a previous_response_id only at the worker that saw it produced",
             settings.workers,
         )
-    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
-    listener = socket.create_server(
-        (settings.host, settings.port), family=family, backlog=_LISTEN_BACKLOG
-    )
+    try:
+        listeners = bind_listeners(settings)
+    except OSError as exc:
+        # As uvicorn ends one process that cannot bind its port.
+        log.error("cannot listen: %s", exc)
+        directory.remove()
+        return _STARTUP_FAILURE
     restarts = worker_restarts_counter(CollectorRegistry())
     try:
-        return Supervisor(settings, listener, directory.path, restarts).run()
+        return Supervisor(settings, listeners, directory.path, restarts).run()
     finally:
-        listener.close()
+        listeners.close()
         directory.remove()
 
 
@@ -108,10 +112,10 @@ class _Slot:
 
 class Supervisor:
     def __init__(
-        self, settings: Settings, listener: socket.socket, metrics_dir: Path, restarts: Counter
+        self, settings: Settings, listeners: Listeners, metrics_dir: Path, restarts: Counter
     ) -> None:
         self._settings = settings
-        self._listener: socket.socket | None = listener
+        self._listeners: Listeners | None = listeners
         self._metrics_dir = metrics_dir
         self._restarts = restarts
         self._context = multiprocessing.get_context("spawn")
@@ -130,7 +134,8 @@ class Supervisor:
         try:
             for slot in self._slots:
                 self._start(slot)
-            log.info("serving on %s:%d with %d workers", *self._address(), len(self._slots))
+            assert self._listeners is not None
+            log.info("serving on %s with %d workers", self._listeners.describe(), len(self._slots))
             while self._supervise(wakeup_read):
                 pass
         finally:
@@ -141,11 +146,6 @@ class Supervisor:
             wakeup_write.close()
             self._kill_all()
         return self._exit_status
-
-    def _address(self) -> tuple[str, int]:
-        assert self._listener is not None
-        host, port = self._listener.getsockname()[:2]
-        return str(host), int(port)
 
     def _supervise(self, wakeup: socket.socket) -> bool:
         """One round: wait for a death, a signal or a due restart; False once all have stopped."""
@@ -183,11 +183,11 @@ class Supervisor:
         if self._stopping_since is None:
             self._stopping_since = time.monotonic()
             log.warning("stopping %d workers", len(self._slots))
-            # The workers' copies keep accepting through the shutdown delay; the port closes
+            # The workers' copies keep accepting through the shutdown delay; the ports close
             # with the last of them.
-            if self._listener is not None:
-                self._listener.close()
-                self._listener = None
+            if self._listeners is not None:
+                self._listeners.close()
+                self._listeners = None
         # A second signal is passed on too: the workers then skip what is left of the delay.
         for slot in self._slots:
             if slot.process is not None and slot.process.pid is not None:
@@ -225,12 +225,12 @@ class Supervisor:
         )
 
     def _start(self, slot: _Slot) -> None:
-        assert self._listener is not None
+        assert self._listeners is not None
         if slot.started_at:
             slot.generation += 1
         process = self._context.Process(
             target=_work,
-            args=(self._settings, slot.number, os.getpid(), self._listener),
+            args=(self._settings, slot.number, os.getpid(), self._listeners),
             name=f"prefix-gateway-worker-{slot.number}",
         )
         process.start()
@@ -250,12 +250,12 @@ class Supervisor:
                 slot.process = None
 
 
-def _work(settings: Settings, number: int, supervisor_pid: int, listener: socket.socket) -> None:
-    """A worker process: the whole gateway on the supervisor's socket."""
+def _work(settings: Settings, number: int, supervisor_pid: int, listeners: Listeners) -> None:
+    """A worker process: the whole gateway on the supervisor's sockets."""
     # Signals come from the supervisor alone, not also from a terminal's Ctrl-C to the group.
     os.setpgrp()
     from gateway.app import GatewayApp
     from gateway.server import WorkerRole, configure_logging, serve
 
     configure_logging(settings.log_level)
-    serve(GatewayApp(settings), settings, WorkerRole(number, supervisor_pid, listener))
+    serve(GatewayApp(settings), settings, WorkerRole(number, supervisor_pid, listeners))

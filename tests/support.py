@@ -92,7 +92,10 @@ class GatewayProcess(ChildProcess):
         env: dict[str, str] | None = None,
         checkout: str | None = None,
         startup_seconds: float = 60.0,
+        metrics_port: bool = False,
     ):
+        """`metrics_port`: serve /metrics on a free port of its own (`--metrics-port`), chosen
+        anew, as the API's port is, at each start."""
         super().__init__(
             "gateway",
             (
@@ -108,6 +111,25 @@ class GatewayProcess(ChildProcess):
             cwd=checkout,
             startup_seconds=startup_seconds,
         )
+        self._given_args = self.args
+        self._own_metrics_port = metrics_port
+        self.metrics_port = 0
+
+    @property
+    def metrics_url(self) -> str:
+        """Where /metrics is served: the metrics port, or the API's without one."""
+        return f"http://{self.host}:{self.metrics_port}" if self.metrics_port else self.url
 
     def metrics(self) -> str:
         return self.metrics_text()
+
+    def metrics_text(self) -> str:
+        return httpx.get(self.metrics_url + "/metrics", timeout=5).text
+
+    def _spawn(self) -> None:
+        if self._own_metrics_port:
+            self.metrics_port = self.port
+            while self.metrics_port == self.port:
+                self.metrics_port = free_port(self.host)
+            self.args = (*self._given_args, "--metrics-port", str(self.metrics_port))
+        super()._spawn()

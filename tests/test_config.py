@@ -42,11 +42,19 @@ def test_repeated_backend_flags() -> None:
         ["--backend", "a:1", "--ring-choices", "0"],
         ["--backend", "a:1", "--recent-half-life", "0"],
         ["--backend", "a:1", "--recent-cap", "0.5"],
+        ["--backend", "a:1", "--port", "9000", "--metrics-port", "9000"],
+        ["--backend", "a:1", "--metrics-port", "65536"],
+        ["--backend", "a:1", "--metrics-port", "-1"],
     ],
 )
 def test_bad_settings_fail_at_start(argv: list[str]) -> None:
     with pytest.raises(ConfigError):
         parse(argv)
+
+
+def test_the_metrics_port_is_off_unless_given() -> None:
+    assert parse(["--backend", "a:1"]).metrics_port == 0
+    assert parse(["--backend", "a:1"], {"GATEWAY_METRICS_PORT": "9090"}).metrics_port == 9090
 
 
 def test_unknown_file_keys_fail(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""deploy/compose.yaml, checked without a container engine: references, ports, files, settings.
+"""deploy/compose.yaml, checked without a container engine: references, ports, files, settings,
+and the Prometheus scrape config's targets.
 
 The gateway's environment is loaded by the gateway's own settings loader and the replicas'
 commands by its own command-line parser, so a misspelt variable or flag fails here.
@@ -140,6 +141,19 @@ def test_gateway_environment_is_real_settings(gateway: str) -> None:
         target = ServiceSpec.parse(spec, port_required=True)
         assert target.host in SERVICES, f"{spec} names no compose service"
         assert f"--port {target.port}" in " ".join(command_of(SERVICES[target.host]))
+
+
+def test_prometheus_scrapes_every_gateway_on_its_metrics_port() -> None:
+    config = yaml.safe_load((COMPOSE.parent / "prometheus" / "prometheus.yml").read_text())
+    (job,) = (job for job in config["scrape_configs"] if job["job_name"] == "prefix-gateway")
+    assert job.get("metrics_path", "/metrics") == "/metrics"
+    targets = [target for group in job["static_configs"] for target in group["targets"]]
+    wanted = []
+    for gateway in GATEWAYS:
+        settings = load_settings(environ=gateway_environment(gateway))
+        assert settings.metrics_port, f"{gateway} serves /metrics on its API port"
+        wanted.append(f"{gateway}:{settings.metrics_port}")
+    assert sorted(targets) == sorted(wanted)
 
 
 def test_emulated_replicas_take_our_own_flags() -> None:

@@ -214,11 +214,13 @@ def test_service_monitor_selects_the_gateway_service_and_its_metrics_port() -> N
         if wanted.items() <= doc["metadata"].get("labels", {}).items()
     ]
     assert [doc["metadata"]["name"] for doc in services] == ["prefix-gateway"]
-    port_names = {port["name"] for port in services[0]["spec"]["ports"]}
-    for endpoint in monitor["spec"]["endpoints"]:
-        assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout", "scheme"}
-        assert endpoint["port"] in port_names
-        assert endpoint["path"] == "/metrics"
+    targets = {port["name"]: port["targetPort"] for port in services[0]["spec"]["ports"]}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout", "scheme"}
+    assert endpoint["path"] == "/metrics"
+    # The Service port that leads to the container port on which the gateway serves /metrics.
+    assert targets[endpoint["port"]] == "metrics"
+    assert gateway_ports(documents)["metrics"] == gateway_settings(documents).metrics_port
 
 
 # --- the pieces fit together -----------------------------------------------------------------
@@ -260,6 +262,24 @@ def gateway_of(documents: list[Manifest]) -> Manifest:
     return by_kind(documents, "Deployment")["prefix-gateway"]
 
 
+def gateway_ports(documents: list[Manifest]) -> dict[str, int]:
+    """The gateway container's ports by name."""
+    (container,) = pod_spec(gateway_of(documents))["containers"]
+    return {port["name"]: port["containerPort"] for port in container["ports"]}
+
+
+def gateway_settings(documents: list[Manifest]) -> Settings:
+    """The gateway's settings as its pod would load them: its ConfigMap, then its variables."""
+    (config,) = by_kind(documents, "ConfigMap").values()
+    container = pod_spec(gateway_of(documents))["containers"][0]
+    assert container["envFrom"] == [{"configMapRef": {"name": config["metadata"]["name"]}}]
+    environment = {**config["data"]}
+    environment.update(
+        {item["name"]: expand(item["value"]) for item in container["env"] if "value" in item}
+    )
+    return load_settings(environ=environment)
+
+
 def test_gateway_deployment_is_highly_available_probed_and_locked_down() -> None:
     documents = render(K8S / "base")
     deployment = gateway_of(documents)
@@ -270,7 +290,9 @@ def test_gateway_deployment_is_highly_available_probed_and_locked_down() -> None
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     for probe in ("readinessProbe", "livenessProbe"):
-        assert container[probe]["httpGet"]["port"] in ports
+        # The API's port: the metrics port answers nothing but /metrics.
+        assert container[probe]["httpGet"]["port"] == "http"
+    assert set(ports) == {"http", "metrics"}
     assert {"cpu", "memory"} <= set(container["resources"]["requests"])
     assert "memory" in container["resources"]["limits"]
     assert {item["topologyKey"] for item in spec["topologySpreadConstraints"]} >= {
@@ -345,13 +367,7 @@ def test_gateway_settings_are_real_and_point_at_services_of_the_overlay(overlay:
     (config,) = by_kind(documents, "ConfigMap").values()
     unknown = set(config["data"]) - SETTINGS_VARIABLES
     assert not unknown, f"not settings of gateway/config.py: {unknown}"
-    container = pod_spec(gateway_of(documents))["containers"][0]
-    assert container["envFrom"] == [{"configMapRef": {"name": config["metadata"]["name"]}}]
-    environment = {**config["data"]}
-    environment.update(
-        {item["name"]: expand(item["value"]) for item in container["env"] if "value" in item}
-    )
-    settings = load_settings(environ=environment)
+    settings = gateway_settings(documents)
     services = by_kind(documents, "Service")
     for spec in settings.k8s_service:
         target = ServiceSpec.parse(spec, port_required=False)
@@ -360,7 +376,7 @@ def test_gateway_settings_are_real_and_point_at_services_of_the_overlay(overlay:
         assert target.port in {port["name"] for port in replicas["spec"]["ports"]}
         assert target.host == overlay.name
     assert urlsplit(settings.redis_url).hostname in services
-    assert settings.port == container["ports"][0]["containerPort"]
+    assert gateway_ports(documents) == {"http": settings.port, "metrics": settings.metrics_port}
 
 
 def test_engines_cache_prefixes_and_report_cached_tokens() -> None:

@@ -1,7 +1,8 @@
 """The Kubernetes manifests keep their secrets and their pods to themselves: every key, token
 and password comes from a Secret through the environment (never an argument, which `ps`
 shows), Redis and the replicas require the secret the gateway holds, a NetworkPolicy admits
-only the gateway to the replicas and Redis, and the engines do not run as root. Checked on the
+only the gateway to the replicas and Redis and only Prometheus to the gateway's metrics port,
+and the engines do not run as root. Checked on the
 overlays as kustomize builds them (tests/test_deploy_k8s.py renders and validates them)."""
 
 from __future__ import annotations
@@ -151,7 +152,14 @@ def test_a_network_policy_admits_only_the_gateway_to_replicas_and_redis(overlay:
     }
 
 
-def test_the_gateways_metrics_are_admitted_from_the_monitoring_namespace() -> None:
+PROMETHEUS = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+}
+"""Prometheus's pods in the namespace `monitoring` (one peer: both selectors must match)."""
+
+
+def test_the_metrics_port_admits_only_prometheus_and_the_api_port_only_clients() -> None:
     documents = render(K8S / "base")
     gateway = gateway_of(documents)
     (policy,) = (
@@ -159,18 +167,18 @@ def test_the_gateways_metrics_are_admitted_from_the_monitoring_namespace() -> No
         for policy in by_kind(documents, "NetworkPolicy").values()
         if selects(policy, gateway)
     )
-    peers = [peer for rule in policy["spec"]["ingress"] for peer in rule["from"]]
-    monitoring = [
-        peer
-        for peer in peers
-        if peer.get("namespaceSelector", {})
-        .get("matchLabels", {})
-        .get("kubernetes.io/metadata.name")
-        == "monitoring"
-    ]
-    assert monitoring and all("podSelector" in peer for peer in monitoring)
+    admitted: dict[str, list[Manifest]] = {}
+    for rule in policy["spec"]["ingress"]:
+        # A rule without ports would admit its peers to every port, /metrics's included.
+        assert rule.get("ports"), f"a rule for every port: {rule}"
+        for port in rule["ports"]:
+            admitted.setdefault(port["port"], []).extend(rule["from"])
+    assert set(admitted) == {"http", "metrics"}
+    assert admitted["metrics"] == [PROMETHEUS]
+    assert PROMETHEUS not in admitted["http"]
+    assert {"podSelector": {}} in admitted["http"]  # the gateway's own namespace
     # No rule admits every namespace: each peer is this namespace's pods or a chosen namespace.
-    for peer in peers:
+    for peer in admitted["http"]:
         if "namespaceSelector" in peer:
             assert peer["namespaceSelector"].get("matchLabels"), f"every namespace: {peer}"
 

@@ -21,6 +21,11 @@ def _opt(default: Any, help: str, **extra: Any) -> Any:
 class Settings:
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(8080, "port to listen on")
+    metrics_port: int = _opt(
+        0,
+        "also listen on this port (at --host) for GET /metrics alone, which --port then answers"
+        " with a 404: a port of its own for a firewall or NetworkPolicy (0: /metrics on --port)",
+    )
     workers: int = _opt(
         1,
         "worker processes accepting on the port, under one supervising process; they share"

@@ -18,6 +18,8 @@ def validated(settings: Settings) -> Settings:
     `--engine-block-size` applied."""
     if settings.workers < 1:
         raise ConfigError("workers must be at least 1")
+    if not 0 <= settings.metrics_port <= 65535 or 0 < settings.metrics_port == settings.port:
+        raise ConfigError("metrics_port must be 0 (none) or a TCP port other than port")
     if settings.load_factor < 1.0:
         raise ConfigError("load_factor must be at least 1.0")
     _check_policy(settings)
