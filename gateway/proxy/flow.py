@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ from gateway.routing.placement import Placement
 from gateway.routing.router import Router
 from gateway.tenants.cost import estimated_cost, used_cost
 from gateway.tenants.tenant import Tenant, Usage
+
+log = logging.getLogger("gateway.flow")
 
 _RECHECK = 0.05
 """Seconds between looks at the replicas while requests wait and nothing else happened."""
@@ -256,7 +259,9 @@ class Flow:
             return  # it gave up meanwhile
         try:
             placement = await self._router.route(waiter.request, self.room)
-        except GatewayError as error:
+        except Exception as error:  # the request's to answer; the dispatcher goes on
+            if not isinstance(error, GatewayError):
+                log.exception("routing a waiting request failed")
             if not waiter.placed.done():
                 waiter.placed.set_exception(error)
             return
