@@ -126,6 +126,11 @@ def test_the_dashboard_covers_what_operators_watch() -> None:
         "gateway_backend_healthy",
         "gateway_redis_up",
         "gateway_redis_fallbacks_total",
+        "gateway_tenant_requests_total",
+        "gateway_tenant_tokens_total",
+        "gateway_tenant_refusals_total",
+        "gateway_tenant_in_flight",
+        "gateway_tenant_budget_remaining",
     ):
         assert needed in used, needed
     queries = " ".join(expr for _, expr in dashboard_queries())

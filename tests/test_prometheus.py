@@ -17,6 +17,7 @@ import openai
 import pytest
 import yaml
 
+from gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
 from tests.support import GatewayProcess, free_port
 from tests.test_dashboards import ALERTS, DEPLOY, dashboard, runnable
@@ -119,6 +120,33 @@ def wait_for(check: Callable[[], bool], what: str, seconds: float = 20.0) -> Non
     raise AssertionError(f"timed out waiting for {what}")
 
 
+# The client is a named tenant with budgets, so that the tenant row has series to render.
+TENANT = {
+    "name": "dashboard",
+    "api_key": "dashboard-key",
+    "requests_per_minute": 10_000,
+    "tokens_per_minute": 1_000_000,
+}
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    fleet: EmulatedReplicas, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayProcess]:
+    config = tmp_path_factory.mktemp("tenants") / "gateway.yaml"
+    config.write_text(yaml.safe_dump({"tenants": [TENANT]}))
+    with GatewayProcess(fleet.urls, "--config", str(config)) as started:
+        yield started
+
+
+@pytest.fixture
+def client(gateway: GatewayProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(
+        base_url=gateway.url + "/v1", api_key=str(TENANT["api_key"]), max_retries=0
+    ) as api:
+        yield api
+
+
 @pytest.fixture(scope="module")
 def prometheus(
     gateway: GatewayProcess, tmp_path_factory: pytest.TempPathFactory
@@ -159,6 +187,11 @@ def panel_expr(title: str, legend: str) -> str:
 def test_a_real_prometheus_renders_every_panel_from_a_live_gateway(
     prometheus: Prometheus, client: openai.OpenAI
 ) -> None:
+    # More tokens than the tenant's whole minute holds: refused by its own limit.
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "all of it"}], max_tokens=2_000_000
+        )
     talk(client, "pa")
     # The trimmed history comes last: once its cache break is scraped, all of the above is.
     wait_for(lambda: bool(prometheus.query("gateway_cache_breaks_total")), "a scrape")

@@ -221,6 +221,12 @@ class Settings:
         " vLLM's `cache_salt` added to its requests (needs --api-key or tenants)",
     )
     tenants: tuple[TenantSpec, ...] = _opt((), "the `tenants:` list (YAML only)", file_only=True)
+    forward_priority: bool = _opt(
+        False,
+        "write each request's tenant priority into vLLM's `priority` field (as -priority: vLLM"
+        " serves lower values first; 0 for anonymous requests, whatever the client sent), for"
+        " replicas run with --scheduling-policy priority",
+    )
     cached_token_cost: float = _opt(
         0.1, "what a cached prompt token counts for in tenants' token budgets (1: a full token)"
     )

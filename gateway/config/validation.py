@@ -128,9 +128,25 @@ def _check_reliability(settings: Settings) -> None:
     check_tenants(settings.tenants, settings.api_key, settings.isolate_tenants)
     if settings.max_inflight_per_replica < 0:
         raise ConfigError("max_inflight_per_replica must be 0 (off) or more")
+    if settings.forward_priority:
+        _check_forwarded_priorities(settings)
     if not 0 <= settings.cached_token_cost <= 1 or settings.budget_max_tokens < 1:
         raise ConfigError("cached_token_cost must be in [0, 1], budget_max_tokens positive")
     if settings.max_pending_body_bytes < settings.max_body_bytes:
         raise ConfigError("max_pending_body_bytes must be at least max_body_bytes")
     if settings.upstream_ca_file and not os.path.isfile(settings.upstream_ca_file):
         raise ConfigError(f"upstream_ca_file {settings.upstream_ca_file!r} is not a file")
+
+
+_ENGINE_PRIORITY_LIMIT = 2**63 - 1
+"""vLLM takes a signed 64-bit `priority`; a tenant's is sent negated, so both signs must fit."""
+
+
+def _check_forwarded_priorities(settings: Settings) -> None:
+    for position, tenant in enumerate(settings.tenants):
+        if abs(tenant.priority) > _ENGINE_PRIORITY_LIMIT:
+            raise ConfigError(
+                f"tenants[{position}] ({tenant.name}): with forward_priority, priority must be"
+                f" within -{_ENGINE_PRIORITY_LIMIT}..{_ENGINE_PRIORITY_LIMIT} (vLLM's 64-bit"
+                f" range), not {tenant.priority}"
+            )

@@ -23,7 +23,7 @@ from gateway.proxy.forwarding import Forwarding
 from gateway.proxy.http1 import Response
 from gateway.proxy.prefills import Prefills
 from gateway.proxy.relay import Relay, Relayed, ReplyLimits, Timeouts
-from gateway.proxy.rewrite import request_usage, with_cache_salt
+from gateway.proxy.rewrite import request_usage, with_cache_salt, with_priority
 from gateway.proxy.upstream import Upstream, UpstreamError, interrupted, response_headers
 from gateway.refusals import refused
 from gateway.routing.types import Decision, Outcome
@@ -31,6 +31,11 @@ from gateway.routing.types import Decision, Outcome
 _RETRY_STATUSES = frozenset({429, 502, 503, 504})
 # Where `--observe-usage` asks a stream for usage (the Responses API's streams always carry it).
 _USAGE_ASKED = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
+# vLLM schedules every request that runs the model by its `priority`, pooling ones too (their
+# requests take the field as the generating ones do); tokenizing runs no model.
+_PRIORITISED = frozenset(Endpoint) - {Endpoint.TOKENIZE, Endpoint.DETOKENIZE}
+_ENGINE_PRIORITY_HEADER = b"x-vllm-priority"
+"""Read by vLLM before the body's `priority` (chat, completions, responses)."""
 
 
 class Forwarder:
@@ -54,6 +59,7 @@ class Forwarder:
         self._backoff = settings.retry_backoff
         self._retry_after_cap = settings.retry_after_cap
         self._observe_usage = settings.observe_usage
+        self._forward_priority = settings.forward_priority
         self._speed = speed
         self._rng = rng or random.Random()
 
@@ -73,6 +79,8 @@ class Forwarder:
         salted = request.endpoint.salted and request.response_id is None
         if request.tenant is not None and salted and forwarding.method == b"POST":
             forwarding.body = with_cache_salt(forwarding.body, request.tenant)
+        if self._forward_priority:
+            _prioritise(forwarding)
         tries = _Tries(forwarding)
         exchange = forwarding.exchange
         try:
@@ -251,6 +259,19 @@ class _Tries:
         self.accepted: list[str] = []
         self.upcoming: tuple[Backend, Decision] | None = None
         self.first_byte_at = 0.0
+
+
+def _prioritise(forwarding: Forwarding) -> None:
+    """The tenant's priority in vLLM's terms (lower is served first) in place of whatever the
+    client asked for, in its body or its header: a client cannot raise its own."""
+    forwarding.headers = [item for item in forwarding.headers if item[0] != _ENGINE_PRIORITY_HEADER]
+    request = forwarding.placement.request
+    if (
+        request.endpoint in _PRIORITISED
+        and request.response_id is None
+        and forwarding.method == b"POST"
+    ):
+        forwarding.body = with_priority(forwarding.body, -forwarding.tenant_priority)
 
 
 def _retry_after(value: str | None) -> float | None:

@@ -31,3 +31,5 @@ class Forwarding:
     """The replica's path, with the query of a stored response's request."""
     strip_usage: bool = False
     """The stream's usage was asked for by the gateway, not the client: it is held back."""
+    tenant_priority: int = 0
+    """The priority of the request's tenant (higher is served first; anonymous: 0)."""

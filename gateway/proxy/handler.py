@@ -244,6 +244,7 @@ class ProxyHandler:
             lambda decision: self._gateway_headers(decision, request_id, issued, charge),
             scope["method"].encode(),
             path,
+            tenant_priority=0 if charge is None else charge.tenant.spec.priority,
         )
         began = time.perf_counter()
         try:
