@@ -36,6 +36,7 @@ from gateway.prompt.parsing import RoutingInput
 from gateway.refusals import refused
 from gateway.routing.placement import Placement
 from gateway.routing.router import Router
+from gateway.routing.types import Route
 from gateway.tenants.cost import estimated_cost, used_cost
 from gateway.tenants.tenant import Tenant, Usage
 
@@ -43,6 +44,10 @@ log = logging.getLogger("gateway.flow")
 
 _RECHECK = 0.05
 """Seconds between looks at the replicas while requests wait and nothing else happened."""
+_AFFINITY_WAIT = 3.0
+"""Seconds a request whose prefix a full replica holds may wait for a slot there rather than be
+placed on another replica with a free one."""
+_AFFINE = frozenset({Route.SESSION, Route.OWNER, Route.PREFIX})
 _ACTIVE = 10.0
 """Seconds after its last request during which a tenant counts as active."""
 _MOST_KEPT = 0.25
@@ -206,11 +211,16 @@ class Flow:
         if not waiter.placed.done():
             waiter.placed.cancel()
 
-    def _next(self) -> tuple[_Lane, _Waiter] | None:
+    def _next(self, passed: set[_Waiter]) -> tuple[_Lane, _Waiter] | None:
         """The next request to dispatch: by priority, then least service for the weight, then
-        age; only one whose model has a free slot beyond those kept for quiet tenants."""
+        age; only one whose model has a free slot beyond those kept for quiet tenants (and not
+        one `passed` over this round)."""
         lanes = sorted(
-            (lane for lane in self._lanes.values() if lane.waiting),
+            (
+                lane
+                for lane in self._lanes.values()
+                if lane.waiting and lane.waiting[0] not in passed
+            ),
             key=lambda lane: (-lane.priority, lane.service, lane.waiting[0].since),
         )
         now = time.monotonic()
@@ -248,11 +258,33 @@ class Flow:
                 async with asyncio.timeout(_RECHECK if self.waiting else None):
                     await self._wake.wait()
             self._wake.clear()
-            while (found := self._next()) is not None:
+            passed: set[_Waiter] = set()
+            while (found := self._next(passed)) is not None:
                 lane, waiter = found
+                if await self._holder_is_full(waiter):
+                    passed.add(waiter)
+                    continue
+                if not lane.waiting or lane.waiting[0] is not waiter:
+                    continue  # it gave up while its holder was looked up
                 lane.waiting.popleft()
                 self.waiting -= 1
                 await self._dispatch(lane, waiter)
+
+    async def _holder_is_full(self, waiter: _Waiter) -> bool:
+        """Whether `waiter` should wait on: the replica that holds its prefix (or its session)
+        has no free slot, and it has waited less than `_AFFINITY_WAIT`. Sent elsewhere, it
+        would compute its prefix anew there; the holder frees a slot soon."""
+        if time.monotonic() - waiter.since >= _AFFINITY_WAIT:
+            return False
+        try:
+            preview = await self._router.decide(waiter.request)
+        except Exception:
+            return False  # routing will say why when it is dispatched
+        decision = preview.decision
+        if decision.route not in _AFFINE or not decision.matched_blocks:
+            return False
+        holder = self._pool.get(decision.backend)
+        return holder is not None and not self.room(holder)
 
     async def _dispatch(self, lane: _Lane, waiter: _Waiter) -> None:
         if waiter.placed.done():
