@@ -19,28 +19,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import http.client
-import multiprocessing
-import socket
-import statistics
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
 
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.config import Settings
 from gateway.emulator.replicas import EmulatedReplicas
-from gateway.errors import GatewayError
-from gateway.prompt.parsing import BodyLimits, Endpoint, parse_request
+from loadtest.attack_bodies import DEFAULTS, arrays_then_strings, messages, parse_cost, strings
+from loadtest.attack_harness import MODEL, Attack, Target, measure
 from loadtest.large_replies import (
     large_chat,
     large_embeddings,
@@ -48,81 +39,12 @@ from loadtest.large_replies import (
     unread_replies,
 )
 from loadtest.slow_readers import slow_readers
-from tests.redis_server import RedisServer
-from tests.support import GatewayProcess
 
-MODEL = "emulated-model"
 MIB = 2**20
-DEFAULTS = Settings()
 LIMIT = f"{DEFAULTS.max_body_bytes / MIB:g} MiB"
 
 
-@dataclass(frozen=True)
-class Target:
-    host: str
-    port: int
-
-
-@dataclass(frozen=True)
-class Attack:
-    name: str
-    sends: str
-    """What the attack sends, in words."""
-    run: Callable[[Target], Awaitable[str]] | None
-    """Runs the attack; returns what the gateway answered, in words. None: not measured yet."""
-    with_redis: bool = False
-    """The gateway shares its state through a Redis of its own, whose PING is timed too."""
-    replica: Callable[[], contextlib.AbstractContextManager[str]] | None = None
-    """The gateway's one backend (a `--backend` spec) in place of the emulated replicas."""
-
-
-@dataclass(frozen=True)
-class Watched:
-    """What a watcher saw beside an attack."""
-
-    health_delay_ms: float
-    normal_ok: int
-    normal_sent: int
-    redis_ping_ms: float | None = None
-
-
 # --- the attacks ---------------------------------------------------------------------------
-
-
-def _body_at_limit(containers: int) -> bytes:
-    """A chat body of exactly the default body limit, holding as many values as the gateway
-    accepts: `containers` empty arrays, then strings as short as the value cap allows, in a
-    `metadata` array the gateway does not read (its parser still builds every element)."""
-    head = b'{"model":"' + MODEL.encode() + b'","max_tokens":1,'
-    head += b'"messages":[{"role":"user","content":"hi"}],"metadata":['
-    # Commas and brackets of the envelope, then two per empty array (`[` and its comma).
-    budget = DEFAULTS.max_json_values - (head.count(b",") + head.count(b"[") + head.count(b"{"))
-    items = b"[]," * containers
-    strings = budget - 2 * containers - 1
-    room = DEFAULTS.max_body_bytes - len(head) - len(items) - 2
-    width = max(1, room // strings - 3)  # `"` + text + `",`
-    filler = b'"' + b"a" * width + b'",'
-    body = head + items + (filler * strings)[:-1] + b"]}"
-    return body + b" " * (DEFAULTS.max_body_bytes - len(body))
-
-
-def _arrays_then_strings() -> bytes:
-    return _body_at_limit(DEFAULTS.max_json_values // 4)
-
-
-def _strings() -> bytes:
-    return _body_at_limit(0)
-
-
-def _messages() -> bytes:
-    """As many messages as the message cap allows, sharing the body limit between them."""
-    head = b'{"model":"' + MODEL.encode() + b'","max_tokens":1,"messages":['
-    empty = b'{"role":"user","content":""},'
-    count = DEFAULTS.max_messages
-    content = (DEFAULTS.max_body_bytes - len(head) - 2 - count * len(empty)) // count
-    message = empty.replace(b'""', b'"' + b"m" * content + b'"')
-    body = head + (message * count)[:-1] + b"]}"
-    return body + b" " * (DEFAULTS.max_body_bytes - len(body))
 
 
 async def _post(target: Target, body: bytes) -> int:
@@ -311,17 +233,17 @@ ATTACKS = [
         "largest_body_arrays",
         f"3 bodies of {LIMIT}, {DEFAULTS.max_json_values:,} values:"
         f" {DEFAULTS.max_json_values // 4:,} `[]`, then strings",
-        _largest_body(_arrays_then_strings),
+        _largest_body(arrays_then_strings),
     ),
     Attack(
         "largest_body_strings",
         f"3 bodies of {LIMIT}, {DEFAULTS.max_json_values:,} string values",
-        _largest_body(_strings),
+        _largest_body(strings),
     ),
     Attack(
         "largest_body_messages",
         f"3 bodies of {LIMIT}: {DEFAULTS.max_messages:,} messages",
-        _largest_body(_messages),
+        _largest_body(messages),
     ),
     Attack("header_flood", "32 clients streaming 64 MiB header lines, for 5 s", header_flood),
     Attack(
@@ -391,127 +313,6 @@ def _status_of(head: bytes) -> str:
 
 def _tally(counts: Counter[str] | Counter[int]) -> str:
     return ", ".join(f"{key} ×{count:,}" for key, count in sorted(counts.items(), key=str))
-
-
-# --- watching the gateway ------------------------------------------------------------------
-
-
-def _watch(host: str, port: int, stop: Connection, redis_port: int | None) -> None:
-    """In its own process: poll /health (and Redis), send a normal request every 0.1 s, until
-    told."""
-    longest = 0.0
-    longest_ping: float | None = None
-    normal = Counter[str]()
-    done = threading.Event()
-
-    def normal_requests() -> None:
-        body = orjson.dumps(
-            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-        )
-        while not done.is_set():
-            try:
-                connection = http.client.HTTPConnection(host, port, timeout=60)
-                connection.request("POST", "/v1/chat/completions", body)
-                normal[str(connection.getresponse().status)] += 1
-                connection.close()
-            except (OSError, http.client.HTTPException):
-                normal["error"] += 1
-            done.wait(0.1)
-
-    def pings() -> None:
-        nonlocal longest_ping
-        assert redis_port is not None
-        with socket.create_connection(("127.0.0.1", redis_port)) as connection:
-            while not done.is_set():
-                began = time.perf_counter()
-                connection.sendall(b"PING\r\n")
-                connection.recv(16)
-                longest_ping = max(longest_ping or 0.0, time.perf_counter() - began)
-                done.wait(0.01)
-
-    sender = threading.Thread(target=normal_requests)
-    sender.start()
-    pinger = threading.Thread(target=pings) if redis_port is not None else None
-    if pinger is not None:
-        pinger.start()
-    while not stop.poll(0.02):
-        began = time.perf_counter()
-        try:
-            connection = http.client.HTTPConnection(host, port, timeout=60)
-            connection.request("GET", "/health")
-            connection.getresponse().read()
-            connection.close()
-        except (OSError, http.client.HTTPException):
-            normal["health_error"] += 1
-        longest = max(longest, time.perf_counter() - began)
-    done.set()
-    sender.join()
-    if pinger is not None:
-        pinger.join()
-    ping_ms = None if longest_ping is None else longest_ping * 1000
-    stop.send(Watched(longest * 1000, normal["200"], sum(normal.values()), ping_ms))
-
-
-def _status_kib(pid: int, field: str) -> int:
-    with open(f"/proc/{pid}/status", encoding="ascii") as handle:
-        for line in handle:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field}")
-
-
-async def measure(attack: Attack, replicas: list[str]) -> str:
-    with contextlib.ExitStack() as stack:
-        redis = stack.enter_context(RedisServer()) if attack.with_redis else None
-        shared = ("--redis-url", redis.url) if redis is not None else ()
-        if attack.replica is not None:
-            replicas = [stack.enter_context(attack.replica())]
-        gateway = stack.enter_context(GatewayProcess(replicas, "--log-level", "warning", *shared))
-        target = Target(gateway.host, gateway.port)
-        before = _status_kib(gateway.pid, "VmRSS")
-        with open(f"/proc/{gateway.pid}/clear_refs", "w", encoding="ascii") as refs:
-            refs.write("5")  # VmHWM starts again from VmRSS
-        ours, theirs = multiprocessing.get_context("spawn").Pipe()
-        watcher = multiprocessing.get_context("spawn").Process(
-            target=_watch,
-            args=(gateway.host, gateway.port, theirs, redis.port if redis is not None else None),
-        )
-        watcher.start()
-        if attack.run is None:
-            await asyncio.sleep(3)
-            answered = "—"
-        else:
-            answered = await attack.run(target)
-        ours.send("stop")
-        watched: Watched = ours.recv()
-        watcher.join()
-        growth = (_status_kib(gateway.pid, "VmHWM") - before) / 1024
-    ping = "—" if watched.redis_ping_ms is None else f"{watched.redis_ping_ms:,.0f} ms"
-    return (
-        f"| {attack.name} | {attack.sends} | {answered} | {growth:,.0f} MiB "
-        f"| {watched.health_delay_ms:,.0f} ms | {ping} "
-        f"| {watched.normal_ok}/{watched.normal_sent} |"
-    )
-
-
-def parse_cost(repeats: int = 7) -> None:
-    """CPU time, not wall time, so that a busy machine does not inflate it."""
-    limits = BodyLimits.of(DEFAULTS)
-    print("| body | bytes | CPU ms per parse (median) | each run |")
-    print("|---|---|---|---|")
-    for name, make in (
-        ("arrays, then strings", _arrays_then_strings),
-        ("strings", _strings),
-        ("messages", _messages),
-    ):
-        body, runs = make(), []
-        for _ in range(repeats):
-            began = time.process_time()
-            with contextlib.suppress(GatewayError):
-                parse_request(Endpoint.CHAT, body, None, limits=limits)
-            runs.append((time.process_time() - began) * 1000)
-        each = ", ".join(f"{run:.0f}" for run in runs)
-        print(f"| {name} | {len(body):,} | {statistics.median(runs):.0f} | {each} |")
 
 
 async def main() -> None:
