@@ -5,6 +5,7 @@ gateway started with a YAML file of its own."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ import yaml
 
 from gateway.config import ConfigError, load_settings
 from gateway.emulator.replicas import EmulatedReplicas
+from tests.fault_servers import FaultServer
 from tests.support import GatewayProcess, metric_value, wait_until
 
 MODEL = "emulated-model"
@@ -237,3 +239,19 @@ def test_tenants_read_from_the_file_with_their_keys_from_the_environment(tmp_pat
     config.write_text(yaml.safe_dump({"backend": ["http://a:1"], "tenants": twice}))
     with pytest.raises(ConfigError, match=r"tenants\[1\] \(b\): its key is another tenant's"):
         load_settings(environ={"GATEWAY_CONFIG": str(config)})
+
+
+def test_isolate_tenants_gives_named_tenants_their_own_cache_salt(tmp_path: Path) -> None:
+    config = tmp_path / "gateway.yaml"
+    named = [{"name": "one", "api_key": "one-key"}, {"name": "two", "api_key": "two-key"}]
+    config.write_text(yaml.safe_dump({"tenants": named}))
+    args = ("--config", str(config), "--api-key", "plain-key", "--isolate-tenants")
+    with FaultServer() as replica, GatewayProcess([f"{MODEL}={replica.url}"], *args) as gateway:
+        for key in ("one-key", "two-key", "one-key", "plain-key"):
+            with client(gateway, key) as api:
+                ask(api, "the same prompt for everyone")
+        salts = [json.loads(request.body)["cache_salt"] for request in replica.seen]
+    # Each key its own namespace, the same one every time; no key's salt is the key itself.
+    assert salts[0] == salts[2]
+    assert len(set(salts)) == 3
+    assert not {"one-key", "two-key", "plain-key"} & set(salts)
