@@ -213,7 +213,7 @@ class ProxyHandler:
             else:
                 request, issued = self._parse(path, headers, body, tenant)
             if gate is not None:
-                charge = gate.admit(gate.of_key(scope.get(KEY_POSITION, -1)), request)
+                charge = await gate.admit(gate.of_key(scope.get(KEY_POSITION, -1)), request)
             placement = await self._router.route(request)
         except GatewayError as error:
             if gate is not None:
