@@ -36,6 +36,7 @@ from gateway.state.engine_blocks import EventFedIndex
 from gateway.state.index import InMemoryPrefixIndex, PrefixIndex
 from gateway.state.sessions import InMemorySessionStore, SessionStore
 from gateway.tenants.gate import TenantGate
+from gateway.tenants.shared import SharedBudgets
 
 
 @dataclass
@@ -134,22 +135,29 @@ class Components:
         )
         prefills = Prefills(settings.prefill_wait, metrics)
         forwarder = Forwarder(settings, upstream, health, metrics, prefills, stalls.speed)
-        admission = Admission(settings.max_concurrency, settings.max_queue, settings.queue_timeout)
-        tenants = TenantGate(settings, metrics) if settings.tenants else None
-        flow = None
-        if settings.max_inflight_per_replica:
-            flow = Flow(settings, router, pool, metrics)
-        proxy = ProxyHandler(settings, router, forwarder, admission, metrics, tenants, flow)
-        discovery = Discovery.build(settings, pool, monitor.refresh)
         engine_load = EngineLoadScraper(pool, probes, settings.scrape_interval)
         pool.removed.append(engine_load.forget)
         shared_load = None
+        shared_budgets = None
         if shared is not None:
             link = shared.link
             link.preload(LOAD_SCRIPT)
             traffic = router.memory.traffic if "traffic" in settings.fleet_share else None
             shared_load = SharedLoad(link.client, link, shared.keys, pool, engine_load, traffic)
             link.run_while_open(shared_load.start, shared_load.stop)
+            fleet = shared_load
+            shared_budgets = SharedBudgets(
+                shared.budgets, link, lambda: fleet.gateways, settings.workers
+            )
+        admission = Admission(settings.max_concurrency, settings.max_queue, settings.queue_timeout)
+        tenants = None
+        if settings.tenants:
+            tenants = TenantGate(settings, metrics, shared=shared_budgets)
+        flow = None
+        if settings.max_inflight_per_replica:
+            flow = Flow(settings, router, pool, metrics)
+        proxy = ProxyHandler(settings, router, forwarder, admission, metrics, tenants, flow)
+        discovery = Discovery.build(settings, pool, monitor.refresh)
         return cls(
             settings,
             pool,

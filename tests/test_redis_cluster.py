@@ -16,8 +16,10 @@ import pytest
 from gateway.clock import ManualClock
 from gateway.emulator.replicas import EmulatedReplicas
 from gateway.state.redis import (
+    BudgetAmount,
     KeySpace,
     RedisAgreement,
+    RedisBudgets,
     RedisPrefixIndex,
     RedisSessionStore,
     open_client,
@@ -83,6 +85,24 @@ def test_claims_and_prompt_counts_live_in_their_prompts_slots(
 
     asyncio.run(scenario())
     assert all(int(node.cli("dbsize")) > 0 for node in cluster.nodes)
+
+
+def test_a_tenants_budgets_are_charged_in_one_slot(cluster: RedisClusterServers) -> None:
+    async def scenario() -> None:
+        client = open_client(cluster.url, timeout=1.0, max_connections=8)
+        budgets = RedisBudgets(client, KeySpace("budgets"))
+        # Both budgets of a tenant in one script: its name's slot holds them (no CROSSSLOT).
+        for tenant in range(30):
+            amounts = [BudgetAmount("requests", 6, 1), BudgetAmount("tokens", 600, 100)]
+            taken = await budgets.take(f"team-{tenant}", amounts)
+            assert taken.done and taken.levels == (5.0, 500.0)
+        await client.aclose()
+
+    asyncio.run(scenario())
+    per_node = [
+        len(node.cli("--scan", "--pattern", "budgets:t:*").split()) for node in cluster.nodes
+    ]
+    assert sum(per_node) == 60 and all(per_node), per_node
 
 
 def test_gateways_share_a_conversation_through_the_cluster(cluster: RedisClusterServers) -> None:

@@ -31,6 +31,9 @@ _SYNC_SECONDS = 0.02
 # or lost Redis), and its field is deleted after `_FORGOTTEN_MS`.
 _STALE_MS = 1_000
 _FORGOTTEN_MS = 60_000
+# The most gateways seen stands this long: one that paused for a second must not make the
+# others' shares of a tenant's limit larger (docs/tenants.md).
+_FLEET_SIZE_SECONDS = 10.0
 
 LOAD_SCRIPT = """
 -- One gateway's requests in flight per backend in, every other live gateway's out.
@@ -148,6 +151,12 @@ class SharedLoad:
         self._interval = interval
         self.exchanged_at = -math.inf
         """`time.monotonic()` of the last exchange that answered."""
+        self.gateways: int | None = None
+        """Gateway processes that wrote within `_STALE_MS`, this one included: the most seen
+        by the exchanges of the last `_FLEET_SIZE_SECONDS` that answered, or the last one's
+        count (None before one has answered). Each gateway's share of a fleet-wide limit while
+        Redis is away (docs/tenants.md)."""
+        self._most_seen_at = -math.inf
         # One field per process: the workers of one pod are gateways of the fleet too.
         self.gateway_id = secrets.token_hex(8)
         self._script = cast(Redis, client).register_script(LOAD_SCRIPT)
@@ -179,7 +188,15 @@ class SharedLoad:
             self._apply(FleetLoad([]))
             return
         self.exchanged_at = time.monotonic()
+        self._counted(len(reply) + 1)
         self._apply(FleetLoad(list(reply)))
+
+    def _counted(self, gateways: int) -> None:
+        now = self.exchanged_at
+        fresh = now - self._most_seen_at <= _FLEET_SIZE_SECONDS
+        if self.gateways is None or gateways >= self.gateways or not fresh:
+            self.gateways = gateways
+            self._most_seen_at = now
 
     def _apply(self, others: FleetLoad) -> None:
         self._engine_load.set_fleet(others.in_flight)

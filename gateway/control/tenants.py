@@ -1,5 +1,6 @@
 """`/admin/tenants`: each named tenant's limits, what it has in flight, what remains of its
-budgets and what it used, as this gateway process counts them (docs/tenants.md)."""
+budgets (the fleet's when they are shared through Redis) and what it used, as this gateway
+process counts them (docs/tenants.md)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,17 @@ from gateway.tenants.tenant import Tenant
 
 def tenant_view(tenant: Tenant, now: float, waiting: int) -> dict[str, Any]:
     spec = tenant.spec
-    budgets = {}
-    for kind, budget in (("requests", tenant.requests), ("tokens", tenant.tokens)):
-        if budget is not None:
-            budgets[kind] = {
-                "remaining": tenant.shown(budget.remaining(now)),
-                "reset_seconds": round(budget.reset_seconds(now), 3),
-            }
+    budgets = {
+        kind: {
+            "remaining": allowance.remaining(now),
+            "reset_seconds": round(allowance.reset_seconds(now), 3),
+            # Whether the figures are the fleet's, as Redis last gave them, or this process's
+            # share of the limit scaled up.
+            "shared": allowance.shared,
+            "share": round(allowance.share, 4),
+        }
+        for kind, allowance in tenant.allowances
+    }
     return {
         "name": tenant.name,
         "priority": spec.priority,

@@ -222,7 +222,7 @@ class ProxyHandler:
             else:
                 request, issued = self._parse(path, headers, body, tenant)
             if gate is not None:
-                charge = gate.admit(named, request)
+                charge = await gate.admit(named, request)
             placement = await self._place(named, request)
         except GatewayError as error:
             if gate is not None:

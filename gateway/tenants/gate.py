@@ -3,8 +3,8 @@ request is admitted, its settlement when the answer ends, and the per-tenant ser
 
 Built only when the configuration names tenants: without them the proxy path does not call it.
 Every request no named tenant sent is counted as `anonymous`, so that clients cannot mint
-series. Budgets are this process's: with `--workers N` each worker holds an equal share of
-every limit (docs/tenants.md).
+series. Budgets are this process's alone without Redis (with `--workers N` each worker holds an
+equal share of every limit); with Redis they are the fleet's (`SharedBudgets`, docs/tenants.md).
 """
 
 from __future__ import annotations
@@ -18,20 +18,27 @@ from gateway.metrics import Metrics
 from gateway.prompt.parsing import RoutingInput
 from gateway.routing.types import Outcome
 from gateway.tenants.cost import estimated_cost
+from gateway.tenants.shared import SharedBudgets
 from gateway.tenants.tenant import Charge, Tenant, TenantRefused, Usage
 
 
 class TenantGate:
     def __init__(
-        self, settings: Settings, metrics: Metrics, clock: Callable[[], float] = time.monotonic
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.monotonic,
+        shared: SharedBudgets | None = None,
     ) -> None:
         now = clock()
         share = 1.0 / settings.workers
-        self.tenants = [Tenant(spec, now, share) for spec in settings.tenants]
+        fleet_wide = shared is not None
+        self.tenants = [Tenant(spec, now, share, fleet_wide) for spec in settings.tenants]
         self.by_name = {tenant.name: tenant for tenant in self.tenants}
         self._first_key = len(settings.api_key)
         self._metrics = metrics
         self._clock = clock
+        self._shared = shared
         self._chars_per_token = settings.chars_per_token
         self._completion_estimate = settings.budget_max_tokens
         self._cached_cost = settings.cached_token_cost
@@ -44,7 +51,7 @@ class TenantGate:
         index = position - self._first_key
         return self.tenants[index] if index >= 0 else None
 
-    def admit(self, tenant: Tenant | None, request: RoutingInput) -> Charge | None:
+    async def admit(self, tenant: Tenant | None, request: RoutingInput) -> Charge | None:
         """Charge `request` to `tenant` (None: anonymous, not charged); the 429 that refuses
         it, its limit counted, if it does not fit."""
         if tenant is None:
@@ -52,7 +59,13 @@ class TenantGate:
         estimate = estimated_cost(request, self._chars_per_token, self._completion_estimate)
         metrics = self._metrics
         try:
-            charge = tenant.admit(estimate, self._clock())
+            # In flight from here, so that requests admitted meanwhile count against the cap.
+            tenant.enter(self._clock())
+            try:
+                charge = await self._charge(tenant, estimate)
+            except BaseException:
+                tenant.leave()
+                raise
         except TenantRefused as refusal:
             metrics.child(metrics.tenants.refusals, tenant.name, refusal.reason).inc()
             self._publish(tenant)
@@ -71,7 +84,8 @@ class TenantGate:
         """A charged request that ends before any replica was asked (its refusal counted by
         `refused`): its tokens back."""
         if charge is not None:
-            charge.settle(status, (None, None, None), self._cached_cost, self._clock())
+            _, owed = charge.settle(status, (None, None, None), self._cached_cost)
+            self._give(charge, owed)
             self._ended(charge.tenant)
 
     def settle(self, charge: Charge | None, outcome: Outcome | None) -> Usage | None:
@@ -86,7 +100,8 @@ class TenantGate:
             prompt, cached, completion = (count or 0 for count in usage)
         else:
             name = charge.tenant.name
-            used = charge.settle(status, usage, self._cached_cost, self._clock())
+            used, owed = charge.settle(status, usage, self._cached_cost)
+            self._give(charge, owed)
             prompt, cached, completion = used.prompt, used.cached, used.completion
             self._ended(charge.tenant)
         metrics = self._metrics
@@ -98,15 +113,29 @@ class TenantGate:
             return None
         return Usage(prompt, cached, completion)
 
+    async def _charge(self, tenant: Tenant, estimate: float) -> Charge:
+        shared = self._shared
+        if shared is not None and tenant.allowances:
+            return await shared.take(tenant, estimate)
+        return Charge(tenant, tenant.take(estimate, self._clock()))
+
+    def _give(self, charge: Charge, tokens: float) -> None:
+        """Settle a charge where it was taken: the fleet's budget, or this process's share."""
+        if not tokens or charge.tenant.tokens is None:
+            return
+        if charge.shared and self._shared is not None:
+            self._shared.give(charge.tenant, tokens, self._publish)
+        else:
+            charge.tenant.tokens.give(tokens, self._clock())
+
     def _ended(self, tenant: Tenant) -> None:
         self._metrics.tenants.in_flight.labels(tenant.name).dec()
         self._publish(tenant)
 
     def _publish(self, tenant: Tenant) -> None:
-        """The tenant's budgets as they stand now, on the remaining-budget gauge."""
+        """The tenant's budgets as they stand now (the fleet's when Redis gave the last
+        figure), on the remaining-budget gauge."""
         now = self._clock()
-        metrics = self._metrics
-        for kind, budget in (("requests", tenant.requests), ("tokens", tenant.tokens)):
-            if budget is not None:
-                gauge = metrics.tenants.budget_remaining.labels(tenant.name, kind)
-                gauge.set(tenant.shown(budget.remaining(now)))
+        gauge = self._metrics.tenants.budget_remaining
+        for kind, allowance in tenant.allowances:
+            gauge.labels(tenant.name, kind).set(allowance.remaining(now))

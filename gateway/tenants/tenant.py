@@ -5,7 +5,8 @@ prompt's plus its `max_tokens` (or `--budget-max-tokens`) — and settled when i
 with what the engine reported: prompt tokens not cached, cached prompt tokens at
 `--cached-token-cost` (the cache made them cheap: a tenant's repeated prefix costs it less),
 and the completion. An answer that is not a success gives the tokens back; one whose usage is
-unknown keeps the estimate.
+unknown keeps the estimate. Where the budgets are charged (this process's share, or the
+fleet's buckets in Redis) is the gate's business; the tenant holds both views (`Allowance`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 from gateway.config.tenants import TenantSpec
 from gateway.errors import GatewayError, Headers
 from gateway.refusals import refused
-from gateway.tenants.budget import MinuteBudget, duration_text
+from gateway.tenants.allowance import Allowance
+from gateway.tenants.budget import duration_text
 from gateway.tenants.cost import used_cost
 
 
@@ -43,31 +45,37 @@ class Tenant:
         "name",
         "refusals",
         "requests",
-        "share",
         "spec",
         "statuses",
         "tokens",
         "used",
     )
 
-    def __init__(self, spec: TenantSpec, now: float, share: float = 1.0) -> None:
+    def __init__(
+        self, spec: TenantSpec, now: float, share: float = 1.0, fleet_wide: bool = False
+    ) -> None:
+        """`share`: the part of each limit this process charges locally (1 / its workers);
+        `fleet_wide`: the limits are the fleet's, charged in Redis while it answers."""
         self.spec = spec
         self.name = spec.name
-        self.share = share
-        """The part of each limit this process enforces (1 / its workers)."""
         rpm, tpm = spec.requests_per_minute, spec.tokens_per_minute
-        self.requests = MinuteBudget(rpm * share, now) if rpm else None
-        self.tokens = MinuteBudget(tpm * share, now) if tpm else None
+        self.requests = Allowance(rpm, share, now, fleet_wide) if rpm else None
+        self.tokens = Allowance(tpm, share, now, fleet_wide) if tpm else None
         self.in_flight = 0
         self.used = Usage()
         self.statuses: Counter[int] = Counter()
         self.refusals: Counter[str] = Counter()
 
-    def admit(self, estimate: float, now: float) -> Charge:
-        """Charge a request of about `estimate` tokens; a 429 (`rate_limit_exceeded`) that says
-        which limit, and when to try again, if it does not fit."""
-        spec = self.spec
-        if spec.max_concurrency and self.in_flight >= spec.max_concurrency:
+    @property
+    def allowances(self) -> tuple[tuple[str, Allowance], ...]:
+        """The budgets per minute this tenant has, by kind (`requests`, `tokens`)."""
+        found = (("requests", self.requests), ("tokens", self.tokens))
+        return tuple((kind, allowance) for kind, allowance in found if allowance is not None)
+
+    def enter(self, now: float) -> None:
+        """One more request in flight; a 429 (`rate_limit_exceeded`) if that is one too many."""
+        limit = self.spec.max_concurrency
+        if limit and self.in_flight >= limit:
             raise self._refusal(
                 "max_concurrency",
                 f"tenant {self.name} has {self.in_flight} requests in flight, its limit;"
@@ -75,59 +83,67 @@ class Tenant:
                 1.0,
                 now,
             )
+        self.in_flight += 1
+
+    def leave(self) -> None:
+        """A request `enter` counted is no longer in flight."""
+        self.in_flight -= 1
+
+    def take(self, estimate: float, now: float) -> float:
+        """Charge a request of about `estimate` tokens to this process's share: the tokens
+        charged; a 429 that says which limit, and when to try again, if it does not fit."""
         requests, tokens = self.requests, self.tokens
         if requests is not None:
             wait = requests.take(1, now)
             if wait:
-                raise self._refusal(
-                    "requests_per_minute",
-                    f"rate limit reached for tenant {self.name} on requests per minute:"
-                    f" limit {spec.requests_per_minute}",
-                    wait,
-                    now,
-                )
-        charged = 0.0
-        if tokens is not None:
-            wait = tokens.take(estimate, now)
-            if wait:
-                if requests is not None:
-                    requests.give(1, now)
-                if math.isinf(wait):
-                    message = (
-                        f"request too large for tenant {self.name} on tokens per minute:"
-                        f" limit {spec.tokens_per_minute}, requested {math.ceil(estimate)}; ask for"
-                        " fewer max_tokens or send a shorter prompt"
-                    )
-                else:
-                    message = (
-                        f"rate limit reached for tenant {self.name} on tokens per minute:"
-                        f" limit {spec.tokens_per_minute}, requested {math.ceil(estimate)}"
-                    )
-                raise self._refusal("tokens_per_minute", message, wait, now)
-            charged = estimate
-        self.in_flight += 1
-        return Charge(self, charged)
+                raise self.over("requests", wait, estimate, now)
+        if tokens is None:
+            return 0.0
+        wait = tokens.take(estimate, now)
+        if wait:
+            if requests is not None:
+                requests.give(1, now)
+            raise self.over("tokens", wait, estimate, now)
+        return estimate
 
-    def shown(self, remaining: int) -> int:
-        """What remains of a limit, as the tenant's whole (this process holds `share` of it)."""
-        return remaining if self.share == 1.0 else round(remaining / self.share)
+    def reshare(self, share: float, now: float) -> None:
+        """This process's part of each limit is now `share`."""
+        for _, allowance in self.allowances:
+            allowance.reshare(share, now)
+
+    def over(self, kind: str, wait: float, estimate: float, now: float) -> TenantRefused:
+        """The refusal of a request of `estimate` tokens that budget `kind` cannot take for
+        `wait` seconds (infinite: ever)."""
+        spec = self.spec
+        if kind == "requests":
+            message = (
+                f"rate limit reached for tenant {self.name} on requests per minute:"
+                f" limit {spec.requests_per_minute}"
+            )
+        elif math.isinf(wait):
+            message = (
+                f"request too large for tenant {self.name} on tokens per minute:"
+                f" limit {spec.tokens_per_minute}, requested {math.ceil(estimate)}; ask for"
+                " fewer max_tokens or send a shorter prompt"
+            )
+        else:
+            message = (
+                f"rate limit reached for tenant {self.name} on tokens per minute:"
+                f" limit {spec.tokens_per_minute}, requested {math.ceil(estimate)}"
+            )
+        return self._refusal(f"{kind}_per_minute", message, wait, now)
 
     def headers(self, now: float) -> Headers:
         """OpenAI's `x-ratelimit-*` headers for the budgets this tenant has."""
-        spec = self.spec
         found: list[tuple[bytes, bytes]] = []
-        for kind, limit, budget in (
-            (b"requests", spec.requests_per_minute, self.requests),
-            (b"tokens", spec.tokens_per_minute, self.tokens),
-        ):
-            if budget is not None:
-                remaining = self.shown(budget.remaining(now))
-                reset = duration_text(budget.reset_seconds(now))
-                found += [
-                    (b"x-ratelimit-limit-" + kind, str(limit).encode()),
-                    (b"x-ratelimit-remaining-" + kind, str(remaining).encode()),
-                    (b"x-ratelimit-reset-" + kind, reset.encode()),
-                ]
+        for kind, allowance in self.allowances:
+            name = kind.encode()
+            reset = duration_text(allowance.reset_seconds(now))
+            found += [
+                (b"x-ratelimit-limit-" + name, str(allowance.limit).encode()),
+                (b"x-ratelimit-remaining-" + name, str(allowance.remaining(now)).encode()),
+                (b"x-ratelimit-reset-" + name, reset.encode()),
+            ]
         return tuple(found)
 
     def _refusal(self, reason: str, message: str, wait: float, now: float) -> TenantRefused:
@@ -145,33 +161,33 @@ class Tenant:
 class Charge:
     """What one admitted request holds of its tenant until it is settled."""
 
-    __slots__ = ("charged", "tenant")
+    __slots__ = ("charged", "shared", "tenant")
 
-    def __init__(self, tenant: Tenant, charged: float) -> None:
+    def __init__(self, tenant: Tenant, charged: float, shared: bool = False) -> None:
         self.tenant = tenant
         self.charged = charged
+        """The tokens taken at admission."""
+        self.shared = shared
+        """Taken from the fleet's budgets in Redis (else from this process's share)."""
 
     def settle(
-        self,
-        status: int,
-        usage: tuple[int | None, int | None, int | None],
-        cached_cost: float,
-        now: float,
-    ) -> Usage:
-        """End the request: its tokens charged as used (prompt, cached, completion as the engine
-        reported them); what it used, as far as known."""
+        self, status: int, usage: tuple[int | None, int | None, int | None], cached_cost: float
+    ) -> tuple[Usage, float]:
+        """End the request: what it used, as far as known (prompt, cached, completion as the
+        engine reported them), and the tokens its budget is owed back for it (negative: the
+        estimate fell short)."""
         tenant = self.tenant
-        tenant.in_flight -= 1
+        tenant.leave()
         tenant.statuses[status] += 1
         prompt, cached, completion = (count or 0 for count in usage)
         used = Usage(prompt, cached, completion)
         tenant.used.prompt += prompt
         tenant.used.cached += cached
         tenant.used.completion += completion
-        tokens = tenant.tokens
-        if tokens is not None and self.charged:
-            if status != 200:
-                tokens.give(self.charged, now)
-            elif usage[0] is not None or usage[2] is not None:
-                tokens.give(self.charged - used_cost(prompt, cached, completion, cached_cost), now)
-        return used
+        if tenant.tokens is None or not self.charged:
+            return used, 0.0
+        if status != 200:
+            return used, self.charged
+        if usage[0] is not None or usage[2] is not None:
+            return used, self.charged - used_cost(prompt, cached, completion, cached_cost)
+        return used, 0.0

@@ -1,5 +1,5 @@
-"""Prefix index and sticky sessions shared through Redis, the local stores answering whenever
-Redis cannot (docs/redis.md).
+"""Prefix index, sticky sessions and tenants' budgets shared through Redis, the local stores
+answering whenever Redis cannot (docs/redis.md).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from gateway.config import Settings
 from gateway.metrics import Metrics
 from gateway.state.index import InMemoryPrefixIndex
 from gateway.state.redis.agreement import AGREE_SCRIPT, FallbackAgreement, RedisAgreement
+from gateway.state.redis.budgets import BUDGET_SCRIPT, BudgetAmount, RedisBudgets
 from gateway.state.redis.connection import RedisLink, RedisUnavailable, open_client
 from gateway.state.redis.fallback import FallbackPrefixIndex, FallbackSessionStore
 from gateway.state.redis.index import RedisPrefixIndex
@@ -28,6 +29,8 @@ class SharedState:
     """The replica that stored each response, by its id's hash."""
     keys: KeySpace
     agreement: FallbackAgreement
+    budgets: RedisBudgets
+    """The tenants' budgets per minute (docs/tenants.md); the tenants' gate falls back."""
 
 
 def connect(
@@ -41,7 +44,7 @@ def connect(
     client = open_client(settings.redis_url, settings.redis_timeout, settings.redis_max_connections)
     # Half the connections at most carry background writes: lookups always find one free.
     link = RedisLink(client, settings.redis_timeout, metrics, settings.redis_max_connections // 2)
-    link.preload(MATCH_SCRIPT, RECORD_SCRIPT, FORGET_SCRIPT, AGREE_SCRIPT)
+    link.preload(MATCH_SCRIPT, RECORD_SCRIPT, FORGET_SCRIPT, AGREE_SCRIPT, BUDGET_SCRIPT)
     keys = KeySpace(settings.redis_prefix)
     shared_index = RedisPrefixIndex(client, keys, settings.affinity_ttl)
     shared_sessions = RedisSessionStore(client, keys, settings.affinity_ttl)
@@ -57,15 +60,18 @@ def connect(
         FallbackAgreement(
             RedisAgreement(client, keys, settings.claim_ttl, settings.recent_half_life), link
         ),
+        RedisBudgets(client, keys),
     )
 
 
 __all__ = [
+    "BudgetAmount",
     "FallbackAgreement",
     "FallbackPrefixIndex",
     "FallbackSessionStore",
     "KeySpace",
     "RedisAgreement",
+    "RedisBudgets",
     "RedisLink",
     "RedisPrefixIndex",
     "RedisSessionStore",

@@ -1,6 +1,6 @@
 """Key names in Redis (docs/redis.md): blocks, claims and prompt counts under a hash tag of model
 and first block, so a lookup's keys share one Redis Cluster slot; sessions; stored responses'
-replicas; the fleet's load hash.
+replicas; the fleet's load hash; the tenants' budgets.
 """
 
 from __future__ import annotations
@@ -48,3 +48,9 @@ class KeySpace:
 
     def fleet_load(self) -> str:
         return f"{self.namespace}:load"
+
+    def budget(self, tenant: str, kind: str) -> str:
+        """A tenant's budget per minute (`requests`, `tokens`): the tenant's budgets share its
+        name's slot, so one script charges them all. The name is the configured one (bounded,
+        no braces), never its key."""
+        return f"{self.namespace}:t:{{{tenant}}}:{kind}"
