@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import random
 import sys
+import time
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -163,6 +164,20 @@ def tokenize_body(ids: list[int], max_model_len: int) -> bytes:
 
 def detokenize_body(text: str) -> bytes:
     return orjson.dumps({"prompt": text})
+
+
+def pooling_list(ident: str, model: str, data: list[dict[str, Any]], prompt_tokens: int) -> bytes:
+    """vLLM's list answer of a pooling request (pooled vectors, classes, scores)."""
+    return orjson.dumps(
+        {
+            "id": ident,
+            "object": "list",
+            "created": int(time.time()),
+            "model": model,
+            "data": data,
+            "usage": pooling_usage(prompt_tokens),
+        }
+    )
 
 
 def pooling_usage(prompt_tokens: int) -> dict[str, Any]:

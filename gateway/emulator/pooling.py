@@ -8,13 +8,12 @@ goes through the engine's cache or time model.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
-from gateway.emulator.bodies import base64_floats, embedding, pooling_usage
+from gateway.emulator.bodies import base64_floats, embedding, pooling_list
 from gateway.emulator.config import EmulatorConfig
 from gateway.emulator.errors import InvalidRequest
 from gateway.emulator.prompts import chat_prompt_ids, completion_prompts, content_ids
@@ -48,7 +47,7 @@ def pooling_body(body: Mapping[str, Any], config: EmulatorConfig, ident: str) ->
         vector = class_probabilities(ids) if task == "classify" else embedding(ids)
         pooled = base64_floats(vector) if encoding == "base64" else vector
         data.append({"index": index, "object": "pooling", "data": pooled})
-    return _listed(ident, config, data, inputs)
+    return pooling_list(ident, config.model, data, sum(map(len, inputs)))
 
 
 def classify_body(body: Mapping[str, Any], config: EmulatorConfig, ident: str) -> bytes:
@@ -66,7 +65,7 @@ def classify_body(body: Mapping[str, Any], config: EmulatorConfig, ident: str) -
                 "num_classes": len(probabilities),
             }
         )
-    return _listed(ident, config, data, inputs)
+    return pooling_list(ident, config.model, data, sum(map(len, inputs)))
 
 
 def cohere_embed_body(body: Mapping[str, Any], config: EmulatorConfig, ident: str) -> bytes:
@@ -120,20 +119,6 @@ def class_probabilities(token_ids: list[int]) -> list[float]:
     total = sum(weights)
     return [weight / total for weight in weights]
 
-
-def _listed(
-    ident: str, config: EmulatorConfig, data: list[dict[str, Any]], inputs: list[list[int]]
-) -> bytes:
-    return orjson.dumps(
-        {
-            "id": ident,
-            "object": "list",
-            "created": int(time.time()),
-            "model": config.model,
-            "data": data,
-            "usage": pooling_usage(sum(map(len, inputs))),
-        }
-    )
 
 
 def _cohere_inputs(body: Mapping[str, Any]) -> tuple[list[list[int]], bool]:

@@ -7,13 +7,12 @@ A pair's prompt is the tokens of both texts.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
-from gateway.emulator.bodies import embedding, pooling_usage
+from gateway.emulator.bodies import embedding, pooling_list
 from gateway.emulator.config import EmulatorConfig
 from gateway.emulator.errors import InvalidRequest
 from gateway.emulator.protocol import check_model
@@ -65,16 +64,7 @@ def score_body(body: Mapping[str, Any], config: EmulatorConfig, ident: str) -> b
         {"index": index, "object": "score", "score": score}
         for index, score in enumerate(pairs.scores)
     ]
-    return orjson.dumps(
-        {
-            "id": ident,
-            "object": "list",
-            "created": int(time.time()),
-            "model": config.model,
-            "data": data,
-            "usage": pooling_usage(pairs.prompt_tokens),
-        }
-    )
+    return pooling_list(ident, config.model, data, pairs.prompt_tokens)
 
 
 def rerank_body(body: Mapping[str, Any], config: EmulatorConfig, ident: str) -> bytes:

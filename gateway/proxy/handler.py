@@ -34,6 +34,7 @@ from gateway.proxy.admission import Admission, PendingBodies
 from gateway.proxy.asgi import Receive, Scope, Send, header, read_body, too_many_pending_bodies
 from gateway.proxy.deadlines import (
     CLIENT_CONNECTION,
+    ClientConnection,
     DeadlineWatch,
     Exchange,
     Interrupted,
@@ -223,7 +224,10 @@ class ProxyHandler:
                 request, issued = self._parse(path, headers, body, tenant)
             if gate is not None:
                 charge = await gate.admit(named, request)
-            placement = await self._place(named, request)
+            if self._flow is None:
+                placement = await self._router.route(request)
+            else:
+                placement = await self._place(self._flow, named, request)
         except GatewayError as error:
             if gate is not None:
                 gate.release(charge, error.status)
@@ -247,20 +251,22 @@ class ProxyHandler:
             tenant_priority=0 if charge is None else charge.tenant.spec.priority,
         )
         began = time.perf_counter()
-        try:
-            outcome = await self._forward(scope, receive, exchange, forwarding)
-        except BaseException:
-            self._ended(named, placement, charge, None)
-            raise
-        self._ended(named, placement, charge, outcome)
+        if gate is None and self._flow is None:
+            outcome = await self._forward(connection, receive, exchange, forwarding)
+        else:
+            try:
+                outcome = await self._forward(connection, receive, exchange, forwarding)
+            except BaseException:
+                self._ended(named, placement, charge, None)
+                raise
+            self._ended(named, placement, charge, outcome)
         self._access_log.answered(placement, outcome, request_id, began)
         await placement.settle(outcome)
 
-    async def _place(self, tenant: Tenant | None, request: RoutingInput) -> Placement:
-        """Its placement: under flow control once a replica has a free slot for it (a request
+    async def _place(self, flow: Flow, tenant: Tenant | None, request: RoutingInput) -> Placement:
+        """Its placement under flow control, once a replica has a free slot for it (a request
         about a stored response goes to the replica that holds it at once)."""
-        flow = self._flow
-        if flow is None or request.response_id or request.previous_response_id:
+        if request.response_id or request.previous_response_id:
             return await self._router.route(request)
         return await flow.place(tenant, request)
 
@@ -278,9 +284,12 @@ class ProxyHandler:
             flow.ended(tenant, placement, usage)
 
     async def _forward(
-        self, scope: Scope, receive: Receive, exchange: Exchange, forwarding: Forwarding
+        self,
+        connection: ClientConnection | None,
+        receive: Receive,
+        exchange: Exchange,
+        forwarding: Forwarding,
     ) -> Outcome:
-        connection = scope.get(CLIENT_CONNECTION)
         if connection is not None:
             connection.watch(exchange)
             return await self._forwarder.forward(forwarding)
