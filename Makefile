@@ -28,8 +28,8 @@ engines: $(STAMP)
 	$(BIN)/python -m engines.venv
 
 lint: $(STAMP)
-	$(BIN)/ruff check gateway tests loadtest engines
-	$(BIN)/mypy gateway tests loadtest
+	$(BIN)/ruff check prefix_gateway tests loadtest engines
+	$(BIN)/mypy prefix_gateway tests loadtest
 	$(BIN)/mypy --strict engines
 	$(BIN)/lint-imports
 

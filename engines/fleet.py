@@ -4,8 +4,8 @@
 
 installs vLLM's CPU build if needed (engines.venv), makes the tiny model if needed
 (engines.tiny_model), starts the replicas pinned to different cores, then
-`python -m gateway serve --port 8080 --backend URL1 --backend URL2` from the checkout's .venv,
-prints where to send requests, and stops everything on Ctrl-C or SIGTERM.
+`python -m prefix_gateway serve --port 8080 --backend URL1 --backend URL2` from the checkout's
+.venv, prints where to send requests, and stops everything on Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             command = [
                 _gateway_python(),
                 "-m",
-                "gateway",
+                "prefix_gateway",
                 "serve",
                 "--host",
                 options.host,

@@ -7,10 +7,10 @@ import contextlib
 import statistics
 import time
 
-from gateway.config import Settings
-from gateway.errors import GatewayError
-from gateway.prompt.parsing import BodyLimits, Endpoint, parse_request
 from loadtest.attack_harness import MODEL
+from prefix_gateway.config import Settings
+from prefix_gateway.errors import GatewayError
+from prefix_gateway.prompt.parsing import BodyLimits, Endpoint, parse_request
 
 DEFAULTS = Settings()
 

@@ -29,7 +29,6 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.emulator.replicas import EmulatedReplicas
 from loadtest.attack_bodies import DEFAULTS, arrays_then_strings, messages, parse_cost, strings
 from loadtest.attack_harness import MODEL, Attack, Target, measure
 from loadtest.large_replies import (
@@ -39,6 +38,7 @@ from loadtest.large_replies import (
     unread_replies,
 )
 from loadtest.slow_readers import slow_readers
+from prefix_gateway.emulator.replicas import EmulatedReplicas
 
 MIB = 2**20
 LIMIT = f"{DEFAULTS.max_body_bytes / MIB:g} MiB"

@@ -35,12 +35,12 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.emulator import block_hashes
-from gateway.emulator.prompts import chat_prompt_ids
-from gateway.emulator.replicas import EmulatedReplicas
-from gateway.routing.policies import POLICIES
-from gateway.workloads import SHAPES, Session, build_workload
 from loadtest.peers import PEERS, start_peer
+from prefix_gateway.emulator import block_hashes
+from prefix_gateway.emulator.prompts import chat_prompt_ids
+from prefix_gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.routing.policies import POLICIES
+from prefix_gateway.workloads import SHAPES, Session, build_workload
 from tests.support import GatewayProcess
 
 MODEL = "bench-model"

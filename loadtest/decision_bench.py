@@ -29,16 +29,16 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.backends.pool import Backend, BackendPool
-from gateway.config import Settings
-from gateway.metrics import Metrics
-from gateway.prompt.hashing import chain_hashes
-from gateway.prompt.parsing import Endpoint, parse_request
-from gateway.routing.policies import build_policy
-from gateway.routing.recorder import Stores
-from gateway.routing.router import Router
-from gateway.state.index import InMemoryPrefixIndex
-from gateway.state.sessions import InMemorySessionStore
+from prefix_gateway.backends.pool import Backend, BackendPool
+from prefix_gateway.config import Settings
+from prefix_gateway.metrics import Metrics
+from prefix_gateway.prompt.hashing import chain_hashes
+from prefix_gateway.prompt.parsing import Endpoint, parse_request
+from prefix_gateway.routing.policies import build_policy
+from prefix_gateway.routing.recorder import Stores
+from prefix_gateway.routing.router import Router
+from prefix_gateway.state.index import InMemoryPrefixIndex
+from prefix_gateway.state.sessions import InMemorySessionStore
 
 MODEL = "bench"
 

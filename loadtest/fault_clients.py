@@ -15,7 +15,6 @@ import time
 
 import httpx
 
-from gateway.emulator.replicas import EmulatedReplicas
 from loadtest.fault_load import (
     MODEL,
     Result,
@@ -27,6 +26,7 @@ from loadtest.fault_load import (
     run_load,
     wait_for,
 )
+from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.support import GatewayProcess
 
 

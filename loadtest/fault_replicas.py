@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from gateway.emulator.replicas import EmulatedReplicas
 from loadtest.fault_load import MODEL, Result, Tally, run_load, wait_for
+from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.fault_servers import FaultServer
 from tests.support import GatewayProcess, metric_value
 

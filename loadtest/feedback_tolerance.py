@@ -21,12 +21,12 @@ from collections.abc import Iterator
 
 import orjson
 
-from gateway.emulator.prefix_cache import PrefixCache, block_hashes
-from gateway.emulator.prompts import chat_prompt_ids
-from gateway.prompt.hashing import chain_hashes
-from gateway.prompt.parsing import Endpoint, parse_request
-from gateway.routing.feedback import chars_per_token
-from gateway.workloads import SHAPES, build_workload, text
+from prefix_gateway.emulator.prefix_cache import PrefixCache, block_hashes
+from prefix_gateway.emulator.prompts import chat_prompt_ids
+from prefix_gateway.prompt.hashing import chain_hashes
+from prefix_gateway.prompt.parsing import Endpoint, parse_request
+from prefix_gateway.routing.feedback import chars_per_token
+from prefix_gateway.workloads import SHAPES, build_workload, text
 
 BLOCK_TOKENS = 16
 CHARS_PER_TOKEN = 4.0

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from gateway.emulator.replicas import EmulatedReplicas
-from gateway.workloads import Session, build_workload
 from loadtest.benchmark import percentile
+from prefix_gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.workloads import Session, build_workload
 from tests.redis_server import RedisClusterServers, RedisServer
 from tests.support import GatewayProcess
 

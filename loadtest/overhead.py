@@ -34,8 +34,8 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.emulator import EmulatorProcess
 from loadtest.peers import PEERS, Router, start_peer
+from prefix_gateway.emulator import EmulatorProcess
 from tests.support import GatewayProcess
 
 MODEL = "overhead-model"

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from gateway.processes import free_port
+from prefix_gateway.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -36,16 +36,16 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from gateway.config import Settings
-from gateway.emulator.config import EmulatorConfig
-from gateway.emulator.timing import TimeModel
-from gateway.replay.command import SYNTHETIC_CACHE_TOKENS
-from gateway.replay.report import Summary, summarise
-from gateway.replay.simulator import ReplayConfig, run_replay
-from gateway.replay.synthetic import synthetic_trace
-from gateway.replay.traces import Trace
-from gateway.routing.policies import Decision, Policy, Route, RoutingState
-from gateway.routing.prefix_policy import PrefixPolicy
+from prefix_gateway.config import Settings
+from prefix_gateway.emulator.config import EmulatorConfig
+from prefix_gateway.emulator.timing import TimeModel
+from prefix_gateway.replay.command import SYNTHETIC_CACHE_TOKENS
+from prefix_gateway.replay.report import Summary, summarise
+from prefix_gateway.replay.simulator import ReplayConfig, run_replay
+from prefix_gateway.replay.synthetic import synthetic_trace
+from prefix_gateway.replay.traces import Trace
+from prefix_gateway.routing.policies import Decision, Policy, Route, RoutingState
+from prefix_gateway.routing.prefix_policy import PrefixPolicy
 
 REPLICAS = 4
 MODELLED_PEER = "cache_aware (model)"

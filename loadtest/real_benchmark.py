@@ -40,9 +40,9 @@ from engines.kv_events import events_config
 from engines.replica import MIB, VLLMReplica, metric_samples
 from engines.tiny_model import ensure_model
 from engines.venv import VLLMVenv
-from gateway.workloads import SHAPES, Session, build_workload
 from loadtest.benchmark import MODEL, drive, percentile, summarise
 from loadtest.peers import PEERS, start_peer
+from prefix_gateway.workloads import SHAPES, Session, build_workload
 from tests.support import GatewayProcess
 
 BLOCK = 32

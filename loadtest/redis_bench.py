@@ -38,21 +38,21 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.backends.pool import Backend, BackendPool
-from gateway.clock import ManualClock
-from gateway.config import Settings
-from gateway.metrics import Metrics
-from gateway.prompt.canonical import message_segment
-from gateway.prompt.hashing import chain_hashes, extend_hashes
-from gateway.prompt.parsing import Endpoint, parse_request
-from gateway.routing.policies import build_policy
-from gateway.routing.recorder import Stores
-from gateway.routing.router import Router
-from gateway.state import redis as redis_store
-from gateway.state.index import InMemoryPrefixIndex, PrefixIndex
-from gateway.state.redis.connection import RedisClient
-from gateway.state.sessions import InMemorySessionStore, SessionStore
 from loadtest.fleet_bench import fleet, numbers
+from prefix_gateway.backends.pool import Backend, BackendPool
+from prefix_gateway.clock import ManualClock
+from prefix_gateway.config import Settings
+from prefix_gateway.metrics import Metrics
+from prefix_gateway.prompt.canonical import message_segment
+from prefix_gateway.prompt.hashing import chain_hashes, extend_hashes
+from prefix_gateway.prompt.parsing import Endpoint, parse_request
+from prefix_gateway.routing.policies import build_policy
+from prefix_gateway.routing.recorder import Stores
+from prefix_gateway.routing.router import Router
+from prefix_gateway.state import redis as redis_store
+from prefix_gateway.state.index import InMemoryPrefixIndex, PrefixIndex
+from prefix_gateway.state.redis.connection import RedisClient
+from prefix_gateway.state.sessions import InMemorySessionStore, SessionStore
 from tests.redis_server import RedisServer
 
 MODEL = "bench-model"

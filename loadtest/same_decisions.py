@@ -26,18 +26,18 @@ sys.path.insert(0, CHECKOUT)
 
 import orjson  # noqa: E402
 
-from gateway.backends.pool import Backend, BackendPool  # noqa: E402
-from gateway.config import Settings  # noqa: E402
-from gateway.metrics import Metrics  # noqa: E402
-from gateway.prompt.parsing import Endpoint, parse_request  # noqa: E402
-from gateway.routing.policies import build_policy  # noqa: E402
-from gateway.routing.router import Router  # noqa: E402
-from gateway.routing.types import Outcome  # noqa: E402
-from gateway.state.index import InMemoryPrefixIndex  # noqa: E402
-from gateway.state.sessions import InMemorySessionStore  # noqa: E402
-from gateway.workloads import build_workload  # noqa: E402
+from prefix_gateway.backends.pool import Backend, BackendPool  # noqa: E402
+from prefix_gateway.config import Settings  # noqa: E402
+from prefix_gateway.metrics import Metrics  # noqa: E402
+from prefix_gateway.prompt.parsing import Endpoint, parse_request  # noqa: E402
+from prefix_gateway.routing.policies import build_policy  # noqa: E402
+from prefix_gateway.routing.router import Router  # noqa: E402
+from prefix_gateway.routing.types import Outcome  # noqa: E402
+from prefix_gateway.state.index import InMemoryPrefixIndex  # noqa: E402
+from prefix_gateway.state.sessions import InMemorySessionStore  # noqa: E402
+from prefix_gateway.workloads import build_workload  # noqa: E402
 
-PLACEMENT = os.path.exists(os.path.join(CHECKOUT, "gateway", "routing", "placement.py"))
+PLACEMENT = os.path.exists(os.path.join(CHECKOUT, "prefix_gateway", "routing", "placement.py"))
 IN_FLIGHT = 6
 
 
@@ -58,7 +58,7 @@ def build(settings: Settings, clock: FakeClock) -> tuple[Router, BackendPool]:
     policy = build_policy(settings, random.Random(7))
     make: Any = Router
     if PLACEMENT:
-        from gateway.routing.recorder import Stores
+        from prefix_gateway.routing.recorder import Stores
 
         return make(settings, pool, Stores(index, sessions), policy, Metrics(), clock=clock), pool
     return make(settings, pool, index, sessions, policy, Metrics(), clock=clock), pool

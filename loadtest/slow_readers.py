@@ -13,7 +13,7 @@ import time
 
 import orjson
 
-from gateway.processes import metric_value
+from prefix_gateway.processes import metric_value
 
 MODEL = "emulated-model"
 MAX_TOKENS = 40_000

@@ -27,8 +27,8 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engines.tiny_model import Shape, corpus, make_tokenizer
-from gateway.prompt.parsing import Endpoint, parse_request
-from gateway.prompt.tokens import TOKEN_BYTES, EngineTokenizer
+from prefix_gateway.prompt.parsing import Endpoint, parse_request
+from prefix_gateway.prompt.tokens import TOKEN_BYTES, EngineTokenizer
 
 
 def words_text(rng: random.Random, lines: list[str], chars: int) -> str:

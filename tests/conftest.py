@@ -7,8 +7,8 @@ from collections.abc import Generator, Iterator
 import openai
 import pytest
 
-from gateway.emulator.replicas import EmulatedReplicas
-from gateway.processes import ChildProcess
+from prefix_gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.processes import ChildProcess
 from tests.support import GatewayProcess
 
 MODEL = "emulated-model"

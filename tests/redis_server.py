@@ -19,12 +19,12 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Self
 
-from gateway.clock import Clock
-from gateway.processes import free_port
-from gateway.state.index import PrefixIndex
-from gateway.state.redis import KeySpace, RedisPrefixIndex, RedisSessionStore, open_client
-from gateway.state.redis.connection import RedisClient
-from gateway.state.sessions import SessionStore
+from prefix_gateway.clock import Clock
+from prefix_gateway.processes import free_port
+from prefix_gateway.state.index import PrefixIndex
+from prefix_gateway.state.redis import KeySpace, RedisPrefixIndex, RedisSessionStore, open_client
+from prefix_gateway.state.redis.connection import RedisClient
+from prefix_gateway.state.sessions import SessionStore
 
 # Gateway flags for tests about sharing, not deadlines (test_redis_store.py checks those): a
 # deadline well above loopback latency keeps a busy test machine from turning lookups into

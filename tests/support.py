@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from gateway.processes import ChildProcess, free_port, metric_value
+from prefix_gateway.processes import ChildProcess, free_port, metric_value
 
 __all__ = [
     "GatewayProcess",
@@ -97,7 +97,7 @@ class GatewayProcess(ChildProcess):
         """`metrics_port`: serve /metrics on a free port of its own (`--metrics-port`), chosen
         anew, as the API's port is, at each start."""
         super().__init__(
-            "gateway",
+            "prefix_gateway",
             (
                 "serve",
                 "--health-interval",

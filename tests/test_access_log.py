@@ -9,7 +9,7 @@ import httpx
 import openai
 import orjson
 
-from gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
 from tests.support import GatewayProcess
 from tests.words import words

@@ -13,8 +13,8 @@ import httpx
 import orjson
 import pytest
 
-from gateway.auth import host_name, is_loopback
-from gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.auth import host_name, is_loopback
+from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
 from tests.support import GatewayProcess
 

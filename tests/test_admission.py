@@ -11,8 +11,8 @@ from typing import Any
 
 import httpx
 
-from gateway.emulator.replicas import EmulatedReplicas
-from gateway.proxy.admission import Admission
+from prefix_gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.proxy.admission import Admission
 from tests.conftest import MODEL
 from tests.support import GatewayProcess, eventually, wait_until
 

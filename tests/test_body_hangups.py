@@ -17,7 +17,7 @@ import httpx
 import orjson
 import pytest
 
-from gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
 from tests.support import GatewayProcess, metric_value, wait_until
 

@@ -7,10 +7,10 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.clock import ManualClock
-from gateway.prompt.canonical import message_segment
-from gateway.prompt.parsing import Endpoint, parse_request
-from gateway.routing.conversations import (
+from prefix_gateway.clock import ManualClock
+from prefix_gateway.prompt.canonical import message_segment
+from prefix_gateway.prompt.parsing import Endpoint, parse_request
+from prefix_gateway.routing.conversations import (
     TRIM_ALIASES,
     AffinityMiss,
     BreakCause,

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.backends.pool import parse_backend_spec
-from gateway.config import ConfigError, add_arguments, load_settings
+from prefix_gateway.backends.pool import parse_backend_spec
+from prefix_gateway.config import ConfigError, add_arguments, load_settings
 
 
 def parse(argv: list[str], env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]

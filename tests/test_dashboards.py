@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.metrics import Metrics
+from prefix_gateway.metrics import Metrics
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "prefix-gateway.json"

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.backends.membership import ServiceSpec
-from gateway.cli import build_parser
-from gateway.config import Settings, _env_name, load_settings
+from prefix_gateway.backends.membership import ServiceSpec
+from prefix_gateway.cli import build_parser
+from prefix_gateway.config import Settings, _env_name, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "deploy" / "compose.yaml"
@@ -132,7 +132,7 @@ def gateway_environment(name: str) -> dict[str, str]:
 def test_gateway_environment_is_real_settings(gateway: str) -> None:
     environment = gateway_environment(gateway)
     unknown = {key for key in environment if key.startswith("GATEWAY_")} - SETTINGS_VARIABLES
-    assert not unknown, f"not settings of gateway/config.py: {unknown}"
+    assert not unknown, f"not settings of prefix_gateway/config.py: {unknown}"
     assert "GATEWAY_HOST" not in environment or environment["GATEWAY_HOST"] == "0.0.0.0"
     settings = load_settings(environ=environment)
     assert settings.redis_url.startswith("redis://redis:")

@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.emulator.process import EmulatorProcess
-from gateway.processes import free_port
+from prefix_gateway.emulator.process import EmulatorProcess
+from prefix_gateway.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
@@ -176,8 +176,13 @@ def test_build_context_holds_what_the_build_copies_and_nothing_else() -> None:
             for source in shlex.split(item.argument)[:-1]:
                 assert (ROOT / source).exists(), source
                 assert not ignored(source, patterns), f"{source} is left out of the context"
-    assert not ignored("gateway/proxy/handler.py", patterns)
-    for path in (".git/config", ".venv/bin/python", "tests/test_proxy.py", "gateway/__pycache__"):
+    assert not ignored("prefix_gateway/proxy/handler.py", patterns)
+    for path in (
+        ".git/config",
+        ".venv/bin/python",
+        "tests/test_proxy.py",
+        "prefix_gateway/__pycache__",
+    ):
         assert ignored(path, patterns), path
 
 

@@ -22,8 +22,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gateway.backends.membership import ServiceSpec
-from gateway.config import Settings, _env_name, load_settings
+from prefix_gateway.backends.membership import ServiceSpec
+from prefix_gateway.config import Settings, _env_name, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
@@ -366,7 +366,7 @@ def test_gateway_settings_are_real_and_point_at_services_of_the_overlay(overlay:
     documents = render(overlay)
     (config,) = by_kind(documents, "ConfigMap").values()
     unknown = set(config["data"]) - SETTINGS_VARIABLES
-    assert not unknown, f"not settings of gateway/config.py: {unknown}"
+    assert not unknown, f"not settings of prefix_gateway/config.py: {unknown}"
     settings = gateway_settings(documents)
     services = by_kind(documents, "Service")
     for spec in settings.k8s_service:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import redis as redis_client
 
-from gateway.processes import free_port
+from prefix_gateway.processes import free_port
 from tests.test_deploy_k8s import (
     K8S,
     OVERLAYS,

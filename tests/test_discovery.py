@@ -28,14 +28,14 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gateway.backends.discovery import Discovery
-from gateway.backends.dns import DnsSource
-from gateway.backends.kubernetes import KubernetesSource
-from gateway.backends.membership import Membership, ServiceSpec
-from gateway.backends.pool import Backend, BackendPool
-from gateway.config import ConfigError, Settings
-from gateway.emulator.process import EmulatorProcess
-from gateway.processes import free_port
+from prefix_gateway.backends.discovery import Discovery
+from prefix_gateway.backends.dns import DnsSource
+from prefix_gateway.backends.kubernetes import KubernetesSource
+from prefix_gateway.backends.membership import Membership, ServiceSpec
+from prefix_gateway.backends.pool import Backend, BackendPool
+from prefix_gateway.config import ConfigError, Settings
+from prefix_gateway.emulator.process import EmulatorProcess
+from prefix_gateway.processes import free_port
 from tests.support import GatewayProcess, eventually, wait_until
 
 MODEL = "emulated-model"
@@ -431,7 +431,7 @@ def test_dns_source_follows_a_and_aaaa_records(caplog: pytest.LogCaptureFixture)
 
 def test_dns_lookup_failure_raises_for_the_caller() -> None:
     async def scenario(server: FakeDns) -> None:
-        from gateway.backends.dns import build_resolver
+        from prefix_gateway.backends.dns import build_resolver
 
         pool = BackendPool()
         membership = Membership(pool, "dns:vllm", None, mark_healthy(pool), 1)

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from gateway.emulator import EmulatorConfig, add_arguments, config_from_args
+from prefix_gateway.emulator import EmulatorConfig, add_arguments, config_from_args
 
 
 def parse(*flags: str) -> EmulatorConfig:

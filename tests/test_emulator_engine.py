@@ -7,10 +7,10 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from gateway.emulator.engine import Engine
-from gateway.emulator.prefix_cache import PrefixCache
-from gateway.emulator.sampler import Sampler
-from gateway.emulator.timing import PrefillLane, TimeModel
+from prefix_gateway.emulator.engine import Engine
+from prefix_gateway.emulator.prefix_cache import PrefixCache
+from prefix_gateway.emulator.sampler import Sampler
+from prefix_gateway.emulator.timing import PrefillLane, TimeModel
 
 BLOCK = 16
 

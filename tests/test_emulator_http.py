@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.emulator import EmulatorProcess
+from prefix_gateway.emulator import EmulatorProcess
 
 MODEL = "emulated-model"
 

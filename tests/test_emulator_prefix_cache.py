@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.emulator.prefix_cache import CacheLease, PrefixCache, block_hashes
-from gateway.emulator.prompts import chat_prompt_ids
-from gateway.emulator.sampler import Sampler
-from gateway.emulator.tokenizer import token_ids
+from prefix_gateway.emulator.prefix_cache import CacheLease, PrefixCache, block_hashes
+from prefix_gateway.emulator.prompts import chat_prompt_ids
+from prefix_gateway.emulator.sampler import Sampler
+from prefix_gateway.emulator.tokenizer import token_ids
 
 BLOCK = 16
 

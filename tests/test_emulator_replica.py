@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.emulator import EmulatorProcess
+from prefix_gateway.emulator import EmulatorProcess
 from tests.support import wait_until
 
 MODEL = "emulated-model"

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.emulator.errors import InvalidRequest
-from gateway.emulator.prompts import chat_prompt_ids, completion_prompts
-from gateway.emulator.sampler import VOCABULARY, Sampler
-from gateway.emulator.tokenizer import decode, encode, split_tokens, token_id, token_ids
+from prefix_gateway.emulator.errors import InvalidRequest
+from prefix_gateway.emulator.prompts import chat_prompt_ids, completion_prompts
+from prefix_gateway.emulator.sampler import VOCABULARY, Sampler
+from prefix_gateway.emulator.tokenizer import decode, encode, split_tokens, token_id, token_ids
 
 token_id_lists = st.lists(st.integers(min_value=0, max_value=2**32 - 1), min_size=1, max_size=50)
 

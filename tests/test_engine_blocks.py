@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from engines.kv_events import decode, load_sample
-from gateway.prompt.hashing import chain_hashes
-from gateway.prompt.tokens import TOKEN_BYTES, pack
-from gateway.state.engine_blocks import EngineBlocks, EventFedIndex
-from gateway.state.index import InMemoryPrefixIndex
+from prefix_gateway.prompt.hashing import chain_hashes
+from prefix_gateway.prompt.tokens import TOKEN_BYTES, pack
+from prefix_gateway.state.engine_blocks import EngineBlocks, EventFedIndex
+from prefix_gateway.state.index import InMemoryPrefixIndex
 
 SAMPLE = Path(__file__).parent / "data" / "vllm_kv_events.msgpack"
 BLOCK = 32

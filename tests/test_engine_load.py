@@ -5,14 +5,14 @@ import asyncio
 import httpx
 import openai
 
-from gateway.backends.engine_load import (
+from prefix_gateway.backends.engine_load import (
     EngineLoad,
     EngineLoadScraper,
     others_load,
     parse_engine_load,
 )
-from gateway.backends.pool import Backend, BackendPool
-from gateway.emulator import EmulatorProcess
+from prefix_gateway.backends.pool import Backend, BackendPool
+from prefix_gateway.emulator import EmulatorProcess
 from tests.support import eventually, stall
 
 VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.

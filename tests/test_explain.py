@@ -10,16 +10,16 @@ import httpx
 import orjson
 import pytest
 
-from gateway.backends.pool import BackendPool
-from gateway.config import Settings
-from gateway.emulator.replicas import EmulatedReplicas
-from gateway.metrics import Metrics
-from gateway.prompt.parsing import Endpoint, parse_request, session_hash
-from gateway.routing.policies import build_policy
-from gateway.routing.recorder import Stores
-from gateway.routing.router import Router
-from gateway.state.index import InMemoryPrefixIndex
-from gateway.state.sessions import InMemorySessionStore
+from prefix_gateway.backends.pool import BackendPool
+from prefix_gateway.config import Settings
+from prefix_gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.metrics import Metrics
+from prefix_gateway.prompt.parsing import Endpoint, parse_request, session_hash
+from prefix_gateway.routing.policies import build_policy
+from prefix_gateway.routing.recorder import Stores
+from prefix_gateway.routing.router import Router
+from prefix_gateway.state.index import InMemoryPrefixIndex
+from prefix_gateway.state.sessions import InMemorySessionStore
 from tests.conftest import MODEL
 from tests.support import GatewayProcess, metric_value
 from tests.words import words

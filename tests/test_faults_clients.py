@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 
-from gateway.emulator.replicas import EmulatedReplicas
 from loadtest import fault_clients
+from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
 from tests.support import GatewayProcess, wait_until
 from tests.words import words

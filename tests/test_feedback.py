@@ -8,19 +8,19 @@ import time
 import orjson
 import pytest
 
-from gateway.backends.pool import BackendPool
-from gateway.config import Settings
-from gateway.metrics import Metrics
-from gateway.prompt.parsing import Endpoint, parse_request
-from gateway.proxy.usage import Observation
-from gateway.routing.feedback import ChainLinks, ReportedDepth, chars_per_token, judge
-from gateway.routing.placement import Placement
-from gateway.routing.policies import build_policy
-from gateway.routing.recorder import Stores
-from gateway.routing.router import Router
-from gateway.routing.types import Outcome
-from gateway.state.index import InMemoryPrefixIndex
-from gateway.state.sessions import InMemorySessionStore
+from prefix_gateway.backends.pool import BackendPool
+from prefix_gateway.config import Settings
+from prefix_gateway.metrics import Metrics
+from prefix_gateway.prompt.parsing import Endpoint, parse_request
+from prefix_gateway.proxy.usage import Observation
+from prefix_gateway.routing.feedback import ChainLinks, ReportedDepth, chars_per_token, judge
+from prefix_gateway.routing.placement import Placement
+from prefix_gateway.routing.policies import build_policy
+from prefix_gateway.routing.recorder import Stores
+from prefix_gateway.routing.router import Router
+from prefix_gateway.routing.types import Outcome
+from prefix_gateway.state.index import InMemoryPrefixIndex
+from prefix_gateway.state.sessions import InMemorySessionStore
 from tests.words import words
 
 

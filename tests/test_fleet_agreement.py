@@ -20,12 +20,12 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.backends.pool import Backend, BackendPool
-from gateway.backends.shared_load import FleetLoad, own_counts
-from gateway.clock import ManualClock
-from gateway.config import Settings
-from gateway.emulator.replicas import EmulatedReplicas
-from gateway.routing.traffic import Traffic
+from prefix_gateway.backends.pool import Backend, BackendPool
+from prefix_gateway.backends.shared_load import FleetLoad, own_counts
+from prefix_gateway.clock import ManualClock
+from prefix_gateway.config import Settings
+from prefix_gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.routing.traffic import Traffic
 from tests.redis_server import PATIENT, RedisServer
 from tests.support import GatewayProcess
 from tests.words import words

@@ -186,7 +186,7 @@ def test_a_wait_past_the_queue_timeout_is_a_429_that_says_so(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("cap", ["-1"])
 def test_a_negative_cap_is_refused_at_start(cap: str) -> None:
-    from gateway.config import ConfigError, load_settings
+    from prefix_gateway.config import ConfigError, load_settings
 
     with pytest.raises(ConfigError, match="max_inflight_per_replica"):
         load_settings(

@@ -17,8 +17,8 @@ import openai
 import pytest
 import yaml
 
-from gateway.config import ConfigError, load_settings
-from gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.config import ConfigError, load_settings
+from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.fault_servers import FaultServer, Request
 from tests.support import GatewayProcess
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.prompt.hashing import chain_hashes, extend_hashes, key_hash
+from prefix_gateway.prompt.hashing import chain_hashes, extend_hashes, key_hash
 
 
 def test_only_full_blocks_are_hashed() -> None:

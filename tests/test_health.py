@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from gateway.backends.health import CONNECT, Health
-from gateway.backends.pool import Backend, BackendPool
+from prefix_gateway.backends.health import CONNECT, Health
+from prefix_gateway.backends.pool import Backend, BackendPool
 
 MODEL = "m"
 

@@ -18,7 +18,7 @@ import openai
 import orjson
 import pytest
 
-from gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
 from tests.support import GatewayProcess, read_to_close, wait_until
 

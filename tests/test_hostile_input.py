@@ -23,10 +23,10 @@ import openai
 import orjson
 import pytest
 
-from gateway.auth import AdminAccess, is_loopback
-from gateway.config import ConfigError, Settings
-from gateway.emulator.replicas import EmulatedReplicas
-from gateway.processes import free_port
+from prefix_gateway.auth import AdminAccess, is_loopback
+from prefix_gateway.config import ConfigError, Settings
+from prefix_gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.processes import free_port
 from tests.conftest import MODEL
 from tests.fault_servers import FaultServer
 from tests.support import GatewayProcess, metric_value, read_to_close

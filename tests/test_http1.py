@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 import orjson
 import pytest
 
-from gateway.emulator import EmulatorProcess
-from gateway.processes import free_port
-from gateway.proxy.http1 import ConnectionPool, HTTPClientError
+from prefix_gateway.emulator import EmulatorProcess
+from prefix_gateway.processes import free_port
+from prefix_gateway.proxy.http1 import ConnectionPool, HTTPClientError
 
 JSON = [(b"content-type", b"application/json")]
 

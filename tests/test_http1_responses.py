@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from gateway.proxy.http1 import ConnectionPool, HTTPClientError
+from prefix_gateway.proxy.http1 import ConnectionPool, HTTPClientError
 from tests.test_http1 import answer, read_request, serve
 
 

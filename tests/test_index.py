@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from gateway.clock import ManualClock
-from gateway.state.index import InMemoryPrefixIndex, PrefixIndex
-from gateway.state.sessions import InMemorySessionStore, SessionStore
+from prefix_gateway.clock import ManualClock
+from prefix_gateway.state.index import InMemoryPrefixIndex, PrefixIndex
+from prefix_gateway.state.sessions import InMemorySessionStore, SessionStore
 from tests.redis_server import (
     RedisClusterServers,
     RedisServer,

@@ -16,9 +16,9 @@ import pytest
 import zmq
 
 from engines.kv_events import load_sample
-from gateway.backends.kv_events import FeedState, KVEventFeeds, sources, subscribe_address
-from gateway.backends.pool import BackendPool
-from gateway.metrics import Metrics
+from prefix_gateway.backends.kv_events import FeedState, KVEventFeeds, sources, subscribe_address
+from prefix_gateway.backends.pool import BackendPool
+from prefix_gateway.metrics import Metrics
 
 SAMPLE = Path(__file__).parent / "data" / "vllm_kv_events.msgpack"
 

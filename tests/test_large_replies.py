@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.proxy.usage import StreamObserver, usage_in_tail
+from prefix_gateway.proxy.usage import StreamObserver, usage_in_tail
 from tests.conftest import MODEL
 from tests.fault_servers import read_request
 from tests.support import GatewayProcess, metric_value, wait_until

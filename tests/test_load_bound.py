@@ -12,8 +12,8 @@ from collections import Counter
 
 import httpx
 
-from gateway.emulator.replicas import EmulatedReplicas
-from gateway.routing.ring import load_bound
+from prefix_gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.routing.ring import load_bound
 from tests.conftest import MODEL
 from tests.support import GatewayProcess, eventually, wait_until
 from tests.words import words

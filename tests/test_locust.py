@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.support import GatewayProcess
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
 from tests.support import GatewayProcess
 from tests.words import words

@@ -20,8 +20,8 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.emulator.replicas import EmulatedReplicas
-from gateway.server import WORKER_HEADER
+from prefix_gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.server import WORKER_HEADER
 from tests.conftest import MODEL
 from tests.support import GatewayProcess, free_port, metric_value, read_to_close, wait_until
 from tests.test_prometheus import Prometheus, needs_prometheus
@@ -190,7 +190,7 @@ def test_a_metrics_port_already_taken_stops_the_start_and_frees_the_api_port(
     with socket.create_server(("127.0.0.1", 0)) as taken:
         metrics_port = taken.getsockname()[1]
         api_port = free_port()
-        command = [sys.executable, "-m", "gateway", "serve", "--backend", "http://127.0.0.1:1"]
+        command = [sys.executable, "-m", "prefix_gateway", "serve", "--backend", "http://127.0.0.1:1"]
         command += ["--port", str(api_port), "--metrics-port", str(metrics_port)]
         command += ["--workers", workers, "--log-level", "warning"]
         ended = subprocess.run(command, capture_output=True, text=True, timeout=120)

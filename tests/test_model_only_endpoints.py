@@ -17,9 +17,9 @@ import httpx
 import openai
 import pytest
 
-from gateway.emulator.replicas import EmulatedReplicas
-from gateway.emulator.tokenizer import encode
-from gateway.prompt.parsing import Endpoint
+from prefix_gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.emulator.tokenizer import encode
+from prefix_gateway.prompt.parsing import Endpoint
 from tests.conftest import MODEL
 from tests.support import GatewayProcess
 

@@ -17,9 +17,9 @@ import orjson
 import pytest
 from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 
-from gateway.emulator.replicas import EmulatedReplicas
-from gateway.proxy.rewrite import request_usage, with_cache_salt
-from gateway.proxy.usage import StreamObserver
+from prefix_gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.proxy.rewrite import request_usage, with_cache_salt
+from prefix_gateway.proxy.usage import StreamObserver
 from tests.conftest import MODEL
 from tests.fault_servers import FaultServer
 from tests.support import GatewayProcess, wait_until

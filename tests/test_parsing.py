@@ -3,9 +3,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from gateway.errors import BadRequest
-from gateway.prompt.canonical import message_segment
-from gateway.prompt.parsing import BodyLimits, Endpoint, parse_request, session_hash
+from prefix_gateway.errors import BadRequest
+from prefix_gateway.prompt.canonical import message_segment
+from prefix_gateway.prompt.parsing import BodyLimits, Endpoint, parse_request, session_hash
 
 
 def chat(**fields: object) -> bytes:

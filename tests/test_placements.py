@@ -3,9 +3,9 @@ the script prints one row per placement with hit rates that agree with the repla
 
 from __future__ import annotations
 
-from gateway.replay.synthetic import synthetic_trace
-from gateway.routing.policies import RoutingState
 from loadtest.placements import MODELLED_PEER, ModelledCacheAware, replay
+from prefix_gateway.replay.synthetic import synthetic_trace
+from prefix_gateway.routing.policies import RoutingState
 from tests.support import run_script
 
 

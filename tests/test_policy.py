@@ -11,14 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.backends.pool import Backend, BackendPool
-from gateway.clock import ManualClock
-from gateway.config import ConfigError, Settings
-from gateway.prompt.hashing import key_hash
-from gateway.routing.policies import POLICIES, Route, RoutingState, build_policy
-from gateway.routing.prefix_policy import Allowance, PrefixPolicy, eligible
-from gateway.routing.ring import HashRing, load_bound
-from gateway.routing.traffic import RecentTraffic, Traffic
+from prefix_gateway.backends.pool import Backend, BackendPool
+from prefix_gateway.clock import ManualClock
+from prefix_gateway.config import ConfigError, Settings
+from prefix_gateway.prompt.hashing import key_hash
+from prefix_gateway.routing.policies import POLICIES, Route, RoutingState, build_policy
+from prefix_gateway.routing.prefix_policy import Allowance, PrefixPolicy, eligible
+from prefix_gateway.routing.ring import HashRing, load_bound
+from prefix_gateway.routing.traffic import RecentTraffic, Traffic
 
 A, B, C, D = "a:1", "b:1", "c:1", "d:1"
 FOUR = (A, B, C, D)

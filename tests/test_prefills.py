@@ -20,7 +20,7 @@ import openai
 import orjson
 import pytest
 
-from gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
 from tests.fault_servers import FaultServer
 from tests.support import GatewayProcess, metric_value, stall, wait_until

@@ -1,12 +1,12 @@
-"""What the suite counts as an error a started process logged (`gateway/processes.py`)."""
+"""What the suite counts as an error a started process logged (`prefix_gateway/processes.py`)."""
 
 from __future__ import annotations
 
-from gateway.processes import is_error_record, log_records
+from prefix_gateway.processes import is_error_record, log_records
 
 LOG = """\
-2026-12-02 06:14:38,123 INFO gateway.server: serving
-2026-12-02 06:14:39,001 WARNING gateway.backends.health: 127.0.0.1:9 is down
+2026-12-02 06:14:38,123 INFO prefix_gateway.server: serving
+2026-12-02 06:14:39,001 WARNING prefix_gateway.backends.health: 127.0.0.1:9 is down
 ERROR:    Exception in ASGI application
 Traceback (most recent call last):
   File "x.py", line 1, in handler
@@ -23,8 +23,8 @@ INFO:     Shutting down
 def test_a_log_is_cut_into_records_each_with_its_traceback() -> None:
     records = log_records(LOG)
     assert [record.splitlines()[0] for record in records] == [
-        "2026-12-02 06:14:38,123 INFO gateway.server: serving",
-        "2026-12-02 06:14:39,001 WARNING gateway.backends.health: 127.0.0.1:9 is down",
+        "2026-12-02 06:14:38,123 INFO prefix_gateway.server: serving",
+        "2026-12-02 06:14:39,001 WARNING prefix_gateway.backends.health: 127.0.0.1:9 is down",
         "ERROR:    Exception in ASGI application",
         "2026-12-02 06:14:40,002 ERROR gateway.relay: the replica hung up",
         '{"request_id":"r1","status":502}',

@@ -17,7 +17,7 @@ import openai
 import pytest
 import yaml
 
-from gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
 from tests.support import GatewayProcess, free_port
 from tests.test_dashboards import ALERTS, DEPLOY, dashboard, runnable

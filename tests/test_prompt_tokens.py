@@ -13,19 +13,19 @@ import pytest
 from tokenizers import Tokenizer
 
 from engines.tiny_model import Shape, make_tokenizer
-from gateway.backends.pool import BackendPool
-from gateway.config import ConfigError, Settings
-from gateway.emulator.replicas import EmulatedReplicas
-from gateway.metrics import Metrics
-from gateway.prompt.parsing import Endpoint, parse_request
-from gateway.prompt.tokens import TOKEN_BYTES, EngineTokenizer, unpack
-from gateway.routing.placement import Placement
-from gateway.routing.policies import build_policy
-from gateway.routing.recorder import Stores
-from gateway.routing.router import Router
-from gateway.routing.types import Outcome
-from gateway.state.index import InMemoryPrefixIndex
-from gateway.state.sessions import InMemorySessionStore
+from prefix_gateway.backends.pool import BackendPool
+from prefix_gateway.config import ConfigError, Settings
+from prefix_gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.metrics import Metrics
+from prefix_gateway.prompt.parsing import Endpoint, parse_request
+from prefix_gateway.prompt.tokens import TOKEN_BYTES, EngineTokenizer, unpack
+from prefix_gateway.routing.placement import Placement
+from prefix_gateway.routing.policies import build_policy
+from prefix_gateway.routing.recorder import Stores
+from prefix_gateway.routing.router import Router
+from prefix_gateway.routing.types import Outcome
+from prefix_gateway.state.index import InMemoryPrefixIndex
+from prefix_gateway.state.sessions import InMemorySessionStore
 from tests.conftest import MODEL
 from tests.support import GatewayProcess
 

@@ -8,8 +8,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.emulator.replicas import EmulatedReplicas
-from gateway.processes import free_port
+from prefix_gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.processes import free_port
 from tests.conftest import MODEL
 from tests.support import GatewayProcess, metric_value, stall, wait_until
 from tests.words import words

@@ -15,12 +15,12 @@ from collections.abc import Iterator
 import pytest
 from redis.crc import key_slot
 
-from gateway.config.tenants import TenantSpec
-from gateway.metrics import Metrics
-from gateway.state.redis import KeySpace, RedisLink, open_client
-from gateway.state.redis.budgets import BudgetAmount, RedisBudgets
-from gateway.tenants.shared import SharedBudgets
-from gateway.tenants.tenant import Tenant, TenantRefused
+from prefix_gateway.config.tenants import TenantSpec
+from prefix_gateway.metrics import Metrics
+from prefix_gateway.state.redis import KeySpace, RedisLink, open_client
+from prefix_gateway.state.redis.budgets import BudgetAmount, RedisBudgets
+from prefix_gateway.tenants.shared import SharedBudgets
+from prefix_gateway.tenants.tenant import Tenant, TenantRefused
 from tests.redis_server import RedisServer
 from tests.support import eventually, metric_value
 

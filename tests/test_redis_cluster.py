@@ -13,9 +13,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from gateway.clock import ManualClock
-from gateway.emulator.replicas import EmulatedReplicas
-from gateway.state.redis import (
+from prefix_gateway.clock import ManualClock
+from prefix_gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.state.redis import (
     BudgetAmount,
     KeySpace,
     RedisAgreement,

@@ -16,16 +16,16 @@ import httpx
 import openai
 import pytest
 
-from gateway.backends.pool import Backend, BackendPool
-from gateway.config import Settings
-from gateway.emulator.replicas import EmulatedReplicas
-from gateway.metrics import Metrics
-from gateway.prompt.parsing import Endpoint, parse_request, session_hash
-from gateway.routing.policies import Route, build_policy
-from gateway.routing.recorder import Stores
-from gateway.routing.router import Router
-from gateway.state.index import InMemoryPrefixIndex
-from gateway.state.sessions import InMemorySessionStore
+from prefix_gateway.backends.pool import Backend, BackendPool
+from prefix_gateway.config import Settings
+from prefix_gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.metrics import Metrics
+from prefix_gateway.prompt.parsing import Endpoint, parse_request, session_hash
+from prefix_gateway.routing.policies import Route, build_policy
+from prefix_gateway.routing.recorder import Stores
+from prefix_gateway.routing.router import Router
+from prefix_gateway.state.index import InMemoryPrefixIndex
+from prefix_gateway.state.sessions import InMemorySessionStore
 from tests.conftest import MODEL
 from tests.redis_server import PATIENT, RedisServer
 from tests.support import GatewayProcess, eventually, metric_value, wait_until

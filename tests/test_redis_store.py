@@ -14,13 +14,13 @@ import httpx
 import pytest
 from redis.crc import key_slot
 
-from gateway.backends.engine_load import EngineLoadScraper
-from gateway.backends.pool import Backend, BackendPool
-from gateway.backends.shared_load import SharedLoad
-from gateway.clock import ManualClock
-from gateway.metrics import Metrics
-from gateway.state.index import InMemoryPrefixIndex
-from gateway.state.redis import (
+from prefix_gateway.backends.engine_load import EngineLoadScraper
+from prefix_gateway.backends.pool import Backend, BackendPool
+from prefix_gateway.backends.shared_load import SharedLoad
+from prefix_gateway.clock import ManualClock
+from prefix_gateway.metrics import Metrics
+from prefix_gateway.state.index import InMemoryPrefixIndex
+from prefix_gateway.state.redis import (
     FallbackPrefixIndex,
     FallbackSessionStore,
     KeySpace,
@@ -29,9 +29,9 @@ from gateway.state.redis import (
     RedisSessionStore,
     open_client,
 )
-from gateway.state.redis.index import pack_hashes
-from gateway.state.redis.keys import HASH_BYTES
-from gateway.state.sessions import InMemorySessionStore
+from prefix_gateway.state.redis.index import pack_hashes
+from prefix_gateway.state.redis.keys import HASH_BYTES
+from prefix_gateway.state.sessions import InMemorySessionStore
 from tests.redis_server import RedisServer
 from tests.support import eventually, free_port, metric_value
 

@@ -1,5 +1,5 @@
 """Every refusal the gateway gives, against a real gateway on a loopback port: its status, the
-OpenAI error body with its type and code, the headers `gateway/refusals.py` gives it, and the
+OpenAI error body with its type and code, the headers `prefix_gateway/refusals.py` gives it, and the
 rejection metric gone up by exactly the refusals answered, under that status and code and no
 other.
 
@@ -24,10 +24,10 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.emulator.replicas import EmulatedReplicas
-from gateway.errors import GatewayError
-from gateway.proxy.deadlines import Why, client_error
-from gateway.refusals import REFUSALS, headers_of, refused
+from prefix_gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.errors import GatewayError
+from prefix_gateway.proxy.deadlines import Why, client_error
+from prefix_gateway.refusals import REFUSALS, headers_of, refused
 from tests.conftest import MODEL
 from tests.fault_servers import FaultServer
 from tests.support import GatewayProcess, read_to_close, wait_until

@@ -11,9 +11,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from gateway.cli import build_parser
-from gateway.emulator.timing import TimeModel
-from gateway.replay import (
+from prefix_gateway.cli import build_parser
+from prefix_gateway.emulator.timing import TimeModel
+from prefix_gateway.replay import (
     ROUTERS,
     ReplayConfig,
     RunResult,
@@ -22,8 +22,8 @@ from gateway.replay import (
     summarise,
     synthetic_trace,
 )
-from gateway.replay.command import replay_table
-from gateway.replay.report import render_table
+from prefix_gateway.replay.command import replay_table
+from prefix_gateway.replay.report import render_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -157,7 +157,7 @@ def test_cli_prints_the_table(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "gateway",
+            "prefix_gateway",
             "replay",
             str(trace),
             "--replicas",
@@ -186,7 +186,7 @@ def test_cli_rejects_what_it_cannot_replay(tmp_path: Path) -> None:
         '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n{'
     )
     completed = subprocess.run(
-        [sys.executable, "-m", "gateway", "replay", str(broken)],
+        [sys.executable, "-m", "prefix_gateway", "replay", str(broken)],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -7,8 +7,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from gateway.emulator.timing import TimeModel
-from gateway.replay import ReplayConfig, read_mooncake, run_replay, summarise
+from prefix_gateway.emulator.timing import TimeModel
+from prefix_gateway.replay import ReplayConfig, read_mooncake, run_replay, summarise
 
 BLOCK = 64  # the gateway's minimum match (64 tokens) is then one block
 

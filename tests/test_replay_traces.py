@@ -8,10 +8,10 @@ from pathlib import Path
 import orjson
 import pytest
 
-from gateway.emulator.prefix_cache import block_hashes
-from gateway.emulator.prompts import chat_prompt_ids
-from gateway.replay import TraceError, chain_ids, read_mooncake, synthetic_trace
-from gateway.workloads import build_workload
+from prefix_gateway.emulator.prefix_cache import block_hashes
+from prefix_gateway.emulator.prompts import chat_prompt_ids
+from prefix_gateway.replay import TraceError, chain_ids, read_mooncake, synthetic_trace
+from prefix_gateway.workloads import build_workload
 
 
 def write(path: Path, *records: object) -> Path:

@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from gateway.emulator.process import EmulatorProcess
+from prefix_gateway.emulator.process import EmulatorProcess
 from tests.fault_servers import FaultServer
 from tests.support import GatewayProcess, metric_value
 

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
 from tests.support import GatewayProcess, wait_until
 

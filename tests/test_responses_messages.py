@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.prompt.responses_api import chat_messages
+from prefix_gateway.prompt.responses_api import chat_messages
 
 
 def test_instructions_and_a_string_input_are_a_system_and_a_user_message() -> None:

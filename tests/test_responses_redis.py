@@ -12,7 +12,7 @@ from typing import Any
 import openai
 import pytest
 
-from gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
 from tests.redis_server import PATIENT, RedisServer
 from tests.support import GatewayProcess, metric_value

@@ -6,7 +6,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.routing.ring import HashRing, load_bound, within_bound
+from prefix_gateway.routing.ring import HashRing, load_bound, within_bound
 
 NAMES = [f"10.0.0.{i}:8000" for i in range(1, 17)]
 

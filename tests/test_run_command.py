@@ -33,7 +33,7 @@ def alive(pid: int) -> bool:
 
 def start(port: int) -> subprocess.Popen[str]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--emulate", "2"],
+        [sys.executable, "-m", "prefix_gateway", "serve", "--port", str(port), "--emulate", "2"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -12,8 +12,8 @@ import threading
 
 import httpx
 
-from gateway.emulator.replicas import EmulatedReplicas
 from loadtest.slow_readers import blocked_reader
+from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.support import GatewayProcess, metric_value, wait_until
 
 MODEL = "emulated-model"

@@ -11,12 +11,12 @@ import httpx
 import orjson
 import pytest
 
-from gateway.backends.health import Health
-from gateway.backends.pool import BackendPool, Work
-from gateway.backends.prefill_speed import PrefillSpeed
-from gateway.backends.stalls import StallRule, StallWatch
-from gateway.emulator.replicas import EmulatedReplicas
-from gateway.metrics import Metrics
+from prefix_gateway.backends.health import Health
+from prefix_gateway.backends.pool import BackendPool, Work
+from prefix_gateway.backends.prefill_speed import PrefillSpeed
+from prefix_gateway.backends.stalls import StallRule, StallWatch
+from prefix_gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.metrics import Metrics
 from tests.support import GatewayProcess, metric_value
 
 MODEL = "emulated-model"

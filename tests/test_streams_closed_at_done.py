@@ -11,7 +11,7 @@ import threading
 import httpx
 import orjson
 
-from gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.support import GatewayProcess, metric_value, wait_until
 from tests.threaded_server import ThreadedServer
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
-from gateway.tenants.allowance import Allowance
-from gateway.tenants.budget import MinuteBudget, duration_text
+from prefix_gateway.tenants.allowance import Allowance
+from prefix_gateway.tenants.budget import MinuteBudget, duration_text
 
 
 def test_taken_whole_or_not_at_all_and_refilled_evenly() -> None:

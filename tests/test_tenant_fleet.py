@@ -22,7 +22,7 @@ import openai
 import pytest
 import yaml
 
-from gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.redis_server import PATIENT, RedisServer
 from tests.support import GatewayProcess, wait_until
 

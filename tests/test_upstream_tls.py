@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.components import Components
-from gateway.config import ConfigError, Settings
-from gateway.proxy.upstream import UpstreamError
+from prefix_gateway.components import Components
+from prefix_gateway.config import ConfigError, Settings
+from prefix_gateway.proxy.upstream import UpstreamError
 from tests.support import free_port
 from tests.test_discovery import self_signed_certificate
 from tests.test_http1 import answer, served

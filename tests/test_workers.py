@@ -18,9 +18,9 @@ import openai
 import pytest
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
-from gateway.config import ConfigError, load_settings
-from gateway.emulator.replicas import EmulatedReplicas
-from gateway.server import WORKER_HEADER
+from prefix_gateway.config import ConfigError, load_settings
+from prefix_gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.server import WORKER_HEADER
 from tests.conftest import MODEL
 from tests.support import GatewayProcess, metric_value, wait_until
 

@@ -1,6 +1,0 @@
-"""Settings, and reading them from flags, the environment and a YAML file."""
-
-from gateway.config.settings import ConfigError, Settings
-from gateway.config.sources import _env_name, add_arguments, load_settings
-
-__all__ = ["ConfigError", "Settings", "_env_name", "add_arguments", "load_settings"]

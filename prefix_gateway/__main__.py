@@ -1,0 +1,3 @@
+from prefix_gateway.cli import main
+
+main()

@@ -1,0 +1,98 @@
+"""Where settings come from, highest first: command-line flag, `GATEWAY_*` variable, YAML file,
+default."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import yaml
+
+from prefix_gateway.config.settings import ConfigError, Settings
+from prefix_gateway.config.tenants import parse_tenants
+
+
+def _env_name(f: dataclasses.Field[Any]) -> str:
+    return "GATEWAY_" + str(f.metadata.get("env", f.name.upper()))
+
+
+def _field_type(f: dataclasses.Field[Any]) -> Any:
+    hints = typing.get_type_hints(Settings)
+    return hints[f.name]
+
+
+def _coerce(f: dataclasses.Field[Any], raw: Any) -> Any:
+    kind = _field_type(f)
+    if typing.get_origin(kind) is tuple:
+        if isinstance(raw, str):
+            return tuple(part.strip() for part in raw.split(",") if part.strip())
+        if isinstance(raw, Sequence):
+            return tuple(str(part) for part in raw)
+        raise ConfigError(f"{f.name} must be a list")
+    if kind is bool:
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off", ""):
+            return False
+        raise ConfigError(f"{f.name} must be true or false, not {raw!r}")
+    try:
+        return kind(raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{f.name}: cannot read {raw!r} as {kind.__name__}") from exc
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML file of settings (keys as the flags, with _)")
+    for f in dataclasses.fields(Settings):
+        if f.metadata.get("file_only"):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{f.metadata['help']} (env {_env_name(f)}; default {f.default!r})"
+        kind = _field_type(f)
+        if typing.get_origin(kind) is tuple:
+            parser.add_argument(flag, action="append", default=None, help=help_text)
+        elif kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            parser.add_argument(flag, default=None, help=help_text)
+
+
+def load_settings(
+    args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
+) -> Settings:
+    environ = os.environ if environ is None else environ
+    given = vars(args) if args is not None else {}
+    from_file: dict[str, Any] = {}
+    config_path = given.get("config") or environ.get("GATEWAY_CONFIG")
+    if config_path:
+        with open(config_path, encoding="utf-8") as handle:
+            loaded = yaml.safe_load(handle) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{config_path}: expected a mapping of settings")
+        known = {f.name for f in dataclasses.fields(Settings)}
+        unknown = set(loaded) - known
+        if unknown:
+            raise ConfigError(f"{config_path}: unknown settings {sorted(unknown)}")
+        from_file = loaded
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(Settings):
+        if f.metadata.get("file_only"):
+            if f.name == "tenants":
+                values[f.name] = parse_tenants(from_file.get(f.name), environ)
+        elif given.get(f.name) is not None:
+            raw = given[f.name]
+            if isinstance(raw, list):
+                raw = [part for item in raw for part in str(item).split(",") if part]
+            values[f.name] = _coerce(f, raw)
+        elif _env_name(f) in environ:
+            values[f.name] = _coerce(f, environ[_env_name(f)])
+        elif f.name in from_file:
+            values[f.name] = _coerce(f, from_file[f.name])
+    return Settings(**values).validate()

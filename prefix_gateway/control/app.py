@@ -1,0 +1,79 @@
+"""The control plane on FastAPI: models, health, readiness and metrics. The inference
+endpoints take the lean path in `prefix_gateway.proxy.handler` instead.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from prefix_gateway.auth import AdminAccess
+from prefix_gateway.components import Components
+from prefix_gateway.control.access import admin_guard, error_response
+from prefix_gateway.control.backends import build_backends_router
+from prefix_gateway.control.bodies import BoundedBodies
+from prefix_gateway.control.explain import build_explain_router
+from prefix_gateway.control.gauges import publish_scrape_gauges
+from prefix_gateway.control.tenants import build_tenants_router
+from prefix_gateway.errors import BadRequest
+from prefix_gateway.refusals import of_status
+
+
+def build_control_app(components: Components) -> FastAPI:
+    # No /docs or /redoc: their pages load scripts from a CDN. Without slash redirects, whose
+    # Location would be built from the client's Host, a path with a trailing slash is a 404.
+    app = FastAPI(title="Prefix Gateway", docs_url=None, redoc_url=None, redirect_slashes=False)
+    settings = components.settings
+    app.add_middleware(
+        BoundedBodies,
+        max_body_bytes=settings.max_body_bytes,
+        max_pending_body_bytes=settings.max_pending_body_bytes,
+    )
+    guard = admin_guard(AdminAccess(settings.admin_token, settings.host))
+    app.include_router(build_explain_router(components, guard))
+    app.include_router(build_backends_router(components, guard))
+    app.include_router(build_tenants_router(components, guard))
+    pool = components.pool
+    metrics = components.metrics
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> Response:
+        given = (exc.headers or {}).items()
+        headers = tuple((name.encode("latin-1"), value.encode("latin-1")) for name, value in given)
+        return error_response(of_status(exc.status_code, str(exc.detail), headers))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
+        return error_response(BadRequest(str(exc.errors()), code="invalid_request"))
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        created = int(time.time())
+        data = [
+            {"id": model, "object": "model", "created": created, "owned_by": "prefix-gateway"}
+            for model in pool.served_models()
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        healthy = sum(1 for backend in pool.backends if backend.healthy)
+        return JSONResponse({"status": "ok", "backends": len(pool.backends), "healthy": healthy})
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        healthy = sum(1 for backend in pool.backends if backend.healthy)
+        status = 200 if healthy else 503
+        return JSONResponse({"ready": bool(healthy), "healthy": healthy}, status_code=status)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        publish_scrape_gauges(components)
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

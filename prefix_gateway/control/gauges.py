@@ -1,0 +1,29 @@
+"""Gauges read from one gateway process's live state, set just before a scrape renders (and,
+under several workers, published every second from `prefix_gateway.server`).
+"""
+
+from __future__ import annotations
+
+from prefix_gateway.components import Components
+
+
+def publish_scrape_gauges(components: Components) -> None:
+    metrics = components.metrics
+    backends = components.pool.backends
+    metrics.set_per_label(
+        metrics.in_flight, {backend.name: backend.in_flight for backend in backends}
+    )
+    serving = {backend.name: backend.healthy and not backend.draining for backend in backends}
+    metrics.set_per_label(metrics.healthy, {name: int(up) for name, up in serving.items()})
+    metrics.set_per_label(metrics.queued, {backend.name: backend.queued for backend in backends})
+    metrics.set_per_label(
+        metrics.stalled, {backend.name: int(backend.stalled) for backend in backends}
+    )
+    metrics.set_per_label(
+        metrics.pending_prefill, {backend.name: backend.pending_prefill for backend in backends}
+    )
+    metrics.set_per_label(metrics.load_bound, components.router.load_bounds())
+    metrics.conversations.set(len(components.router.memory.conversations))
+    size = getattr(components.index, "__len__", None)
+    if size is not None:
+        metrics.index_blocks.set(size())

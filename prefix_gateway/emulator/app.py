@@ -1,0 +1,340 @@
+"""The emulated replica's HTTP surface: a plain ASGI application with vLLM's OpenAI routes;
+a client that disconnects cancels its generation at once, releasing its slot and blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, MutableMapping, Sequence
+from typing import Any, TypeVar
+
+from prefix_gateway.emulator.bodies import (
+    DONE,
+    Envelope,
+    Usage,
+    detokenize_body,
+    embeddings_body,
+    models_body,
+    tokenize_body,
+)
+from prefix_gateway.emulator.config import EmulatorConfig
+from prefix_gateway.emulator.engine import Engine
+from prefix_gateway.emulator.errors import (
+    EmulatorError,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+)
+from prefix_gateway.emulator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from prefix_gateway.emulator.metrics import EngineMetrics
+from prefix_gateway.emulator.pooling import classify_body, cohere_embed_body, pooling_body
+from prefix_gateway.emulator.prefix_cache import PrefixCache
+from prefix_gateway.emulator.protocol import (
+    GenerationRequest,
+    parse_body,
+    parse_chat,
+    parse_completion,
+    parse_detokenize,
+    parse_embedding,
+    parse_tokenize,
+)
+from prefix_gateway.emulator.responses_api import ResponsesAPI
+from prefix_gateway.emulator.sampler import Sampler
+from prefix_gateway.emulator.scoring import rerank_body, score_body
+from prefix_gateway.emulator.timing import TimeModel
+from prefix_gateway.emulator.tokenizer import decode
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+Handler = Callable[[Receive, Send], Awaitable[None]]
+PoolingAnswer = Callable[[dict[str, Any], EmulatorConfig, str], bytes]
+"""A pooling endpoint's answer to a body, given the id it names itself with."""
+_T = TypeVar("_T")
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+_JSON = b"application/json"
+_STORED_RESPONSE = "/v1/responses/"
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+]
+_POOLING: dict[str, tuple[str, PoolingAnswer]] = {
+    # path: (its answers' id prefix, as vLLM's, and what answers it)
+    "/pooling": ("pooling", pooling_body),
+    "/classify": ("classify", classify_body),
+    "/v2/embed": ("embd", cohere_embed_body),
+    "/score": ("score", score_body),
+    "/v1/score": ("score", score_body),
+    "/rerank": ("score", rerank_body),
+    "/v1/rerank": ("score", rerank_body),
+    "/v2/rerank": ("score", rerank_body),
+}
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its request body arrived."""
+
+
+class EmulatorApp:
+    def __init__(self, config: EmulatorConfig) -> None:
+        self.config = config
+        self.metrics = EngineMetrics(config.model)
+        self.engine = Engine(
+            PrefixCache(config.cache_blocks, config.block_size),
+            TimeModel(config.prefill_seconds_per_token, config.decode_seconds_per_token),
+            Sampler(config.seed),
+            max_running=config.max_running,
+            observer=self.metrics,
+        )
+        self.metrics.watch(self.engine)
+        self._created = int(time.time())
+        self._serial = itertools.count()
+        self._id_prefix = os.urandom(4).hex()
+        self.responses = ResponsesAPI(self.engine, config)
+        self._routes: dict[str, tuple[str, Handler]] = {
+            "/v1/chat/completions": ("POST", self._chat),
+            "/v1/completions": ("POST", self._completions),
+            "/v1/embeddings": ("POST", self._embeddings),
+            "/v1/responses": ("POST", self._create_response),
+            "/tokenize": ("POST", self._tokenize),
+            "/detokenize": ("POST", self._detokenize),
+            "/v1/models": ("GET", self._models),
+            "/health": ("GET", self._health),
+            "/metrics": ("GET", self._metrics),
+            # Not vLLM's: lets tests and benchmarks hang the engine while /health still answers.
+            "/emulator/stall": ("POST", self._stall),
+        }
+        if config.pooling:
+            for path, (prefix, answer) in _POOLING.items():
+                self._routes[path] = ("POST", self._pooled(prefix, answer))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await self._http(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            path: str = scope["path"]
+            if path.startswith(_STORED_RESPONSE):
+                await self._stored_response(scope["method"], path, send)
+                return
+            route = self._routes.get(path)
+            if route is None:
+                raise NotFound(f"Not Found: {path}")
+            method, handler = route
+            if scope["method"] != method and not (method == "GET" and scope["method"] == "HEAD"):
+                raise MethodNotAllowed(f"Method Not Allowed: use {method}")
+            await handler(receive, send)
+        except EmulatorError as exc:
+            await _respond(send, exc.status, exc.body())
+        except _ClientGone:
+            return
+
+    async def _chat(self, receive: Receive, send: Send) -> None:
+        request = parse_chat(parse_body(await _read_body(receive)), self.config)
+        await _until_disconnect(receive, self._generate(request, send))
+
+    async def _completions(self, receive: Receive, send: Send) -> None:
+        request = parse_completion(parse_body(await _read_body(receive)), self.config)
+        await _until_disconnect(receive, self._generate(request, send))
+
+    async def _embeddings(self, receive: Receive, send: Send) -> None:
+        request = parse_embedding(parse_body(await _read_body(receive)), self.config)
+        body = embeddings_body(
+            self._new_id("embd"),
+            int(time.time()),
+            self.config.model,
+            request.inputs,
+            request.base64,
+        )
+        await _respond(send, 200, body)
+
+    async def _tokenize(self, receive: Receive, send: Send) -> None:
+        ids = parse_tokenize(parse_body(await _read_body(receive)), self.config)
+        await _respond(send, 200, tokenize_body(ids, self.config.max_model_len))
+
+    async def _detokenize(self, receive: Receive, send: Send) -> None:
+        ids = parse_detokenize(parse_body(await _read_body(receive)), self.config)
+        await _respond(send, 200, detokenize_body(decode(ids)))
+
+    def _pooled(self, prefix: str, answer: PoolingAnswer) -> Handler:
+        async def handler(receive: Receive, send: Send) -> None:
+            body = parse_body(await _read_body(receive))
+            await _respond(send, 200, answer(body, self.config, self._new_id(prefix)))
+
+        return handler
+
+    async def _create_response(self, receive: Receive, send: Send) -> None:
+        body = parse_body(await _read_body(receive))
+        await _until_disconnect(receive, self._answer_response(body, send))
+
+    async def _answer_response(self, body: dict[str, Any], send: Send) -> None:
+        created = await self.responses.create(body)
+        if isinstance(created, bytes):
+            await _respond(send, 200, created)
+        else:
+            await _send_events(send, created)
+
+    async def _stored_response(self, method: str, path: str, send: Send) -> None:
+        """`GET`/`DELETE /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`."""
+        response_id, _, action = path[len(_STORED_RESPONSE) :].partition("/")
+        if action == "cancel" and method == "POST":
+            body = self.responses.cancel(response_id)
+        elif action == "" and method in ("GET", "HEAD"):
+            body = self.responses.retrieve(response_id)
+        elif action == "" and method == "DELETE":
+            body = self.responses.delete(response_id)
+        elif action in ("", "cancel"):
+            raise MethodNotAllowed("Method Not Allowed")
+        else:
+            raise NotFound(f"Not Found: {path}")
+        await _respond(send, 200, body)
+
+    async def _models(self, receive: Receive, send: Send) -> None:
+        body = models_body(self.config.model, self._created, self.config.max_model_len)
+        await _respond(send, 200, body)
+
+    async def _health(self, receive: Receive, send: Send) -> None:
+        await _respond(send, 200, b"", b"text/plain; charset=utf-8")
+
+    async def _stall(self, receive: Receive, send: Send) -> None:
+        body = parse_body(await _read_body(receive))
+        self.engine.stall(bool(body.get("stalled", True)))
+        await _respond(
+            send, 200, b'{"stalled":%s}' % (b"true" if self.engine.stalled else b"false")
+        )
+
+    async def _metrics(self, receive: Receive, send: Send) -> None:
+        await _respond(send, 200, self.metrics.render(), METRICS_CONTENT_TYPE.encode())
+
+    async def _generate(self, request: GenerationRequest, send: Send) -> None:
+        prefix = "chatcmpl" if request.kind == "chat" else "cmpl"
+        envelope = Envelope(request.kind, self._new_id(prefix), int(time.time()), self.config.model)
+        if not request.stream:
+            salt = request.cache_salt
+            results = await _each(
+                [self._complete(prompt, limit, salt) for prompt, limit in _choices(request)]
+            )
+            usage = sum((usage for _, usage in results), Usage())
+            await _respond(send, 200, envelope.body([text for text, _ in results], usage))
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        usages = await _each(
+            [
+                self._stream(envelope, index, prompt, limit, request.cache_salt, send)
+                for index, (prompt, limit) in enumerate(_choices(request))
+            ]
+        )
+        tail = DONE
+        if request.include_usage:
+            tail = envelope.usage_chunk(sum(usages, Usage())) + DONE
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    async def _complete(
+        self, prompt: list[int], max_tokens: int, salt: str | None
+    ) -> tuple[str, Usage]:
+        async with self.engine.run(prompt, max_tokens, salt) as run:
+            text = await run.complete()
+            return text, Usage(run.prompt_tokens, run.produced, run.cached_tokens)
+
+    async def _stream(
+        self,
+        envelope: Envelope,
+        index: int,
+        prompt: list[int],
+        max_tokens: int,
+        salt: str | None,
+        send: Send,
+    ) -> Usage:
+        async with self.engine.run(prompt, max_tokens, salt) as run:
+            last = run.max_tokens - 1
+            position = 0
+            async for token in run.stream():
+                chunk = envelope.chunk(index, token, first=position == 0, last=position == last)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                position += 1
+            return Usage(run.prompt_tokens, run.produced, run.cached_tokens)
+
+    def _new_id(self, prefix: str) -> str:
+        return f"{prefix}-{self._id_prefix}{next(self._serial):08x}"
+
+
+def build_app(config: EmulatorConfig) -> EmulatorApp:
+    return EmulatorApp(config)
+
+
+def _choices(request: GenerationRequest) -> list[tuple[list[int], int]]:
+    return list(zip(request.prompts, request.max_tokens, strict=True))
+
+
+async def _each(coroutines: Sequence[Coroutine[Any, Any, _T]]) -> list[_T]:
+    """Run one coroutine inline, several concurrently (a completions batch)."""
+    if len(coroutines) == 1:
+        return [await coroutines[0]]
+    return list(await asyncio.gather(*coroutines))
+
+
+async def _until_disconnect(receive: Receive, work: Coroutine[Any, Any, None]) -> None:
+    """Run `work`, cancelling it as soon as the client disconnects."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,))
+    if not task.cancelled():
+        task.result()
+
+
+async def _send_events(send: Send, events: AsyncIterator[bytes]) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+    async for event in events:
+        await send({"type": "http.response.body", "body": event, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise PayloadTooLarge(f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _respond(send: Send, status: int, body: bytes, content_type: bytes = _JSON) -> None:
+    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -1,0 +1,127 @@
+"""The access log: one JSON line per request on the logger `prefix_gateway.access`, with what an
+operator needs to follow a request (docs/observability.md) and never the prompt. The line is
+built only when the logger is enabled for INFO.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any, BinaryIO, TextIO
+
+import orjson
+
+from prefix_gateway.config import Settings
+from prefix_gateway.errors import GatewayError
+from prefix_gateway.routing.placement import Placement
+from prefix_gateway.routing.types import Outcome
+
+LOGGER = "prefix_gateway.access"
+
+
+class JsonLinesHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The default handler: each message a line on a stream. With a binary buffer (stdout),
+    `AccessLog` writes lines straight into it, with no record and no flush per line;
+    `flush_access_log` empties it on the server's tick and at exit."""
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__(stream)
+        self.setFormatter(logging.Formatter("%(message)s"))
+        self.binary: BinaryIO | None = getattr(stream, "buffer", None)
+
+    def write_line(self, line: bytes) -> None:
+        assert self.binary is not None
+        self.acquire()
+        try:
+            self.binary.write(line + b"\n")
+        finally:
+            self.release()
+
+    def flush(self) -> None:
+        self.acquire()
+        try:
+            if self.binary is not None:
+                self.binary.flush()
+        finally:
+            self.release()
+        super().flush()
+
+
+def configure_access_logger(stream: TextIO | None = None) -> None:
+    """Plain JSON lines on stdout, whatever the root format, unless already configured."""
+    logger = logging.getLogger(LOGGER)
+    if logger.handlers:
+        return
+    logger.addHandler(JsonLinesHandler(stream or sys.stdout))
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+def flush_access_log() -> None:
+    for handler in logging.getLogger(LOGGER).handlers:
+        handler.flush()
+
+
+class AccessLog:
+    def __init__(self, settings: Settings) -> None:
+        self._logger = logging.getLogger(LOGGER)
+        self._enabled = settings.access_log
+        self._block_tokens = settings.block_tokens
+        self._chars_per_token = settings.chars_per_token
+
+    def answered(
+        self, placement: Placement, outcome: Outcome, request_id: str, began: float
+    ) -> None:
+        if not (self._enabled and self._logger.isEnabledFor(logging.INFO)):
+            return
+        request = placement.request
+        decision = outcome.decision
+        first_byte = outcome.first_byte_at
+        self._write(
+            {
+                "ts": round(time.time(), 3),
+                "request_id": request_id,
+                "endpoint": request.endpoint.value,
+                "model": request.model,
+                "backend": decision.backend,
+                "route": decision.route.value,
+                "status": outcome.status,
+                "stream": request.stream,
+                "attempts": len(outcome.tried),
+                "prompt_tokens_estimated": round(request.estimated_tokens(self._chars_per_token)),
+                "matched_tokens_estimated": decision.matched_blocks * self._block_tokens,
+                "prompt_tokens": outcome.prompt_tokens,
+                "cached_tokens": outcome.cached_tokens,
+                "affinity": placement.affinity(decision.backend),
+                "cache_break": placement.cache_break,
+                "ttft_s": round(first_byte - began, 6) if first_byte else None,
+                "duration_s": round(time.perf_counter() - began, 6),
+            }
+        )
+
+    def rejected(self, request_id: str, path: str, error: GatewayError) -> None:
+        if not (self._enabled and self._logger.isEnabledFor(logging.INFO)):
+            return
+        self._write(
+            {
+                "ts": round(time.time(), 3),
+                "request_id": request_id,
+                "endpoint": path,
+                "status": error.status,
+                "error": error.code,
+            }
+        )
+
+    def _write(self, line: dict[str, Any]) -> None:
+        logger = self._logger
+        handlers = logger.handlers
+        if len(handlers) == 1 and not logger.filters:
+            handler = handlers[0]
+            if isinstance(handler, JsonLinesHandler) and handler.binary is not None:
+                handler.write_line(orjson.dumps(line))
+                return
+        # A record made directly skips the logger's costly look-up of its caller's frame: the
+        # line's origin is always here.
+        message = orjson.dumps(line).decode()
+        logger.handle(logger.makeRecord(LOGGER, logging.INFO, __file__, 0, message, (), None))

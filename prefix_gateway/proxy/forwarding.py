@@ -1,0 +1,35 @@
+"""One request on its way to the replicas: what the handler hands the forwarder, and what the
+forwarder and the relay share of it. Its placement is the only routing object on the way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prefix_gateway.proxy.deadlines import Exchange
+from prefix_gateway.proxy.reply import Headers, Reply
+from prefix_gateway.routing.placement import Placement
+from prefix_gateway.routing.types import Decision
+
+GatewayHeaders = Callable[[Decision], Headers]
+"""The gateway's own response headers for the attempt that answers."""
+
+
+@dataclass(slots=True, eq=False)
+class Forwarding:
+    placement: Placement
+    body: bytes
+    """What the replica is sent, byte for byte."""
+    headers: Headers
+    """The request headers as a replica gets them."""
+    exchange: Exchange
+    reply: Reply
+    gateway_headers: GatewayHeaders
+    method: bytes
+    path: str
+    """The replica's path, with the query of a stored response's request."""
+    strip_usage: bool = False
+    """The stream's usage was asked for by the gateway, not the client: it is held back."""
+    tenant_priority: int = 0
+    """The priority of the request's tenant (higher is served first; anonymous: 0)."""

@@ -1,0 +1,234 @@
+"""The router: decides where a request goes (`route`), and hands back the `Placement` that
+the proxy holds from then on. What routing remembers is written by the `Recorder`; what it
+counts, by the `RoutingObserver`; the policy only chooses. No HTTP here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from prefix_gateway.backends.pool import Backend, BackendPool, ModelPool
+from prefix_gateway.clock import Clock, monotonic
+from prefix_gateway.config import Settings
+from prefix_gateway.errors import NotFound
+from prefix_gateway.metrics import Metrics
+from prefix_gateway.prompt.hashing import chain_hashes, chain_seed, key_hash
+from prefix_gateway.prompt.parsing import Endpoint, RoutingInput
+from prefix_gateway.prompt.tokens import EngineTokenizer
+from prefix_gateway.refusals import refused
+from prefix_gateway.routing.baselines import LeastLoadedInTurnPolicy
+from prefix_gateway.routing.conversations import Turn, fingerprint
+from prefix_gateway.routing.observer import RoutingObserver
+from prefix_gateway.routing.placement import CONVERSATIONS, Placement
+from prefix_gateway.routing.recorder import Recorder, Stores
+from prefix_gateway.routing.ring import load_bound
+from prefix_gateway.routing.stored_responses import not_found
+from prefix_gateway.routing.traffic import cold_prompt
+from prefix_gateway.routing.types import Decision, Policy, Route, RoutingState
+from prefix_gateway.state.agreement import FleetView
+
+
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    """What `Router.explain` found: the placement, what the policy was shown, the conversation."""
+
+    placement: Placement
+    turn: Turn
+
+
+class Router:
+    def __init__(
+        self,
+        settings: Settings,
+        pool: BackendPool,
+        stores: Stores,
+        policy: Policy,
+        metrics: Metrics,
+        tokenizer: EngineTokenizer | None = None,
+        clock: Clock = monotonic,
+    ) -> None:
+        """`tokenizer`: the engine's (`--tokenizer`), which request parsing uses too."""
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.policy = policy
+        self.memory = Recorder(settings, pool, stores, metrics, tokenizer, clock)
+        self._observer = RoutingObserver(metrics, settings)
+        self._by_model = LeastLoadedInTurnPolicy()
+        self._settings = settings
+        self._block_chars = settings.block_chars
+        self._block_tokens = settings.block_tokens
+        self._max_blocks = settings.max_prompt_blocks
+        self._affinity_chars = round(settings.affinity_tokens * settings.chars_per_token)
+        self._routed = 0
+
+    async def route(
+        self, request: RoutingInput, room: Callable[[Backend], bool] | None = None
+    ) -> Placement:
+        """Decide where `request` goes, record it there, and hand back its placement; with
+        `room`, among the backends it admits (flow control: those with a free slot)."""
+        began = time.perf_counter()
+        named = request.response_id or request.previous_response_id
+        if named is not None:
+            param = "response_id" if request.response_id is not None else "previous_response_id"
+            placement = await self._to_holder(request, named, param)
+        else:
+            placement = await self.decide(request, count=True, room=room)
+            self._routed += 1
+        await placement.commit(self.memory, self._observer, time.perf_counter() - began)
+        return placement
+
+    async def _to_holder(self, request: RoutingInput, response_id: str, param: str) -> Placement:
+        """`request` (naming a stored response in `param`) to the replica holding
+        `response_id`, whatever its load: a 404 when no gateway saw it produced for this
+        tenant (no replica is tried: one might hold another tenant's), or its replica is gone.
+        The prompt it computes starts with the stored conversation, which the gateway never
+        saw whole: nothing of it is indexed."""
+        holder = await self.memory.responses.holder(response_id, request.tenant, param)
+        if holder is None:
+            raise not_found(response_id, param)
+        serving = ModelPool([holder])
+        state = RoutingState(candidates=serving.names, loads=serving.loads)
+        decision = Decision(holder.name, Route.PREVIOUS_RESPONSE)
+        return Placement(request, [], decision, serving, state, self.policy, pinned=True)
+
+    async def decide(
+        self,
+        request: RoutingInput,
+        count: bool = False,
+        room: Callable[[Backend], bool] | None = None,
+    ) -> Placement:
+        """The policy's placement for `request` now, not recorded. With `count` (`route`),
+        the request is counted in its shared prompt's recent traffic, here and, in the same
+        round trip as the look-ups, in the fleet's: the share the policy weighs includes it."""
+        memory = self.memory
+        serving = self.serving(request.model)
+        if room is not None:
+            serving = serving.having(room)
+        if not request.endpoint.by_prefix:
+            state = RoutingState(
+                candidates=serving.names, loads=serving.loads, sequence=self._routed
+            )
+            decision = self._by_model.choose(state)
+            return Placement(request, [], decision, serving, state, self._by_model)
+        hashed, block = request.hashed(self._block_chars, self._block_tokens)
+        chain = chain_hashes(hashed, block, chain_seed(request.cache_salt), limit=self._max_blocks)
+        private_from = request.distinct_from // self._block_chars
+        if request.tokens is not None and request.canonical:
+            # Where the first user message begins, in tokens, at the prompt's own ratio.
+            share = request.distinct_from / len(request.canonical)
+            private_from = int(share * len(hashed)) // block
+        affinity_key = self._affinity_key(request)
+        traffic = memory.traffic
+        prompt_key = traffic.shared_prompt(chain, private_from)
+        claim_key = prompt_key if memory.claims else None
+        fleet_prompt = prompt_key if memory.count_prompts else None
+        agreement = memory.agreement
+        if prompt_key is None or request.endpoint is Endpoint.EMBEDDINGS:
+            agreement = None
+        sticky: str | None = None
+        fleet: FleetView | None = None
+        index = memory.index
+        if request.session_key is None and agreement is None:
+            matched = await index.match(request.model, chain)
+        else:
+            key = request.session_key
+            session = memory.sessions.get(key) if key is not None else _nothing()
+            consulted: Awaitable[FleetView | None] = (
+                agreement.consult(request.model, chain[0], prompt_key, fleet_prompt, count)
+                if agreement is not None and prompt_key is not None
+                else _nothing()
+            )
+            # At once: with Redis they are round trips that need not wait in turn.
+            matched, sticky, fleet = await asyncio.gather(
+                index.match(request.model, chain), session, consulted
+            )
+        share = traffic.prompt_share(
+            chain, private_from, count, fleet.prompt_count if fleet is not None else None
+        )
+        claimed = fleet.claimed if fleet is not None and memory.claims else None
+        end = min(private_from, len(chain))
+        if (
+            claimed
+            and matched.get(claimed, 0) < end
+            and cold_prompt(share, len(serving.names), self._settings.load_factor)
+        ):
+            # Its claimant computes the shared prompt: as if indexed there (a hot one spreads).
+            matched = {**matched, claimed: end}
+        recent = traffic.recent
+        state = RoutingState(
+            candidates=serving.names,
+            loads=serving.loads,
+            hashes=chain,
+            matched=matched,
+            affinity_key=affinity_key,
+            private_from=private_from,
+            first_turn=request.first_turn,
+            sticky=sticky,
+            keyed=request.session_key is not None,
+            recent=recent.view,
+            members=serving.members,
+            total_load=serving.total_load,
+            recent_total=recent.sum_over(serving.members),
+            shared_share=share,
+            sequence=self._routed,
+            pending_prefill=serving.pending_prefill,
+        )
+        decision = self.policy.choose(state)
+        return Placement(
+            request,
+            chain,
+            decision,
+            serving,
+            state,
+            self.policy,
+            sticky=sticky,
+            fleet=fleet,
+            claim_key=claim_key if memory.claims else None,
+        )
+
+    async def explain(self, request: RoutingInput) -> Explanation:
+        """The placement `route` would make for `request` now, recording nothing."""
+        previous = request.previous_response_id
+        if previous is not None:
+            placement = await self._to_holder(request, previous, "previous_response_id")
+        else:
+            placement = await self.decide(request)
+        prompt = fingerprint(request.canonical) if request.endpoint in CONVERSATIONS else None
+        return Explanation(placement, self.memory.conversations.peek(request.session_key, prompt))
+
+    def load_bounds(self) -> dict[str, int]:
+        """The bound a new request meets at each serving backend now (largest over its models)."""
+        settings = self._settings
+        bounds: dict[str, int] = {}
+        for model in self.pool.served_models():
+            serving = self.serving(model)
+            bound = load_bound(
+                serving.total_load, len(serving.names), settings.load_factor, settings.load_floor
+            )
+            for item in serving.backends:
+                bounds[item.name] = max(bound, bounds.get(item.name, 0))
+        return bounds
+
+    def serving(self, model: str) -> ModelPool:
+        serving = self.pool.serving(model)
+        if serving is None:
+            if not self.pool.knows_model(model):
+                raise NotFound(
+                    f"The model `{model}` does not exist.", param="model", code="model_not_found"
+                )
+            raise refused("no_healthy_backend", model)
+        return serving
+
+    def _affinity_key(self, request: RoutingInput) -> int:
+        if request.session_key is not None:
+            return key_hash(request.session_key)
+        start = request.distinct_from
+        key = key_hash(request.canonical[start : start + self._affinity_chars])
+        return key if request.tenant is None else key ^ key_hash(request.tenant)
+
+
+async def _nothing() -> None:
+    return None
