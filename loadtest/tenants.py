@@ -7,7 +7,8 @@ Prints two tables:
    pause between); tenant A keeps `--flood` requests in flight (long answers of 64–256
    tokens). B's time to first token (p50, p99) alone, beside A with the gateway's first come,
    first served path (no flow control: the engines' FIFO queues), and beside A under flow
-   control (fair queueing, N = the engines' slots);
+   control (fair queueing, N = the engines' slots). B's client is a process of its own, as a
+   second tenant's client is: reading A's streams does not delay the reading of B's;
 2. two priority classes under saturation: tenants of priority 1 and 0 each keep `--flood` / 2
    requests in flight under flow control; the median and p90 of their time to first token,
    most of which is their wait for a slot.
@@ -20,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import random
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -96,15 +99,22 @@ async def flood(
     return found
 
 
-async def steady(session: aiohttp.ClientSession, url: str, key: str, until: float) -> list[float]:
-    """One short request at a time, with a pause between."""
+async def steady(url: str, key: str, seconds: float) -> list[float]:
+    """One short request at a time, with a pause between, for `seconds`."""
     found: list[float] = []
     turn = 0
-    while time.monotonic() < until:
-        found.append(await first_token(session, url, key, f"quick question {turn}?", 16))
-        turn += 1
-        await asyncio.sleep(0.2)
+    until = time.monotonic() + seconds
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        while time.monotonic() < until:
+            found.append(await first_token(session, url, key, f"quick question {turn}?", 16))
+            turn += 1
+            await asyncio.sleep(0.2)
     return found
+
+
+def steady_client(url: str, key: str, seconds: float) -> list[float]:
+    """`steady` in the process it is called in (B's own client process)."""
+    return asyncio.run(steady(url, key, seconds))
 
 
 def quantiles(values: list[float]) -> tuple[float, float, float]:
@@ -114,14 +124,17 @@ def quantiles(values: list[float]) -> tuple[float, float, float]:
 
 
 async def neighbour_run(url: str, seconds: float, width: int) -> list[float]:
-    connector = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=900)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        until = time.monotonic() + seconds
-        quiet = asyncio.create_task(steady(session, url, "b-key", until))
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=spawn) as client:
+        quiet = asyncio.get_running_loop().run_in_executor(
+            client, steady_client, url, "b-key", seconds
+        )
         if width:
-            await asyncio.sleep(2)  # the flood fills the replicas first
-            await flood(session, url, "a-key", width, until, 1)
+            connector = aiohttp.TCPConnector(limit=0)
+            timeout = aiohttp.ClientTimeout(total=900)
+            async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+                await asyncio.sleep(2)  # the flood fills the replicas first
+                await flood(session, url, "a-key", width, time.monotonic() + seconds, 1)
         return await quiet
 
 
