@@ -96,6 +96,8 @@ def test_the_api_port_answers_404_for_metrics_and_serves_the_rest(
     for path in ("/health", "/ready", "/v1/models", "/admin/backends"):
         assert httpx.get(gateway.url + path, timeout=5).status_code == 200, path
     chat(gateway, "still served")
+    described = httpx.get(gateway.url + "/openapi.json", timeout=5).json()["paths"]
+    assert "/metrics" not in described and "/v1/chat/completions" in described
 
 
 def test_the_metrics_port_serves_nothing_but_metrics(
@@ -181,6 +183,7 @@ def test_without_the_flag_metrics_stay_on_the_api_port(replicas: EmulatedReplica
         scrape = httpx.get(plain.url + "/metrics", timeout=5)
         assert scrape.status_code == 200
         assert metric_value(scrape.text, "gateway_requests_total", status="200") == 1
+        assert "/metrics" in httpx.get(plain.url + "/openapi.json", timeout=5).json()["paths"]
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])

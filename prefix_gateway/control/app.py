@@ -71,7 +71,8 @@ def build_control_app(components: Components) -> FastAPI:
         status = 200 if healthy else 503
         return JSONResponse({"ready": bool(healthy), "healthy": healthy}, status_code=status)
 
-    @app.get("/metrics")
+    # With a metrics port of its own, the API port answers 404 for it: not in its schema either.
+    @app.get("/metrics", include_in_schema=not settings.metrics_port)
     async def prometheus() -> Response:
         publish_scrape_gauges(components)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
