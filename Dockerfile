@@ -11,7 +11,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
 RUN python -m venv /opt/prefix-gateway
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY prefix_gateway ./prefix_gateway
 # Runtime dependencies only: the `test` extra stays out of the image.
 RUN /opt/prefix-gateway/bin/pip install --no-cache-dir .

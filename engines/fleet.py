@@ -4,8 +4,9 @@
 
 installs vLLM's CPU build if needed (engines.venv), makes the tiny model if needed
 (engines.tiny_model), starts the replicas pinned to different cores, then
-`python -m prefix_gateway serve --port 8080 --backend URL1 --backend URL2` from the checkout's
-.venv, prints where to send requests, and stops everything on Ctrl-C or SIGTERM.
+`python -m prefix_gateway serve --port 8080 --backend URL1 --backend URL2` (with the model's
+tokenizer and the engines' block size) from the checkout's .venv, prints where to send requests,
+and stops everything on Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -136,7 +137,25 @@ def _stop(process: subprocess.Popen[bytes], seconds: float = 10.0) -> None:
             process.wait()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def gateway_flags(options: argparse.Namespace, urls: Sequence[str], model: Path) -> list[str]:
+    """`serve`'s flags in front of the replicas at `urls`: routing on the engines' own tokens
+    and blocks (the model's tokenizer and chat template, their block size), then the flags
+    given after `--`, which may override any of these."""
+    return [
+        "--host",
+        options.host,
+        "--port",
+        str(options.port),
+        *(part for url in urls for part in ("--backend", url)),
+        "--tokenizer",
+        str(model),
+        "--engine-block-size",
+        str(options.block_size),
+        *options.gateway_args,
+    ]
+
+
+def parse_options(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="real vLLM replicas behind the gateway")
     parser.add_argument("--host", default="127.0.0.1", help="the gateway's address")
     parser.add_argument("--port", type=int, default=8080, help="the gateway's port")
@@ -145,7 +164,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kv-cache-mib", type=int, default=16)
     parser.add_argument("--model-name", default=MODEL_NAME, help="--served-model-name")
     parser.add_argument("gateway_args", nargs="*", help="more `gateway serve` flags, after --")
-    options = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    options = parse_options(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
 
     venv = VLLMVenv().ensure()
@@ -174,12 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "-m",
                 "prefix_gateway",
                 "serve",
-                "--host",
-                options.host,
-                "--port",
-                str(options.port),
-                *(part for url in fleet.urls for part in ("--backend", url)),
-                *options.gateway_args,
+                *gateway_flags(options, fleet.urls, model),
             ]
             gateway = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.DEVNULL)
             url = f"http://{options.host}:{options.port}"

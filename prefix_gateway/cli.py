@@ -1,18 +1,29 @@
-"""The `prefix-gateway` command: serve, emulate, replay."""
+"""The `prefix-gateway` command: serve, config, emulate, replay."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import logging
+import os
 import shlex
 import signal
 import sys
 from collections.abc import Sequence
 
+from prefix_gateway import __version__
 from prefix_gateway import config as gateway_config
+from prefix_gateway.config.effective import as_yaml, effective
+
+
+def _warn_unknown_variables() -> None:
+    for warning in gateway_config.unknown_variables(os.environ):
+        print(f"prefix-gateway: warning: {warning}", file=sys.stderr, flush=True)
 
 
 def _serve(args: argparse.Namespace) -> int:
+    _warn_unknown_variables()
     try:
         settings = gateway_config.load_settings(args)
     except (gateway_config.ConfigError, OSError) as exc:
@@ -36,6 +47,9 @@ def _serve(args: argparse.Namespace) -> int:
     from prefix_gateway.server import configure_logging
 
     configure_logging(settings.log_level)
+    logging.getLogger("prefix_gateway.config").info(
+        "effective configuration: %s", json.dumps(effective(settings))
+    )
     from prefix_gateway.emulator.replicas import EmulatedReplicas
 
     fleet = None
@@ -82,6 +96,21 @@ def _stopped(number: int, frame: object) -> None:
     raise _Stopped(number)
 
 
+def _config(args: argparse.Namespace) -> int:
+    """Print the settings `serve` would run with, given the same flags, secrets redacted."""
+    _warn_unknown_variables()
+    try:
+        settings = gateway_config.load_settings(args)
+        from prefix_gateway.routing.policies import build_policy
+
+        build_policy(settings)
+    except (gateway_config.ConfigError, OSError) as exc:
+        print(f"prefix-gateway: {exc}", file=sys.stderr)
+        return 2
+    print(as_yaml(settings), end="")
+    return 0
+
+
 def _emulate(args: argparse.Namespace) -> int:
     from prefix_gateway.emulator import config_from_args, serve
 
@@ -95,6 +124,13 @@ def _replay(args: argparse.Namespace) -> int:
     return replay_main(args)
 
 
+_SETTINGS_USAGE = "prefix-gateway {} [--config FILE] [--SETTING VALUE ...]"
+_SETTINGS = (
+    "Every flag is also a GATEWAY_* variable and a key of the --config file; flags win over"
+    " variables, variables over the file. All of them, by section: docs/configuration.md."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from prefix_gateway.emulator import add_arguments as add_emulator_arguments
     from prefix_gateway.replay.command import add_arguments as add_replay_arguments
@@ -102,10 +138,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="prefix-gateway", description="Prefix-aware load-balancing gateway for LLM inference"
     )
+    parser.add_argument("--version", action="version", version=f"prefix-gateway {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="run the gateway")
+    serve = commands.add_parser(
+        "serve", help="run the gateway", usage=_SETTINGS_USAGE.format("serve"), epilog=_SETTINGS
+    )
     gateway_config.add_arguments(serve)
     serve.set_defaults(handler=_serve)
+    config = commands.add_parser(
+        "config",
+        help="print the effective configuration (YAML, secrets redacted) that serve's flags give",
+        usage=_SETTINGS_USAGE.format("config"),
+        epilog=_SETTINGS,
+    )
+    gateway_config.add_arguments(config)
+    config.set_defaults(handler=_config)
     emulate = commands.add_parser("emulate", help="run one emulated vLLM-like replica")
     add_emulator_arguments(emulate)
     emulate.set_defaults(handler=_emulate)

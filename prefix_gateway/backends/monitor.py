@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from contextlib import suppress
 
 import httpx
 
 from prefix_gateway.backends.pool import Backend, BackendPool
+
+log = logging.getLogger("prefix_gateway.backends.monitor")
+
+
+def _reason(error: Exception) -> str:
+    """What went wrong, in words an operator can act on: the exception's own message, which
+    httpx leaves empty on some timeouts, after its class."""
+    if isinstance(error, httpx.HTTPStatusError):
+        return f"answered {error.response.status_code}"
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 class BackendMonitor:
@@ -41,19 +53,25 @@ class BackendMonitor:
         if backend.stalled and self._on_inference_probe is not None:
             self._on_inference_probe(backend, await self._infers(backend))
             return
+        path = "/health"
         try:
-            response = await self._client.get(backend.url + "/health")
-            healthy = response.status_code == 200
-            if healthy and with_models and backend.pinned_model is None:
-                listing = await self._client.get(backend.url + "/v1/models")
+            response = await self._client.get(backend.url + path)
+            error = "" if response.status_code == 200 else f"answered {response.status_code}"
+            if not error and with_models and backend.pinned_model is None:
+                path = "/v1/models"
+                listing = await self._client.get(backend.url + path)
                 listing.raise_for_status()
                 models = frozenset(
                     str(item["id"]) for item in listing.json().get("data", []) if "id" in item
                 )
                 self._pool.models_listed(backend, models)
-        except (httpx.HTTPError, httpx.InvalidURL, ValueError, KeyError, TypeError):
-            healthy = False
-        self._on_probe(backend, healthy)
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError, KeyError, TypeError) as exc:
+            error = _reason(exc)
+        if error:
+            error = f"GET {path}: {error}"
+        if backend.probe_answered(error):
+            log.warning("backend %s failed its health probe: %s", backend.name, error)
+        self._on_probe(backend, not error)
 
     async def _infers(self, backend: Backend) -> bool:
         """Whether the backend completes one token of a tiny prompt in time."""

@@ -12,10 +12,10 @@ from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Protocol
-from urllib.parse import urlsplit
 
 from prefix_gateway.backends.load_views import LoadView, PendingPrefillView
 from prefix_gateway.config import ConfigError
+from prefix_gateway.config.backend_specs import read_backend_spec
 
 log = logging.getLogger("prefix_gateway.backends.pool")
 
@@ -80,6 +80,10 @@ class Backend:
     """It answers probes but produced nothing while requests waited on it: out of routing until
     an inference probe passes."""
     ejected_why: str = ""
+    last_probe_error: str = ""
+    """Why its last failed health probe failed; kept once it passes again."""
+    probe_failing: bool = False
+    """Its last health probe failed."""
     _in_flight: int = field(default=0, repr=False)
     _queued: int = field(default=0, repr=False)
 
@@ -156,6 +160,15 @@ class Backend:
         """One more failed probe; the failures in a row."""
         self.probe_streak = min(self.probe_streak, 0) - 1
         return -self.probe_streak
+
+    def probe_answered(self, error: str) -> bool:
+        """A health probe ended, failed for `error` or passed (""); True when it failed and
+        the one before had not: the first of a run of failures."""
+        first = bool(error) and not self.probe_failing
+        self.probe_failing = bool(error)
+        if error:
+            self.last_probe_error = error
+        return first
 
     def request_succeeded(self) -> None:
         if self.failures:
@@ -302,6 +315,15 @@ class BackendPool:
     def knows_model(self, model: str) -> bool:
         return any(model in backend.models for backend in self.backends)
 
+    def might_serve(self, model: str) -> bool:
+        """Whether `model` may be served here once a replica is reachable: a backend lists it,
+        one never reached has not listed its models yet, or none is healthy to ask."""
+        return (
+            self.knows_model(model)
+            or not any(backend.healthy for backend in self.backends)
+            or any(not backend.models and not backend.healthy for backend in self.backends)
+        )
+
     def served_models(self) -> list[str]:
         return sorted(self._by_model)
 
@@ -348,31 +370,9 @@ class Lease:
 
 
 def parse_backend_spec(spec: str, source: str = "static") -> Backend:
-    """A backend from `URL` or `MODEL=URL`: http(s), a host, no credentials in the URL;
-    `source` says who adds it."""
-    if any(char.isspace() or not char.isprintable() for char in spec.strip()):
-        raise ConfigError(f"backend {spec!r} holds whitespace or control characters")
-    model: str | None = None
-    url = spec.strip()
-    if "=" in url and not url.split("=", 1)[0].startswith(("http://", "https://")):
-        model, url = (part.strip() for part in url.split("=", 1))
-    if "://" not in url:
-        url = "http://" + url
-    try:
-        parts = urlsplit(url)
-        hostname = parts.hostname
-        parts.port  # noqa: B018 - raises on a port that is not a number
-    except ValueError as exc:  # e.g. an unbalanced IPv6 bracket, a port out of range
-        raise ConfigError(f"backend {spec!r} is not an http(s) URL: {exc}") from None
-    if parts.scheme not in ("http", "https") or not hostname:
-        raise ConfigError(f"backend {spec!r} is not an http(s) URL")
-    if "@" in parts.netloc:
-        raise ConfigError(f"backend {spec!r} carries credentials: use --upstream-api-key")
-    if parts.query or parts.fragment:
-        raise ConfigError(f"backend {spec!r} has a query or fragment")
-    base = url.rstrip("/")
-    if base.endswith("/v1"):
-        base = base[: -len("/v1")]
-    name = parts.netloc
-    models = frozenset({model}) if model else frozenset()
-    return Backend(name=name, url=base, models=models, pinned_model=model, source=source)
+    """A backend from `URL` or `MODEL=URL` (`read_backend_spec`); `source` says who adds it."""
+    read = read_backend_spec(spec)
+    models = frozenset({read.model}) if read.model else frozenset()
+    return Backend(
+        name=read.name, url=read.url, models=models, pinned_model=read.model, source=source
+    )

@@ -205,9 +205,12 @@ class Settings:
         "client API key accepted as `Authorization: Bearer KEY` on /v1; repeat for several"
         " (none: no check)",
         env="API_KEYS",
+        secret=True,
     )
     upstream_api_key: str = _opt(
-        "", "sent to replicas as `Authorization: Bearer KEY` in place of the client's header"
+        "",
+        "sent to replicas as `Authorization: Bearer KEY` in place of the client's header",
+        secret=True,
     )
     forward_client_auth: bool = _opt(False, "pass the client's Authorization header on to replicas")
     trusted_proxies: tuple[str, ...] = _opt(
@@ -306,7 +309,12 @@ class Settings:
     access_log: bool = _opt(
         True, "write one JSON line per request to the `prefix_gateway.access` log"
     )
-    admin_token: str = _opt("", "bearer token required by /admin endpoints (empty: no check)")
+    admin_token: str = _opt(
+        "",
+        "bearer token required by /admin endpoints (empty: the admin API answers only on a"
+        " loopback listener, and only requests addressed to a loopback host)",
+        secret=True,
+    )
     conversations_max: int = _opt(
         250_000, "conversation keys kept for affinity and cache-break accounting"
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import typing
 from collections.abc import Mapping, Sequence
@@ -12,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from prefix_gateway.config.sections import sectioned_fields
 from prefix_gateway.config.settings import ConfigError, Settings
 from prefix_gateway.config.tenants import parse_tenants
 
@@ -48,20 +50,44 @@ def _coerce(f: dataclasses.Field[Any], raw: Any) -> Any:
         raise ConfigError(f"{f.name}: cannot read {raw!r} as {kind.__name__}") from exc
 
 
+def flag_name(f: dataclasses.Field[Any]) -> str:
+    return "--" + f.name.replace("_", "-")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every setting as a flag, in the argument groups of `sections.SECTIONS`."""
     parser.add_argument("--config", help="YAML file of settings (keys as the flags, with _)")
-    for f in dataclasses.fields(Settings):
-        if f.metadata.get("file_only"):
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f"{f.metadata['help']} (env {_env_name(f)}; default {f.default!r})"
-        kind = _field_type(f)
-        if typing.get_origin(kind) is tuple:
-            parser.add_argument(flag, action="append", default=None, help=help_text)
-        elif kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
-        else:
-            parser.add_argument(flag, default=None, help=help_text)
+    for title, fields in sectioned_fields():
+        group = parser.add_argument_group(title)
+        for f in fields:
+            if not f.metadata.get("file_only"):
+                _add_flag(group, f)
+
+
+def _add_flag(group: argparse._ArgumentGroup, f: dataclasses.Field[Any]) -> None:
+    flag = flag_name(f)
+    help_text = f"{f.metadata['help']} (env {_env_name(f)}; default {f.default!r})"
+    kind = _field_type(f)
+    if typing.get_origin(kind) is tuple:
+        group.add_argument(flag, action="append", default=None, help=help_text)
+    elif kind is bool:
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+    else:
+        group.add_argument(flag, default=None, help=help_text)
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """One warning per `GATEWAY_*` variable in `environ` that no setting reads, naming the
+    closest known variable: a misspelt one is otherwise ignored without a word."""
+    known = {_env_name(f) for f in dataclasses.fields(Settings) if not f.metadata.get("file_only")}
+    known.add("GATEWAY_CONFIG")
+    warnings = []
+    for name in sorted(environ):
+        if name.startswith("GATEWAY_") and name not in known:
+            closest = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            hint = f"; did you mean {closest[0]}?" if closest else ""
+            warnings.append(f"unknown variable {name} is ignored{hint}")
+    return warnings
 
 
 def load_settings(

@@ -6,6 +6,7 @@ import os
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from prefix_gateway.config.backend_specs import read_backend_spec
 from prefix_gateway.config.errors import ConfigError
 from prefix_gateway.config.tenants import check_tenants
 
@@ -42,6 +43,8 @@ def validated(settings: Settings) -> Settings:
             "no backends: give --backend URL (or GATEWAY_BACKENDS), --backend-dns HOST:PORT,"
             " --k8s-service NAME or --emulate N"
         )
+    for spec in settings.backend:
+        read_backend_spec(spec)
     if settings.discovery_interval <= 0 or settings.drain_timeout < 0:
         raise ConfigError("discovery_interval must be positive, drain_timeout not negative")
     unknown = set(settings.fleet_share) - {"claims", "traffic", "prompts", "none"}

@@ -43,6 +43,7 @@ def backend_view(backend: Backend, feed: FeedState | None = None) -> dict[str, A
         "healthy": backend.healthy,
         "stalled": backend.stalled,
         "ejected": backend.ejected_why or None,
+        "last_probe_error": backend.last_probe_error or None,
         "draining": backend.draining,
         "in_flight": backend.in_flight,
         "queued": backend.queued,

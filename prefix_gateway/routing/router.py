@@ -215,7 +215,7 @@ class Router:
     def serving(self, model: str) -> ModelPool:
         serving = self.pool.serving(model)
         if serving is None:
-            if not self.pool.knows_model(model):
+            if not self.pool.might_serve(model):
                 raise NotFound(
                     f"The model `{model}` does not exist.", param="model", code="model_not_found"
                 )
