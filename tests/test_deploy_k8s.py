@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import re
 import shutil
 import subprocess
@@ -79,9 +80,18 @@ def manifest_files() -> list[Path]:
     )
 
 
+_valid: set[str] = set()
+"""Manifests already validated: most builds share most of theirs, and each validation reads
+its schema from disk anew."""
+
+
 def validate(doc: Manifest) -> None:
+    text = json.dumps(doc, sort_keys=True)
+    if text in _valid:
+        return
     for version in KUBERNETES_VERSIONS:
         kubernetes_validate.validate(doc, version, strict=True)
+    _valid.add(text)
 
 
 # --- schemas ---------------------------------------------------------------------------------
