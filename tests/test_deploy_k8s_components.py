@@ -30,13 +30,13 @@ from tests.test_deploy_k8s import (
     gateway_settings,
     is_custom,
     key,
+    kubectl,
     kubectl_kustomize,
     pod_spec,
     validate,
 )
 
 SCRIPT = ROOT / "scripts" / "k8s_monitoring.py"
-HAS_KUBECTL = shutil.which("kubectl") is not None
 
 
 def load_generator() -> ModuleType:
@@ -119,8 +119,7 @@ def test_the_selector_label_changes_as_the_docs_say() -> None:
     assert {doc["kind"] for doc in custom} == {"ServiceMonitor", "PrometheusRule"}
     for doc in custom:
         assert doc["metadata"]["labels"]["release"] == "prometheus"
-    if HAS_KUBECTL:
-        assert kubectl_kustomize(overlay) == {key(doc): doc for doc in documents}
+    assert kubectl_kustomize(overlay) == {key(doc): doc for doc in documents}
 
 
 # --- precise routing ---------------------------------------------------------------------------
@@ -168,9 +167,8 @@ def test_precise_routing_without_vllm_fails_to_build() -> None:
     overlay = operator_overlay("sglang-precise", combination_text("sglang", ("precise-routing",)))
     with pytest.raises(AssertionError, match="patch StatefulSet/vllm"):
         render(overlay)
-    if HAS_KUBECTL:
-        failed = subprocess.run(["kubectl", "kustomize", str(overlay)], capture_output=True)
-        assert failed.returncode != 0
+    failed = subprocess.run([kubectl(), "kustomize", str(overlay)], capture_output=True, text=True)
+    assert failed.returncode != 0 and "StatefulSet.v1.apps/vllm" in failed.stderr
 
 
 # --- client keys -------------------------------------------------------------------------------
@@ -235,8 +233,7 @@ def test_the_readme_overlay_builds_valid_manifests_whose_secrets_it_creates() ->
     overlay = operator_overlay(Path(target[1]).name, yaml.safe_dump(edited))
     assert overlay.parent.parent == k8s_copy()
     documents = render(overlay)
-    if HAS_KUBECTL:
-        assert kubectl_kustomize(overlay) == {key(doc): doc for doc in documents}
+    assert kubectl_kustomize(overlay) == {key(doc): doc for doc in documents}
     kinds = {doc["kind"] for doc in documents}
     assert {"PrometheusRule", "ServiceMonitor"} <= kinds
     assert "prefix-gateway-dashboard" in by_kind(documents, "ConfigMap")
