@@ -34,9 +34,9 @@ engines: $(RUNTIME_STAMP)
 	$(BIN)/python -m engines.venv
 
 lint: $(STAMP)
-	$(BIN)/ruff check prefix_gateway tests loadtest engines
+	$(BIN)/ruff check prefix_gateway tests loadtest engines scripts
 	$(BIN)/mypy prefix_gateway tests loadtest
-	$(BIN)/mypy --strict engines
+	$(BIN)/mypy --strict engines scripts
 	$(BIN)/lint-imports
 
 # vLLM's CPU build is installed unless SKIP_REAL_VLLM=1, which also skips its tests.

@@ -210,7 +210,9 @@ def test_entrypoint_serves_from_the_environment_and_the_healthcheck_passes() -> 
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:
                 try:
-                    if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).is_success:
+                    # Ready with a healthy replica: the one GATEWAY_BACKENDS names.
+                    ready = f"http://127.0.0.1:{port}/ready?require_backend=true"
+                    if httpx.get(ready, timeout=1).is_success:
                         break
                 except httpx.TransportError:
                     pass

@@ -1,21 +1,22 @@
 """The Kubernetes manifests, checked without a cluster.
 
-Every manifest, and every overlay as kustomize builds it, is validated against the Kubernetes
-OpenAPI schemas that `kubernetes-validate` ships (no network). Overlays are rendered by the
-small renderer below (resources, strategic-merge patches by kind and name, namespace), which is
-checked against `kubectl kustomize` wherever kubectl is installed. Then the pieces are checked
-against each other: selectors, named ports, probes, RBAC, settings and engine flags.
+Every manifest, and every overlay and documented combination of components as kustomize builds
+them, is validated against the Kubernetes OpenAPI schemas that `kubernetes-validate` ships (no
+network). Builds are rendered by tests/kustomize_render.py, whose output is compared with
+`kubectl kustomize` (kubectl comes with the test extra). Then the pieces are checked against
+each other: selectors, named ports, probes, RBAC, settings and engine flags.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 import kubernetes_validate
@@ -24,14 +25,21 @@ import yaml
 
 from prefix_gateway.backends.membership import ServiceSpec
 from prefix_gateway.config import Settings, _env_name, load_settings
+from tests.k8s_builds import (
+    BUILDS,
+    K8S,
+    OVERLAYS,
+    ROOT,
+    build_dir,
+    built,
+    components_of,
+    engine_of,
+)
+from tests.kustomize_render import CLUSTER_SCOPED, Manifest, load_documents, render
 
-ROOT = Path(__file__).resolve().parent.parent
-K8S = ROOT / "k8s"
-OVERLAYS = sorted(path.parent for path in (K8S / "overlays").glob("*/kustomization.yaml"))
 KUBERNETES_VERSIONS = ("1.29.0", "1.37.0")
-# Custom resources have no schema in kubernetes-validate; they are checked structurally below.
+# Custom resources have no schema in kubernetes-validate; they are checked structurally.
 CUSTOM_GROUPS = ("monitoring.coreos.com/",)
-CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
 SETTINGS_VARIABLES = {_env_name(field) for field in dataclasses.fields(Settings)}
 REFERENCE = re.compile(r"\$\((\w+)\)")
 """Kubernetes expands `$(NAME)` in a variable's value from the variables before it."""
@@ -40,71 +48,6 @@ REFERENCE = re.compile(r"\$\((\w+)\)")
 def expand(value: str) -> str:
     """A value as Kubernetes expands it, with every referred secret standing in as `secret`."""
     return REFERENCE.sub("secret", value)
-
-
-Manifest = dict[str, Any]
-
-
-def load_documents(path: Path) -> list[Manifest]:
-    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
-
-
-def merge(target: Any, patch: Any) -> Any:
-    """A strategic merge as kustomize does it for these manifests: maps merge, lists of named
-    items merge by name (new items first, as kustomize puts them), other lists and scalars are
-    replaced."""
-    if isinstance(target, dict) and isinstance(patch, dict):
-        merged = dict(target)
-        for key, value in patch.items():
-            merged[key] = merge(target[key], value) if key in target else copy.deepcopy(value)
-        return merged
-    named = (
-        isinstance(target, list)
-        and isinstance(patch, list)
-        and all(isinstance(item, dict) and "name" in item for item in (*target, *patch))
-    )
-    if named:
-        result = [copy.deepcopy(item) for item in target]
-        added = []
-        for item in patch:
-            index = next((i for i, old in enumerate(result) if old["name"] == item["name"]), None)
-            if index is None:
-                added.append(copy.deepcopy(item))
-            else:
-                result[index] = merge(result[index], item)
-        return added + result
-    return copy.deepcopy(patch)
-
-
-def render(directory: Path) -> list[Manifest]:
-    """`kustomize build` for the subset of kustomization.yaml these overlays use."""
-    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    supported = {"apiVersion", "kind", "resources", "patches", "namespace"}
-    assert set(kustomization) <= supported, f"{directory}: keep overlays renderable here"
-    documents: list[Manifest] = []
-    for resource in kustomization.get("resources", []):
-        path = directory / resource
-        documents += render(path) if path.is_dir() else load_documents(path)
-    for patch_entry in kustomization.get("patches", []):
-        assert set(patch_entry) == {"path"}, "only strategic-merge patch files"
-        for patch in load_documents(directory / patch_entry["path"]):
-            matches = [
-                index
-                for index, doc in enumerate(documents)
-                if doc["kind"] == patch["kind"]
-                and doc["metadata"]["name"] == patch["metadata"]["name"]
-            ]
-            assert len(matches) == 1, f"patch {patch['kind']}/{patch['metadata']['name']}"
-            documents[matches[0]] = merge(documents[matches[0]], patch)
-    namespace = kustomization.get("namespace")
-    if namespace:
-        for doc in documents:
-            if doc["kind"] not in CLUSTER_SCOPED:
-                doc["metadata"]["namespace"] = namespace
-            for subject in doc.get("subjects", []):
-                if subject.get("kind") == "ServiceAccount":
-                    subject["namespace"] = namespace
-    return documents
 
 
 def key(doc: Manifest) -> tuple[str, str, str]:
@@ -124,6 +67,7 @@ def patch_files() -> set[Path]:
         (kustomization.parent / entry["path"]).resolve()
         for kustomization in K8S.rglob("kustomization.yaml")
         for entry in yaml.safe_load(kustomization.read_text()).get("patches", [])
+        if "path" in entry
     }
 
 
@@ -137,9 +81,18 @@ def manifest_files() -> list[Path]:
     )
 
 
+_valid: set[str] = set()
+"""Manifests already validated: most builds share most of theirs, and each validation reads
+its schema from disk anew."""
+
+
 def validate(doc: Manifest) -> None:
+    text = json.dumps(doc, sort_keys=True)
+    if text in _valid:
+        return
     for version in KUBERNETES_VERSIONS:
         kubernetes_validate.validate(doc, version, strict=True)
+    _valid.add(text)
 
 
 # --- schemas ---------------------------------------------------------------------------------
@@ -177,9 +130,9 @@ def test_the_validator_rejects_what_the_api_server_would() -> None:
         validate(deployment)
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda path: path.name)
-def test_every_rendered_overlay_is_valid_kubernetes(overlay: Path) -> None:
-    documents = render(overlay)
+@pytest.mark.parametrize("name", BUILDS)
+def test_every_build_is_valid_kubernetes(name: str) -> None:
+    documents = built(name)
     assert len({key(doc) for doc in documents}) == len(documents), "duplicate resources"
     for doc in documents:
         if is_custom(doc):
@@ -188,22 +141,40 @@ def test_every_rendered_overlay_is_valid_kubernetes(overlay: Path) -> None:
         assert doc["metadata"].get("namespace") or doc["kind"] in CLUSTER_SCOPED
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed here")
-@pytest.mark.parametrize("overlay", [K8S / "base", *OVERLAYS], ids=lambda path: path.name)
-def test_the_renderer_agrees_with_kubectl_kustomize(overlay: Path) -> None:
-    built = subprocess.run(
-        ["kubectl", "kustomize", str(overlay)], capture_output=True, text=True, check=True
+@pytest.mark.parametrize("name", ["base", *BUILDS])
+def test_the_renderer_agrees_with_kubectl_kustomize(name: str) -> None:
+    assert kubectl_kustomize(build_dir(name)) == {key(doc): doc for doc in built(name)}
+
+
+def kubectl() -> str:
+    """The test extra's kubectl (beside this interpreter), else one on PATH."""
+    beside = Path(sys.executable).parent / "kubectl"
+    found = str(beside) if beside.is_file() else shutil.which("kubectl")
+    assert found, "no kubectl: `make install` installs the test extra, which has it"
+    return found
+
+
+def kubectl_kustomize(directory: Path) -> dict[tuple[str, str, str], Manifest]:
+    printed = subprocess.run(
+        [kubectl(), "kustomize", str(directory)], capture_output=True, text=True, check=True
     ).stdout
-    theirs = {key(doc): doc for doc in yaml.safe_load_all(built) if doc}
-    ours = {key(doc): doc for doc in render(overlay)}
-    assert ours == theirs
+    return {key(doc): doc for doc in yaml.safe_load_all(printed) if doc}
 
 
 # --- custom resources, structurally ----------------------------------------------------------
 
 
-def test_service_monitor_selects_the_gateway_service_and_its_metrics_port() -> None:
-    documents = render(K8S / "base")
+def test_only_the_monitoring_component_needs_the_prometheus_operator() -> None:
+    for name in BUILDS:
+        custom = {doc["kind"] for doc in built(name) if is_custom(doc)}
+        monitored = "monitoring" in components_of(name)
+        wanted = {"ServiceMonitor", "PrometheusRule"} if monitored else set()
+        assert custom == wanted, name
+
+
+@pytest.mark.parametrize("name", [name for name in BUILDS if "monitoring" in components_of(name)])
+def test_service_monitor_selects_the_gateway_service_and_its_metrics_port(name: str) -> None:
+    documents = built(name)
     (monitor,) = (doc for doc in documents if doc["kind"] == "ServiceMonitor")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert set(monitor["spec"]) <= {"selector", "endpoints", "namespaceSelector", "jobLabel"}
@@ -220,7 +191,8 @@ def test_service_monitor_selects_the_gateway_service_and_its_metrics_port() -> N
     assert endpoint["path"] == "/metrics"
     # The Service port that leads to the container port on which the gateway serves /metrics.
     assert targets[endpoint["port"]] == "metrics"
-    assert gateway_ports(documents)["metrics"] == gateway_settings(documents).metrics_port
+    metrics_port = int(gateway_environment(documents)["GATEWAY_METRICS_PORT"])
+    assert gateway_ports(documents)["metrics"] == metrics_port
 
 
 # --- the pieces fit together -----------------------------------------------------------------
@@ -235,9 +207,9 @@ def workloads(documents: list[Manifest]) -> list[Manifest]:
     return [doc for doc in documents if doc["kind"] in ("Deployment", "StatefulSet")]
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda path: path.name)
-def test_services_select_pods_and_name_their_ports(overlay: Path) -> None:
-    documents = render(overlay)
+@pytest.mark.parametrize("name", BUILDS)
+def test_services_select_pods_and_name_their_ports(name: str) -> None:
+    documents = built(name)
     for service in by_kind(documents, "Service").values():
         selector = service["spec"]["selector"]
         targets = [
@@ -268,22 +240,32 @@ def gateway_ports(documents: list[Manifest]) -> dict[str, int]:
     return {port["name"]: port["containerPort"] for port in container["ports"]}
 
 
-def gateway_settings(documents: list[Manifest]) -> Settings:
-    """The gateway's settings as its pod would load them: its ConfigMap, then its variables."""
-    (config,) = by_kind(documents, "ConfigMap").values()
+def gateway_config(documents: list[Manifest]) -> Manifest:
+    """The gateway's ConfigMap: the one its container reads all of into its environment."""
     container = pod_spec(gateway_of(documents))["containers"][0]
-    assert container["envFrom"] == [{"configMapRef": {"name": config["metadata"]["name"]}}]
-    environment = {**config["data"]}
+    ((source,),) = [item.values() for item in container["envFrom"]]
+    return by_kind(documents, "ConfigMap")[source["name"]]
+
+
+def gateway_environment(documents: list[Manifest]) -> dict[str, str]:
+    """The gateway's plain variables as its pod would have them: its ConfigMap, then its own."""
+    container = pod_spec(gateway_of(documents))["containers"][0]
+    environment = {**gateway_config(documents)["data"]}
     environment.update(
         {item["name"]: expand(item["value"]) for item in container["env"] if "value" in item}
     )
-    return load_settings(environ=environment)
+    return environment
+
+
+def gateway_settings(documents: list[Manifest], **changed: str) -> Settings:
+    """The gateway's settings as its pod would load them, with `changed` variables (a path
+    that exists only in the pod, say)."""
+    return load_settings(environ={**gateway_environment(documents), **changed})
 
 
 def test_gateway_deployment_is_highly_available_probed_and_locked_down() -> None:
     documents = render(K8S / "base")
     deployment = gateway_of(documents)
-    assert deployment["spec"]["replicas"] >= 2
     spec = pod_spec(deployment)
     (container,) = spec["containers"]
     ports = {port["name"]: port["containerPort"] for port in container["ports"]}
@@ -330,6 +312,8 @@ def test_disruption_budget_and_autoscaler_keep_two_gateways() -> None:
     (budget,) = by_kind(documents, "PodDisruptionBudget").values()
     assert budget["spec"]["selector"]["matchLabels"].items() <= labels.items()
     (autoscaler,) = by_kind(documents, "HorizontalPodAutoscaler").values()
+    # The autoscaler owns the count: one in the Deployment would reset it on every apply.
+    assert "replicas" not in deployment["spec"]
     target = autoscaler["spec"]["scaleTargetRef"]
     assert (target["kind"], target["name"]) == ("Deployment", "prefix-gateway")
     assert autoscaler["spec"]["minReplicas"] >= 2
@@ -361,32 +345,42 @@ def test_rbac_grants_only_reading_endpoint_slices_in_the_namespace() -> None:
         ]
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda path: path.name)
-def test_gateway_settings_are_real_and_point_at_services_of_the_overlay(overlay: Path) -> None:
-    documents = render(overlay)
-    (config,) = by_kind(documents, "ConfigMap").values()
-    unknown = set(config["data"]) - SETTINGS_VARIABLES
+@pytest.mark.parametrize("name", BUILDS)
+def test_gateway_settings_are_real_and_point_at_services_of_the_overlay(
+    name: str, tmp_path: Path
+) -> None:
+    documents = built(name)
+    unknown = set(gateway_config(documents)["data"]) - SETTINGS_VARIABLES
     assert not unknown, f"not settings of prefix_gateway/config.py: {unknown}"
-    settings = gateway_settings(documents)
+    # A tokenizer folder exists in the pod only (precise-routing mounts it): here, an empty one.
+    precise = "precise-routing" in components_of(name)
+    tokenizer = {"GATEWAY_TOKENIZER": str(tmp_path)} if precise else {}
+    settings = gateway_settings(documents, **tokenizer)
     services = by_kind(documents, "Service")
     for spec in settings.k8s_service:
         target = ServiceSpec.parse(spec, port_required=False)
         replicas = services[target.host]
         assert replicas["spec"]["clusterIP"] == "None", "the replicas' Service is headless"
         assert target.port in {port["name"] for port in replicas["spec"]["ports"]}
-        assert target.host == overlay.name
+        assert target.host == engine_of(name)
     assert urlsplit(settings.redis_url).hostname in services
     assert gateway_ports(documents) == {"http": settings.port, "metrics": settings.metrics_port}
 
 
+def engine(name: str) -> Manifest:
+    """The engine workload of the overlay `name` (vLLM's is a StatefulSet, for its volumes)."""
+    (found,) = (doc for doc in workloads(built(name)) if doc["metadata"]["name"] == name)
+    return found
+
+
 def test_engines_cache_prefixes_and_report_cached_tokens() -> None:
-    vllm = by_kind(render(K8S / "overlays" / "vllm"), "Deployment")["vllm"]
+    vllm = engine("vllm")
     arguments = pod_spec(vllm)["containers"][0]["args"]
     assert {"--enable-prefix-caching", "--enable-prompt-tokens-details"} <= set(arguments)
-    sglang = by_kind(render(K8S / "overlays" / "sglang"), "Deployment")["sglang"]
+    sglang = engine("sglang")
     container = pod_spec(sglang)["containers"][0]
     assert "--enable-cache-report" in container["args"]
     assert "--disable-radix-cache" not in container["args"]
-    for engine in (vllm, sglang):
-        limits = pod_spec(engine)["containers"][0]["resources"]["limits"]
+    for workload in (vllm, sglang):
+        limits = pod_spec(workload)["containers"][0]["resources"]["limits"]
         assert limits["nvidia.com/gpu"] == "1"

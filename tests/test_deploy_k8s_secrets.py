@@ -19,17 +19,9 @@ import pytest
 import redis as redis_client
 
 from prefix_gateway.processes import free_port
-from tests.test_deploy_k8s import (
-    K8S,
-    OVERLAYS,
-    REFERENCE,
-    Manifest,
-    by_kind,
-    gateway_of,
-    pod_spec,
-    render,
-    workloads,
-)
+from tests.k8s_builds import BUILDS, K8S, built, engine_of
+from tests.kustomize_render import Manifest, render
+from tests.test_deploy_k8s import REFERENCE, by_kind, engine, gateway_of, pod_spec, workloads
 
 SECRET_NAME = re.compile(r"KEY|TOKEN|PASSWORD|SECRET|AUTH", re.IGNORECASE)
 SECRET_FLAG = re.compile(r"--(api-key|upstream-api-key|admin-token|requirepass|redis-url)\b")
@@ -41,7 +33,8 @@ def containers(documents: list[Manifest]) -> list[tuple[str, Manifest]]:
     return [
         (workload["metadata"]["name"], container)
         for workload in workloads(documents)
-        for container in pod_spec(workload)["containers"]
+        for kind in ("initContainers", "containers")
+        for container in pod_spec(workload).get(kind, [])
     ]
 
 
@@ -54,9 +47,9 @@ def secret_of(variable: Manifest) -> tuple[str, str]:
     return (reference["name"], reference["key"])
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda path: path.name)
-def test_no_argument_or_plain_variable_holds_a_secret(overlay: Path) -> None:
-    for workload, container in containers(render(overlay)):
+@pytest.mark.parametrize("name", BUILDS)
+def test_no_argument_or_plain_variable_holds_a_secret(name: str) -> None:
+    for workload, container in containers(built(name)):
         words = " ".join([*container.get("command", []), *container.get("args", [])])
         # An engine that takes its key only as a flag gets it from a Secret-fed variable,
         # expanded by a shell when the container starts: no manifest holds it.
@@ -95,19 +88,18 @@ def test_redis_requires_the_password_the_gateway_connects_with() -> None:
     ("engine_name", "variable"), [("vllm", "VLLM_API_KEY"), ("sglang", "SGLANG_API_KEY")]
 )
 def test_the_engine_requires_the_key_the_gateway_sends(engine_name: str, variable: str) -> None:
-    documents = render(K8S / "overlays" / engine_name)
-    (engine,) = pod_spec(by_kind(documents, "Deployment")[engine_name])["containers"]
-    key = secret_of(variables(engine)[variable])
+    documents = built(engine_name)
+    (container,) = pod_spec(engine(engine_name))["containers"]
+    key = secret_of(variables(container)[variable])
     if engine_name == "sglang":  # its key only as a flag, from the variable
-        assert f'--api-key "${variable}"' in " ".join(engine["command"])
+        assert f'--api-key "${variable}"' in " ".join(container["command"])
     gateway = variables(pod_spec(gateway_of(documents))["containers"][0])
     assert secret_of(gateway["GATEWAY_UPSTREAM_API_KEY"]) == key
 
 
 @pytest.mark.parametrize("engine_name", sorted(ENGINES))
 def test_the_engine_runs_as_a_user_not_root_with_its_caches_writable(engine_name: str) -> None:
-    engine = by_kind(render(K8S / "overlays" / engine_name), "Deployment")[engine_name]
-    spec = pod_spec(engine)
+    spec = pod_spec(engine(engine_name))
     assert spec["securityContext"]["runAsNonRoot"] is True
     assert spec["securityContext"]["runAsUser"] > 0
     (container,) = spec["containers"]
@@ -132,9 +124,9 @@ def port_names(workload: Manifest) -> set[str]:
     }
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda path: path.name)
-def test_a_network_policy_admits_only_the_gateway_to_replicas_and_redis(overlay: Path) -> None:
-    documents = render(overlay)
+@pytest.mark.parametrize("name", BUILDS)
+def test_a_network_policy_admits_only_the_gateway_to_replicas_and_redis(name: str) -> None:
+    documents = built(name)
     policies = by_kind(documents, "NetworkPolicy").values()
     gateway = gateway_of(documents)
     gateway_labels = gateway["spec"]["template"]["metadata"]["labels"]
@@ -158,7 +150,7 @@ def test_a_network_policy_admits_only_the_gateway_to_replicas_and_redis(overlay:
                 )
     assert {workload["metadata"]["name"] for workload in workloads(documents)} >= {
         "redis",
-        overlay.name,
+        engine_of(name),
     }
 
 

@@ -179,7 +179,7 @@ def test_something_that_is_not_sse_is_not_held_back_for_ever() -> None:
 def ready(gateway: GatewayProcess) -> GatewayProcess:
     """Wait until a backend is admitted: a probe slowed by a busy machine may fail the first."""
     deadline = time.monotonic() + 10
-    while httpx.get(gateway.url + "/ready", timeout=5).status_code != 200:
+    while httpx.get(gateway.url + "/ready?require_backend=true", timeout=5).status_code != 200:
         assert time.monotonic() < deadline, "no backend became healthy"
         time.sleep(0.05)
     return gateway

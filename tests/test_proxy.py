@@ -157,7 +157,15 @@ def test_no_healthy_backend_is_a_503() -> None:
         )
         assert response.status_code == 503
         assert response.json()["error"]["code"] == "no_healthy_backend"
-        assert httpx.get(lonely.url + "/ready").status_code == 503
+        # It can still answer (that 503), so it stays ready; only the stricter question fails.
+        ready = httpx.get(lonely.url + "/ready")
+        assert ready.status_code == 200
+        assert ready.json() == {"ready": True, "healthy": 0, "backends": 1}
+        strict = httpx.get(lonely.url + "/ready", params={"require_backend": "true"})
+        assert strict.status_code == 503 and strict.json()["ready"] is False
+        wrong = httpx.get(lonely.url + "/ready", params={"require_backend": "perhaps"})
+        assert wrong.status_code == 400
+        assert wrong.json()["error"]["code"] == "invalid_request"
 
 
 def test_a_dead_replica_is_failed_over_before_the_first_byte() -> None:

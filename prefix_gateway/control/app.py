@@ -66,10 +66,14 @@ def build_control_app(components: Components) -> FastAPI:
         return JSONResponse({"status": "ok", "backends": len(pool.backends), "healthy": healthy})
 
     @app.get("/ready")
-    async def ready() -> JSONResponse:
+    async def ready(require_backend: bool = False) -> JSONResponse:
+        # Ready means "this gateway can answer": without a healthy replica it still answers,
+        # with a quick 503 no_healthy_backend, which a client can retry, where a pod out of the
+        # Service would refuse connections. `?require_backend=true` asks for a healthy one too.
         healthy = sum(1 for backend in pool.backends if backend.healthy)
-        status = 200 if healthy else 503
-        return JSONResponse({"ready": bool(healthy), "healthy": healthy}, status_code=status)
+        is_ready = bool(healthy) or not require_backend
+        body = {"ready": is_ready, "healthy": healthy, "backends": len(pool.backends)}
+        return JSONResponse(body, status_code=200 if is_ready else 503)
 
     # With a metrics port of its own, the API port answers 404 for it: not in its schema either.
     @app.get("/metrics", include_in_schema=not settings.metrics_port)
