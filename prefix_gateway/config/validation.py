@@ -42,6 +42,8 @@ def validated(settings: Settings) -> Settings:
             "no backends: give --backend URL (or GATEWAY_BACKENDS), --backend-dns HOST:PORT,"
             " --k8s-service NAME or --emulate N"
         )
+    if settings.doctor_interval < 0:
+        raise ConfigError("doctor_interval must not be negative (0: off)")
     if settings.discovery_interval <= 0 or settings.drain_timeout < 0:
         raise ConfigError("discovery_interval must be positive, drain_timeout not negative")
     unknown = set(settings.fleet_share) - {"claims", "traffic", "prompts", "none"}
