@@ -123,8 +123,8 @@ def test_the_gateway_hashing_the_engines_block_size_agrees(fleet: Fleet) -> None
 
 def test_unusable_flags_exit_2(fleet: Fleet) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "prefix_gateway", "doctor", "--backend", fleet.healthy.url]
-        + ["--doctor-interval", "-1"],
+        [sys.executable, "-m", "prefix_gateway", "doctor", "--backend", "127.0.0.1:9"]
+        + ["--doctor-interval", "-1"],  # noqa: RUF005
         cwd=ROOT,
         capture_output=True,
         text=True,
