@@ -122,9 +122,9 @@ def test_the_gateway_hashing_the_engines_block_size_agrees(fleet: Fleet) -> None
 
 
 def test_unusable_flags_exit_2(fleet: Fleet) -> None:
+    flags = ["--backend", "127.0.0.1:9", "--doctor-interval", "-1"]
     done = subprocess.run(
-        [sys.executable, "-m", "prefix_gateway", "doctor", "--backend", "127.0.0.1:9"]
-        + ["--doctor-interval", "-1"],  # noqa: RUF005
+        [sys.executable, "-m", "prefix_gateway", "doctor", *flags],
         cwd=ROOT,
         capture_output=True,
         text=True,
