@@ -49,7 +49,7 @@ def test_promtool_accepts_the_scrape_config() -> None:
 
 @needs_promtool
 def test_promtool_accepts_the_alert_rules() -> None:
-    assert "SUCCESS: 6 rules found" in promtool("check", "rules", "alerts.yml")
+    assert "SUCCESS: 8 rules found" in promtool("check", "rules", "alerts.yml")
 
 
 @needs_promtool
