@@ -114,6 +114,16 @@ def test_each_replica_is_told_what_is_wrong_with_it(fleet: Fleet) -> None:
     assert silent["token-agreement"][0] == "SKIP"
 
 
+def test_an_engine_ignoring_cache_salt_fails_the_salt_check() -> None:
+    with EmulatorProcess("--ignore-cache-salt", name=MODEL) as replica:
+        status, rows = doctor("--backend", replica.url, "--isolate-tenants", "--api-key", "k")
+    checks = by_check(rows, f"{replica.host}:{replica.port}")
+    verdict, detail = checks["cache-salt"]
+    assert verdict == "FAIL" and "not isolated" in detail, detail
+    assert checks["prefix-caching"][0] == "PASS"
+    assert status == 1
+
+
 def test_the_gateway_hashing_the_engines_block_size_agrees(fleet: Fleet) -> None:
     status, rows = doctor("--backend", fleet.other_block_size.url, "--block-tokens", "32")
     checks = by_check(rows, fleet.name(fleet.other_block_size))

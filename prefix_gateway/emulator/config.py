@@ -24,6 +24,9 @@ class EmulatorConfig:
     prompt_tokens_details: bool = True
     """Usage reports the cached tokens (`prompt_tokens_details`), as vLLM does only when run
     with --enable-prompt-tokens-details."""
+    honour_cache_salt: bool = True
+    """A request's `cache_salt` keys its cached blocks; off: accepted and ignored, as an engine
+    without salting would."""
     pooling: bool = False
     """Also serve what vLLM serves only for a pooling model: `/pooling`, `/classify`,
     `/v2/embed`, score and rerank (a generative vLLM answers them 404)."""
@@ -104,6 +107,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " --enable-prompt-tokens-details: no cached tokens are reported",
     )
     parser.add_argument(
+        "--ignore-cache-salt",
+        dest="honour_cache_salt",
+        action="store_false",
+        help="accept cache_salt and ignore it: salted prompts share cached blocks, as on an"
+        " engine without salting",
+    )
+    parser.add_argument(
         "--pooling",
         action="store_true",
         help="also serve a pooling model's endpoints: /pooling, /classify, /v2/embed, /score,"
@@ -126,4 +136,5 @@ def config_from_args(ns: argparse.Namespace) -> EmulatorConfig:
         seed=ns.seed,
         pooling=ns.pooling,
         prompt_tokens_details=ns.prompt_tokens_details,
+        honour_cache_salt=ns.honour_cache_salt,
     )
