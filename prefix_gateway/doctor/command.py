@@ -38,8 +38,6 @@ Exit status: 0 when no check failed, 1 otherwise, 2 for unusable flags. The prob
 replicas directly; each costs a few short prompts of one generated token. See
 docs/doctor.md."""
 
-_FEED_WAIT_SECONDS = 10.0
-
 
 def main(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     try:
@@ -83,7 +81,6 @@ async def examine_fleet(
         if settings.kv_events:
             feeds = KVEventFeeds(pool, client, settings.block_tokens, Metrics(), _ignored)
             feeds.start()
-            await _feeds_connected(feeds, pool)
         try:
             doctor = Doctor(settings, client, tokenizer, feeds)
             examined = await asyncio.gather(*(doctor.examine(item) for item in pool.backends))
@@ -91,17 +88,6 @@ async def examine_fleet(
             if feeds is not None:
                 await feeds.stop()
     return list(zip(pool.backends, examined, strict=True))
-
-
-async def _feeds_connected(feeds: KVEventFeeds, pool: BackendPool) -> None:
-    """Wait (bounded) for every replica's feed to connect: an event published before its
-    socket connected is never heard."""
-    deadline = asyncio.get_running_loop().time() + _FEED_WAIT_SECONDS
-    while asyncio.get_running_loop().time() < deadline:
-        states = [feeds.state(backend.name) for backend in pool.backends]
-        if all(state is not None and state.live for state in states):
-            return
-        await asyncio.sleep(0.1)
 
 
 async def _no_probe(backend: Backend) -> None:

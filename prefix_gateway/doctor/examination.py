@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,6 +136,9 @@ class Doctor:
         return passed(Check.LOAD_METRICS, "running, waiting, KV-cache usage, generated tokens")
 
     async def _probed(self, backend: Backend, model: str) -> list[CheckResult]:
+        if self._settings.kv_events:
+            # An event published before the feed's socket connected is never heard.
+            await self._until(lambda: self._feed_live(backend.name))
         messages = await self._aimed(backend, model)
         body = chat_body(model, messages)
         view = gateway_view(self._settings, self._tokenizer, body)
@@ -222,15 +226,14 @@ class Doctor:
         feeds = self._feeds
         if feeds is None or not view.chain:
             return skipped(Check.KV_EVENTS, "no event feed in this process")
-        deadline = time.monotonic() + self._event_wait
-        while True:
+
+        def told() -> bool:
             blocks = feeds.live().get(backend.name)
-            if blocks is not None and view.chain[0] in blocks:
-                held = blocks.depth(view.chain)
-                return passed(Check.KV_EVENTS, f"the feed told of {held} blocks of the probe")
-            if time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(0.1)
+            return blocks is not None and view.chain[0] in blocks
+
+        if await self._until(told):
+            held = feeds.live()[backend.name].depth(view.chain)
+            return passed(Check.KV_EVENTS, f"the feed told of {held} blocks of the probe")
         state = feeds.state(backend.name)
         if state is None:
             why = "no feed: /kv_event_sources names no ZeroMQ publisher (vLLM --kv-events-config)"
@@ -242,6 +245,19 @@ class Doctor:
                 " size or tokens differ from the gateway's (see token-agreement)"
             )
         return failed(Check.KV_EVENTS, why)
+
+    def _feed_live(self, name: str) -> bool:
+        state = self._feeds.state(name) if self._feeds is not None else None
+        return state is not None and state.live
+
+    async def _until(self, condition: Callable[[], bool]) -> bool:
+        """Whether `condition` holds within `event_wait` seconds (polled)."""
+        deadline = time.monotonic() + self._event_wait
+        while not condition():
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.1)
+        return True
 
     async def _cache_salt(self, backend: Backend, model: str) -> CheckResult:
         nonce = new_nonce()
