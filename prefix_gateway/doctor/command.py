@@ -60,7 +60,8 @@ def main(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     if failures:
         print(f"{failures} of {checks} checks failed", file=out)
         return 1
-    print(f"no check failed ({checks} on {len(examined)} replicas)", file=out)
+    replicas = f"{len(examined)} replica{'s' if len(examined) > 1 else ''}"
+    print(f"no check failed ({checks} on {replicas})", file=out)
     return 0
 
 
