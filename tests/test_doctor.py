@@ -193,6 +193,23 @@ def test_serve_runs_the_checks_in_the_background(fleet: Fleet, gateway: GatewayP
     assert metric_value(after, "gateway_matched_tokens_predicted_total") == 0
 
 
+def test_a_replica_added_while_serving_is_examined(gateway: GatewayProcess) -> None:
+    with EmulatorProcess("--block-size", "64", name=MODEL) as joining:
+        name = f"{joining.host}:{joining.port}"
+        added = httpx.post(gateway.url + "/admin/backends", json={"url": joining.url}, timeout=30)
+        assert added.status_code == 201 and added.json()["checks"] is None
+        wait_until(lambda: examined(gateway)[name] is not None, "the new replica examined")
+        agreement = examined(gateway)[name]["results"]["token-agreement"]
+        assert agreement["status"] == "fail" and "blocks of 64 tokens" in agreement["detail"]
+        series = f'gateway_backend_check{{backend="{name}",check="token-agreement"}} 0.0'
+        assert series in gateway.metrics().splitlines()
+        removed = httpx.delete(f"{gateway.url}/admin/backends/{name}", timeout=30)
+        assert removed.status_code == 200
+    # Gone from the pool: its series and its examination with it.
+    assert f'backend="{name}"' not in gateway.metrics()
+    assert name not in examined(gateway)
+
+
 def test_a_replica_without_details_answers_null_details(fleet: Fleet) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     reply = httpx.post(fleet.no_cached_tokens.url + "/v1/chat/completions", json=body, timeout=30)
