@@ -60,12 +60,12 @@ class DoctorWatch:
     async def _run(self) -> None:
         while True:
             try:
-                await self.examine_due()
+                await self._examine_due()
             except Exception:  # a failed round must never end the checks
                 log.exception("the doctor's checks failed")
             await asyncio.sleep(_TICK_SECONDS)
 
-    async def examine_due(self) -> None:
+    async def _examine_due(self) -> None:
         loop = asyncio.get_running_loop()
         for backend in list(self._pool.backends):
             if not backend.healthy or backend.draining:
