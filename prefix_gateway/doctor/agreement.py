@@ -1,6 +1,6 @@
 """`token-agreement`: the cached tokens routing predicts for a repeated probe against those the
-engine reports, and, when they differ, which of the tokenizer, the chat template, the block size
-or the characters per token is to blame, found by trying each.
+engine reports, and, when they differ, which of the tokenizer, the chat template or the block
+size is to blame, found by trying each.
 """
 
 from __future__ import annotations

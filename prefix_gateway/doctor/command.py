@@ -30,13 +30,13 @@ check and replica:
   prefix-caching          a repeated prompt is served from the engine's prefix cache
   cached-tokens-reported  answers carry usage.prompt_tokens_details.cached_tokens
   token-agreement         the cached tokens routing predicts for a repeated prompt are those the
-                          engine reports; else which of tokenizer, chat template, block size or
-                          characters per token differs
+                          engine reports; else which of tokenizer, chat template or block size
+                          differs
   kv-events               (with --kv-events) the engine's event feed tells of the probe's blocks
   cache-salt              (with --isolate-tenants) a repeat under another cache_salt is no hit
 Exit status: 0 when no check failed, 1 otherwise, 2 for unusable flags. The probes go to the
-replicas directly; each costs a few short prompts of one generated token. See
-docs/doctor.md."""
+replicas directly; each costs a few short prompts of one generated token. Replicas are those of
+--backend, --backend-dns and --k8s-service (--emulate starts none here). See docs/doctor.md."""
 
 
 def main(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
