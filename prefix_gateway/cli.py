@@ -118,6 +118,12 @@ def _emulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from prefix_gateway.doctor.command import main as doctor_main
+
+    return doctor_main(args)
+
+
 def _replay(args: argparse.Namespace) -> int:
     from prefix_gateway.replay.command import main as replay_main
 
@@ -156,6 +162,16 @@ def build_parser() -> argparse.ArgumentParser:
     emulate = commands.add_parser("emulate", help="run one emulated vLLM-like replica")
     add_emulator_arguments(emulate)
     emulate.set_defaults(handler=_emulate)
+    from prefix_gateway.doctor.command import DESCRIPTION as DOCTOR_DESCRIPTION
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="check that every replica serves prefix routing as configured (same flags as serve)",
+        description=DOCTOR_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    gateway_config.add_arguments(doctor)
+    doctor.set_defaults(handler=_doctor)
     replay = commands.add_parser(
         "replay", help="replay a trace through every policy against simulated replicas"
     )

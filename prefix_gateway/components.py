@@ -5,6 +5,7 @@ app's lifespan, started and stopped in dependency order.
 from __future__ import annotations
 
 import random
+import ssl
 from dataclasses import dataclass
 
 import httpx
@@ -18,6 +19,8 @@ from prefix_gateway.backends.pool import BackendPool
 from prefix_gateway.backends.shared_load import LOAD_SCRIPT, SharedLoad
 from prefix_gateway.backends.stalls import StallRule, StallWatch
 from prefix_gateway.config import Settings
+from prefix_gateway.doctor.examination import Doctor
+from prefix_gateway.doctor.watch import DoctorWatch
 from prefix_gateway.metrics import Metrics
 from prefix_gateway.prompt.tokens import EngineTokenizer
 from prefix_gateway.proxy.access_log import configure_access_logger
@@ -58,6 +61,7 @@ class Components:
     shared_load: SharedLoad | None = None
     tenants: TenantGate | None = None
     flow: Flow | None = None
+    doctor: DoctorWatch | None = None
 
     @classmethod
     def build(cls, settings: Settings, pool: BackendPool | None = None) -> Components:
@@ -78,16 +82,8 @@ class Components:
                 settings, metrics, local_index, local_sessions, local_responses
             )
             index, sessions, responses = shared.index, shared.sessions, shared.responses
-        # Requests and probes check replicas' certificates alike, and reach them directly (no
-        # proxy from the environment). Probes and model listings carry the replicas' key too
-        # (vLLM guards /v1/models).
         tls = client_tls(settings.upstream_ca_file, settings.upstream_tls_verify)
-        probes = httpx.AsyncClient(
-            timeout=httpx.Timeout(settings.health_timeout, connect=settings.connect_timeout),
-            headers=_bearer(settings.upstream_api_key),
-            verify=tls,
-            trust_env=False,
-        )
+        probes = probe_client(settings, tls)
         feeds = None
         event_index = None
         routing_index = index
@@ -158,6 +154,11 @@ class Components:
             flow = Flow(settings, router, pool, metrics)
         proxy = ProxyHandler(settings, router, forwarder, admission, metrics, tenants, flow)
         discovery = Discovery.build(settings, pool, monitor.refresh)
+        # The doctor's probes go to the replicas directly: no routing state hears of them.
+        doctor = DoctorWatch(
+            pool, Doctor(settings, probes, tokenizer, feeds), metrics, settings.doctor_interval
+        )
+        pool.removed.append(doctor.forget)
         return cls(
             settings,
             pool,
@@ -176,6 +177,7 @@ class Components:
             shared_load,
             tenants,
             flow,
+            doctor,
         )
 
     async def start(self) -> None:
@@ -190,8 +192,12 @@ class Components:
         self.stalls.start()
         if self.kv_events is not None:
             self.kv_events.start()
+        if self.doctor is not None:
+            self.doctor.start()
 
     async def stop(self) -> None:
+        if self.doctor is not None:
+            await self.doctor.stop()
         if self.kv_events is not None:
             await self.kv_events.stop()
         await self.stalls.stop()
@@ -203,6 +209,21 @@ class Components:
         await self.probes.aclose()
         if self.redis is not None:
             await self.redis.close()
+
+
+def probe_client(settings: Settings, tls: ssl.SSLContext | None = None) -> httpx.AsyncClient:
+    """The client of health probes, scrapes and the doctor's checks."""
+    # Requests and probes check replicas' certificates alike, and reach them directly (no
+    # proxy from the environment). Probes and model listings carry the replicas' key too
+    # (vLLM guards /v1/models).
+    if tls is None:
+        tls = client_tls(settings.upstream_ca_file, settings.upstream_tls_verify)
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(settings.health_timeout, connect=settings.connect_timeout),
+        headers=_bearer(settings.upstream_api_key),
+        verify=tls,
+        trust_env=False,
+    )
 
 
 def _bearer(key: str) -> dict[str, str]:

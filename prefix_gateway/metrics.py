@@ -169,6 +169,14 @@ class Metrics:
             multiprocess_mode="livemax",
             registry=r,
         )
+        self.backend_check = Gauge(
+            "gateway_backend_check",
+            "1 when the backend passed the doctor's check at its last run, 0 when it failed it"
+            " (absent: not run, or nothing to judge it by).",
+            ["backend", "check"],
+            multiprocess_mode="livemin",
+            registry=r,
+        )
         self.stalls = Counter(
             "gateway_backend_stalls",
             "Times a backend was found stalled and taken out of routing.",

@@ -104,6 +104,10 @@ class GatewayProcess(ChildProcess):
                 "0.5",
                 "--log-level",
                 "warning",
+                # The doctor's probes are requests at the replicas: tests that count what a
+                # replica served, or fill its cache, turn them on only where they look at them.
+                "--doctor-interval",
+                "0",
                 *(part for backend in backends for part in ("--backend", backend)),
                 *args,
             ),

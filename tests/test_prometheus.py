@@ -49,7 +49,7 @@ def test_promtool_accepts_the_scrape_config() -> None:
 
 @needs_promtool
 def test_promtool_accepts_the_alert_rules() -> None:
-    assert "SUCCESS: 6 rules found" in promtool("check", "rules", "alerts.yml")
+    assert "SUCCESS: 8 rules found" in promtool("check", "rules", "alerts.yml")
 
 
 @needs_promtool
@@ -230,6 +230,6 @@ def test_prometheus_evaluates_every_alert_rule(prometheus: Prometheus) -> None:
         return [rule for group in body["data"]["groups"] for rule in group["rules"]]
 
     wait_for(lambda: all(rule["health"] == "ok" for rule in rules()), "the rules to evaluate")
-    assert len(rules()) == 6
+    assert len(rules()) == 8
     firing = prometheus.query('ALERTS{alertstate="firing"}')
     assert firing == []  # four healthy replicas, no Redis configured, nothing to fire

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,8 @@ from engines.replica import VLLMReplica
 from engines.tiny_model import ensure_model
 from engines.venv import VLLMVenv
 from tests.support import GatewayProcess, metric_value
+from tests.test_doctor import CHECKS as DOCTOR_CHECKS
+from tests.test_doctor import by_check, doctor
 from tests.test_responses import WEATHER_TOOL
 
 pytestmark = pytest.mark.real_vllm
@@ -473,7 +476,7 @@ def tokens_gateway(real: RealFleet) -> Iterator[GatewayProcess]:
     """A second gateway in front of the same replicas, tokenizing as they do and following
     their KV-cache events (learned from their /kv_event_sources)."""
     args = ("--tokenizer", str(model_folder()), "--engine-block-size", str(BLOCK), "--kv-events")
-    with GatewayProcess(real.urls, *args) as gateway:
+    with GatewayProcess(real.urls, *args, "--doctor-interval", "600") as gateway:
         backends = [f"{replica.host}:{replica.port}" for replica in real.replicas]
 
         def live() -> bool:
@@ -566,6 +569,109 @@ def test_kv_events_show_blocks_the_gateway_never_sent(
 
     wait_until(lambda: matched().get(name) == full_blocks, 10, f"{name} holds {full_blocks}")
     assert sum(matched().values()) == full_blocks  # the other replica holds none of it
+
+
+def named(replica: VLLMReplica) -> str:
+    return f"{replica.host}:{replica.port}"
+
+
+def test_doctor_passes_real_replicas_routed_on_their_tokens(real: RealFleet) -> None:
+    flags = ("--tokenizer", str(model_folder()), "--engine-block-size", str(BLOCK), "--kv-events")
+    status, rows = doctor(*(part for url in real.urls for part in ("--backend", url)), *flags)
+    for replica in real.replicas:
+        checks = by_check(rows, named(replica))
+        assert list(checks) == [*DOCTOR_CHECKS, "token-agreement", "kv-events"]
+        assert {verdict for verdict, _ in checks.values()} == {"PASS"}, rows
+        assert "tokens counted with --tokenizer, blocks of 32" in checks["token-agreement"][1]
+    assert status == 0
+
+
+def test_serve_runs_the_doctors_checks_on_real_replicas(tokens_gateway: GatewayProcess) -> None:
+    def examined() -> dict[str, Any]:
+        listed = httpx.get(tokens_gateway.url + "/admin/backends", timeout=10).json()["data"]
+        return {row["name"]: row["checks"] for row in listed}
+
+    wait_until(lambda: None not in examined().values(), 120, "both replicas examined")
+    for name, checks in examined().items():
+        results = {check: result["status"] for check, result in checks["results"].items()}
+        assert results == dict.fromkeys([*DOCTOR_CHECKS, "token-agreement", "kv-events"], "pass")
+        assert (
+            metric_value(
+                tokens_gateway.metrics(), "gateway_backend_check", backend=name, check="kv-events"
+            )
+            == 1
+        )
+
+
+def test_doctor_names_the_block_size_the_engine_caches_in(real: RealFleet) -> None:
+    replica = real.replicas[0]
+    flags = ("--tokenizer", str(model_folder()), "--engine-block-size", "64")
+    status, rows = doctor("--backend", replica.url, *flags)
+    verdict, detail = by_check(rows, named(replica))["token-agreement"]
+    assert verdict == "FAIL"
+    assert "as blocks of 32 tokens would; the gateway hashes blocks of 64" in detail, detail
+    assert status == 1
+
+
+def test_doctor_tells_a_chat_template_from_a_tokenizer(
+    real: RealFleet, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    source = model_folder()
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    template = tmp_path_factory.mktemp("other-template")
+    shutil.copy(source / "tokenizer.json", template / "tokenizer.json")
+    other = {**config, "chat_template": "Conversation:\n" + config["chat_template"]}
+    (template / "tokenizer_config.json").write_text(json.dumps(other))
+    tokenizer = tmp_path_factory.mktemp("other-tokenizer")
+    words = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.save(str(tokenizer / "tokenizer.json"))
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps(config))
+
+    replica = real.replicas[0]
+    for folder, differs in ((template, "chat template differs"), (tokenizer, "tokenizer differs")):
+        status, rows = doctor("--backend", replica.url, "--tokenizer", str(folder))
+        verdict, detail = by_check(rows, named(replica))["token-agreement"]
+        assert verdict == "FAIL" and detail.split(": ", 1)[1].startswith(differs), detail
+        assert status == 1
+
+
+def test_doctor_on_engines_without_prefix_caching_or_with_other_blocks(real: RealFleet) -> None:
+    """Two more engines, started together: one with prefix caching off, one caching blocks
+    of 64 tokens; the doctor routes as for the fleet's blocks of 32."""
+    venv = VLLMVenv().ensure()
+    model = ensure_model(venv.python, model_folder())
+    names = (MODEL,)
+    engines = [
+        VLLMReplica(
+            model,
+            venv=venv,
+            served_model_names=names,
+            cpu_cores="0",
+            extra_args=("--no-enable-prefix-caching",),
+        ),
+        VLLMReplica(model, venv=venv, served_model_names=names, cpu_cores="1", block_size=64),
+    ]
+    flags = ("--tokenizer", str(model_folder()), "--engine-block-size", str(BLOCK))
+    with VLLMFleet(engines) as started:
+        off, other_blocks = started.replicas
+        status, rows = doctor("--backend", off.url, "--backend", other_blocks.url, *flags)
+    assert status == 1
+    without = by_check(rows, named(off))
+    assert without["prefix-caching"][0] == "FAIL"
+    assert "--enable-prefix-caching" in without["prefix-caching"][1]
+    assert without["cached-tokens-reported"][0] == "PASS"
+    assert without["token-agreement"] == (
+        "FAIL",
+        "nothing was served from cache to compare (see prefix-caching)",
+    )
+    blocks = by_check(rows, named(other_blocks))
+    assert blocks["prefix-caching"][0] == "PASS"
+    verdict, detail = blocks["token-agreement"]
+    assert verdict == "FAIL"
+    assert "as blocks of 64 tokens would; the gateway hashes blocks of 32" in detail, detail
 
 
 def test_a_restarted_replicas_events_are_followed_again(

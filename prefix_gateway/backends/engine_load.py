@@ -65,6 +65,18 @@ def parse_engine_load(text: str) -> EngineLoad | None:
     return EngineLoad(running, waiting, usage, generated) if found else None
 
 
+def missing_engine_series(text: str) -> list[str]:
+    """The series this gateway reads from an engine's `/metrics` that `text` lacks, each named
+    by its vLLM name (any one of a family's names, vLLM's or SGLang's, counts)."""
+    present = {line.split("{", 1)[0].split(" ", 1)[0] for line in text.splitlines()}
+    present |= {name.removesuffix("_total") for name in present}
+    return [
+        family[0]
+        for family in (_RUNNING, _WAITING, _KV_USAGE, _GENERATED)
+        if not present.intersection(name.removesuffix("_total") for name in family)
+    ]
+
+
 def others_load(engine: EngineLoad, own_in_flight: int) -> int:
     """Requests at the engine that this gateway did not send (never negative)."""
     return max(0, engine.requests - own_in_flight)

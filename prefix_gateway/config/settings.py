@@ -260,6 +260,12 @@ class Settings:
         2.0, "seconds between scrapes of each replica's queue from its /metrics (0: off)"
     )
     models_interval: float = _opt(30.0, "seconds between refreshes of each replica's model list")
+    doctor_interval: float = _opt(
+        300.0,
+        "seconds between the doctor's checks of each replica (`prefix-gateway doctor`, run in"
+        " the background: once a replica is healthy, then on this interval; a few one-token"
+        " prompts each; see docs/doctor.md), exported as gateway_backend_check (0: off)",
+    )
     backend_dns: tuple[str, ...] = _opt(
         (), "headless Service name whose A/AAAA records are replicas, HOST:PORT or MODEL=HOST:PORT"
     )

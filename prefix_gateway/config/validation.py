@@ -45,6 +45,8 @@ def validated(settings: Settings) -> Settings:
         )
     for spec in settings.backend:
         read_backend_spec(spec)
+    if settings.doctor_interval < 0:
+        raise ConfigError("doctor_interval must not be negative (0: off)")
     if settings.discovery_interval <= 0 or settings.drain_timeout < 0:
         raise ConfigError("discovery_interval must be positive, drain_timeout not negative")
     unknown = set(settings.fleet_share) - {"claims", "traffic", "prompts", "none"}

@@ -20,6 +20,8 @@ from prefix_gateway.backends.pool import Backend, parse_backend_spec
 from prefix_gateway.components import Components
 from prefix_gateway.config import ConfigError
 from prefix_gateway.control.access import AdminRoute, Guard
+from prefix_gateway.doctor.verdicts import Status
+from prefix_gateway.doctor.watch import Examination
 from prefix_gateway.errors import BadRequest, GatewayError, NotFound
 
 
@@ -33,8 +35,11 @@ class NewBackend(BaseModel):
     model: str | None = None
 
 
-def backend_view(backend: Backend, feed: FeedState | None = None) -> dict[str, Any]:
-    """A backend as listed; `kv_events` is its KV-event feed with `--kv-events`, else null."""
+def backend_view(
+    backend: Backend, feed: FeedState | None = None, examined: Examination | None = None
+) -> dict[str, Any]:
+    """A backend as listed; `kv_events` is its KV-event feed with `--kv-events`, else null;
+    `checks` the doctor's last examination of it, null before the first."""
     return {
         "name": backend.name,
         "url": backend.url,
@@ -51,6 +56,18 @@ def backend_view(backend: Backend, feed: FeedState | None = None) -> dict[str, A
         "pending_prefill_blocks": backend.pending_prefill,
         "source": backend.source,
         "kv_events": asdict(feed) if feed is not None else None,
+        "checks": examination_view(examined) if examined is not None else None,
+    }
+
+
+def examination_view(examined: Examination) -> dict[str, Any]:
+    return {
+        "at": examined.at,
+        "passed": all(result.status is not Status.FAIL for result in examined.results),
+        "results": {
+            result.check.value: {"status": result.status.value, "detail": result.detail}
+            for result in examined.results
+        },
     }
 
 
@@ -68,7 +85,10 @@ def build_backends_router(components: Components, guard: Guard) -> APIRouter:
 
     def view(backend: Backend) -> dict[str, Any]:
         feeds = components.kv_events
-        return backend_view(backend, feeds.state(backend.name) if feeds is not None else None)
+        feed = feeds.state(backend.name) if feeds is not None else None
+        doctor = components.doctor
+        examined = doctor.examinations.get(backend.name) if doctor is not None else None
+        return backend_view(backend, feed, examined)
 
     def find(name: str) -> Backend:
         backend = pool.get(name)

@@ -216,7 +216,13 @@ class EmulatorApp:
 
     async def _generate(self, request: GenerationRequest, send: Send) -> None:
         prefix = "chatcmpl" if request.kind == "chat" else "cmpl"
-        envelope = Envelope(request.kind, self._new_id(prefix), int(time.time()), self.config.model)
+        envelope = Envelope(
+            request.kind,
+            self._new_id(prefix),
+            int(time.time()),
+            self.config.model,
+            self.config.prompt_tokens_details,
+        )
         if not request.stream:
             salt = request.cache_salt
             results = await _each(

@@ -32,12 +32,13 @@ class Usage:
             self.cached_tokens + other.cached_tokens,
         )
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, details: bool = True) -> dict[str, Any]:
+        """`details`: with `prompt_tokens_details` (vLLM --enable-prompt-tokens-details)."""
         return {
             "prompt_tokens": self.prompt_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "completion_tokens": self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens} if details else None,
         }
 
 
@@ -49,6 +50,8 @@ class Envelope:
     id: str
     created: int
     model: str
+    details: bool = True
+    """Usage carries `prompt_tokens_details` (the cached tokens)."""
 
     @property
     def is_chat(self) -> bool:
@@ -82,7 +85,9 @@ class Envelope:
                 for index, text in enumerate(texts)
             ]
             obj = "text_completion"
-        return orjson.dumps({**self.head(obj), "choices": choices, "usage": usage.as_dict()})
+        return orjson.dumps(
+            {**self.head(obj), "choices": choices, "usage": usage.as_dict(self.details)}
+        )
 
     def chunk(self, index: int, text: str, *, first: bool, last: bool) -> bytes:
         choice: dict[str, Any]
@@ -98,7 +103,7 @@ class Envelope:
 
     def usage_chunk(self, usage: Usage) -> bytes:
         obj = "chat.completion.chunk" if self.is_chat else "text_completion"
-        return _event({**self.head(obj), "choices": [], "usage": usage.as_dict()})
+        return _event({**self.head(obj), "choices": [], "usage": usage.as_dict(self.details)})
 
 
 def embeddings_body(

@@ -21,6 +21,12 @@ class EmulatorConfig:
     chat_template: str = "plain"
     default_max_tokens: int = 64
     seed: int = 0
+    prompt_tokens_details: bool = True
+    """Usage reports the cached tokens (`prompt_tokens_details`), as vLLM does only when run
+    with --enable-prompt-tokens-details."""
+    honour_cache_salt: bool = True
+    """A request's `cache_salt` keys its cached blocks; off: accepted and ignored, as an engine
+    without salting would."""
     pooling: bool = False
     """Also serve what vLLM serves only for a pooling model: `/pooling`, `/classify`,
     `/v2/embed`, score and rerank (a generative vLLM answers them 404)."""
@@ -94,6 +100,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed", type=int, default=defaults.seed, help="seed of the generated text"
     )
     parser.add_argument(
+        "--no-prompt-tokens-details",
+        dest="prompt_tokens_details",
+        action="store_false",
+        help="leave usage.prompt_tokens_details out of answers (null), as vLLM does without"
+        " --enable-prompt-tokens-details: no cached tokens are reported",
+    )
+    parser.add_argument(
+        "--ignore-cache-salt",
+        dest="honour_cache_salt",
+        action="store_false",
+        help="accept cache_salt and ignore it: salted prompts share cached blocks, as on an"
+        " engine without salting",
+    )
+    parser.add_argument(
         "--pooling",
         action="store_true",
         help="also serve a pooling model's endpoints: /pooling, /classify, /v2/embed, /score,"
@@ -115,4 +135,6 @@ def config_from_args(ns: argparse.Namespace) -> EmulatorConfig:
         default_max_tokens=ns.default_max_tokens,
         seed=ns.seed,
         pooling=ns.pooling,
+        prompt_tokens_details=ns.prompt_tokens_details,
+        honour_cache_salt=ns.honour_cache_salt,
     )

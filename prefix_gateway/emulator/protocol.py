@@ -126,7 +126,8 @@ def _generation(
         raise InvalidRequest("cache_salt must be a non-empty string", param="cache_salt")
     prompt_param = "messages" if kind == "chat" else "prompt"
     limits = [completion_limit(len(prompt), requested, config, prompt_param) for prompt in prompts]
-    return GenerationRequest(kind, prompts, limits, stream, include_usage, salt)
+    kept_salt = salt if config.honour_cache_salt else None
+    return GenerationRequest(kind, prompts, limits, stream, include_usage, kept_salt)
 
 
 def completion_limit(

@@ -155,7 +155,7 @@ class ResponsesAPI:
             completion_limit(len(prompt), requested, config, "input"),
             stream,
             _called(tools, tool_choice),
-            salt if isinstance(salt, str) and salt else None,
+            salt if isinstance(salt, str) and salt and config.honour_cache_salt else None,
         )
 
     def _output(self, request: _Request, text: str, status: str = "completed") -> dict[str, Any]:

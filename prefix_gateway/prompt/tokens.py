@@ -123,15 +123,21 @@ class EngineTokenizer:
 
     def chat(self, messages: list[Any], tools: list[Any] | None) -> bytes | None:
         """The packed ids of a chat's prompt, the generation prompt included."""
-        if self._template is None:
-            return None
-        try:
-            rendered = self._render(messages, tools)
-        except (TemplateError, TypeError, ValueError, KeyError, AttributeError):
+        rendered = self.rendered(messages, tools)
+        if rendered is None:
             return None
         if self._pieces is not None:
             return self._pieces.encode(rendered)
         return encoded(self._tokenizer, rendered, False)
+
+    def rendered(self, messages: list[Any], tools: list[Any] | None = None) -> str | None:
+        """A chat's prompt as the template renders it (None: it cannot render it)."""
+        if self._template is None:
+            return None
+        try:
+            return self._render(messages, tools)
+        except (TemplateError, TypeError, ValueError, KeyError, AttributeError):
+            return None
 
     @property
     def pieces(self) -> PieceCache | None:

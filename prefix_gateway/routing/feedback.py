@@ -51,6 +51,12 @@ class Verdict:
     """The first index block surely not cached on the replica when the request arrived."""
 
 
+def tolerance(block_tokens: int) -> tuple[float, float]:
+    """The tokens, and the share of a prediction, by which a report may miss it with nothing
+    evicted (`judge`'s last two arguments)."""
+    return block_tokens + _SLACK_TOKENS, _SLACK_FRACTION
+
+
 def chars_per_token(canonical_chars: int, prompt_tokens: int | None, assumed: float) -> float:
     """The request's own characters per token, or `assumed` when the replica did not say."""
     if prompt_tokens and canonical_chars:

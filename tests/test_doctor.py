@@ -1,0 +1,236 @@
+"""`prefix-gateway doctor`, and the same checks in the background of `serve`, against real
+processes: a healthy emulated replica, one caching blocks of another size than the gateway
+hashes, one that reports no cached tokens, and a backend on a closed port."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from prefix_gateway.doctor.verdicts import (
+    COMMON_BLOCK_SIZES,
+    block_size_verdict,
+    cached_at,
+    probe_tokens,
+    sizes_reproducing,
+)
+from prefix_gateway.emulator.process import EmulatorProcess
+from prefix_gateway.processes import metric_value
+from tests.conftest import MODEL
+from tests.support import ROOT, GatewayProcess, free_port, wait_until
+
+CHECKS = ["reachable", "models", "load-metrics", "prefix-caching", "cached-tokens-reported"]
+PROBED = ["token-agreement"]
+
+
+@dataclass
+class Fleet:
+    healthy: EmulatorProcess
+    other_block_size: EmulatorProcess
+    no_cached_tokens: EmulatorProcess
+    closed: str
+
+    def name(self, replica: EmulatorProcess) -> str:
+        return f"{replica.host}:{replica.port}"
+
+    @property
+    def urls(self) -> list[str]:
+        started = [self.healthy, self.other_block_size, self.no_cached_tokens]
+        return [*(replica.url for replica in started), self.closed]
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    with (
+        EmulatorProcess(name=MODEL) as healthy,
+        EmulatorProcess("--block-size", "32", name=MODEL) as other,
+        EmulatorProcess("--no-prompt-tokens-details", name=MODEL) as silent,
+    ):
+        yield Fleet(healthy, other, silent, f"http://127.0.0.1:{free_port()}")
+
+
+def doctor(*args: str) -> tuple[int, list[list[str]]]:
+    """The exit status of `prefix-gateway doctor ARGS` and its check lines, split into
+    status, backend, check and detail."""
+    done = subprocess.run(
+        [sys.executable, "-m", "prefix_gateway", "doctor", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stdout.splitlines()
+    rows = [line.split(None, 3) for line in lines[:-1]]
+    assert all(row[0] in ("PASS", "FAIL", "SKIP") for row in rows), done.stdout
+    return done.returncode, rows
+
+
+def by_check(rows: list[list[str]], backend: str) -> dict[str, tuple[str, str]]:
+    found = [row for row in rows if row[1] == backend]
+    checks = {row[2]: (row[0], row[3]) for row in found}
+    assert len(checks) == len(found), "one line per check and replica"
+    return checks
+
+
+def test_a_healthy_replica_passes_every_check(fleet: Fleet) -> None:
+    status, rows = doctor("--backend", fleet.healthy.url, "--isolate-tenants", "--api-key", "k")
+    checks = by_check(rows, fleet.name(fleet.healthy))
+    assert list(checks) == [*CHECKS, *PROBED, "cache-salt"]
+    assert {verdict for verdict, _ in checks.values()} == {"PASS"}, rows
+    assert status == 0
+    assert "not a hit" in checks["cache-salt"][1]
+
+
+def test_each_replica_is_told_what_is_wrong_with_it(fleet: Fleet) -> None:
+    status, rows = doctor(*(part for url in fleet.urls for part in ("--backend", url)))
+    assert status == 1
+
+    closed = by_check(rows, fleet.closed.removeprefix("http://"))
+    assert closed["reachable"][0] == "FAIL" and "cannot connect" in closed["reachable"][1]
+    assert {verdict for check, (verdict, _) in closed.items() if check != "reachable"} == {"SKIP"}
+
+    healthy = by_check(rows, fleet.name(fleet.healthy))
+    assert {verdict for verdict, _ in healthy.values()} == {"PASS"}
+
+    other = by_check(rows, fleet.name(fleet.other_block_size))
+    verdict, detail = other["token-agreement"]
+    assert verdict == "FAIL"
+    assert "block size differs" in detail and "blocks of 32 tokens" in detail, detail
+    assert "the gateway hashes blocks of 16" in detail
+    assert other["prefix-caching"][0] == other["cached-tokens-reported"][0] == "PASS"
+
+    silent = by_check(rows, fleet.name(fleet.no_cached_tokens))
+    assert silent["cached-tokens-reported"][0] == "FAIL"
+    assert "--enable-prompt-tokens-details" in silent["cached-tokens-reported"][1]
+    # Its prefix cache works, as its hit counter shows; agreement cannot be judged.
+    assert silent["prefix-caching"] == ("PASS", "the repeat counted prefix-cache hits in /metrics")
+    assert silent["token-agreement"][0] == "SKIP"
+
+
+def test_an_engine_ignoring_cache_salt_fails_the_salt_check() -> None:
+    with EmulatorProcess("--ignore-cache-salt", name=MODEL) as replica:
+        status, rows = doctor("--backend", replica.url, "--isolate-tenants", "--api-key", "k")
+    checks = by_check(rows, f"{replica.host}:{replica.port}")
+    verdict, detail = checks["cache-salt"]
+    assert verdict == "FAIL" and "not isolated" in detail, detail
+    assert checks["prefix-caching"][0] == "PASS"
+    assert status == 1
+
+
+def test_the_gateway_hashing_the_engines_block_size_agrees(fleet: Fleet) -> None:
+    status, rows = doctor("--backend", fleet.other_block_size.url, "--block-tokens", "32")
+    checks = by_check(rows, fleet.name(fleet.other_block_size))
+    assert checks["token-agreement"][0] == "PASS", checks["token-agreement"]
+    assert status == 0
+
+
+def test_unusable_flags_exit_2(fleet: Fleet) -> None:
+    flags = ["--backend", "127.0.0.1:9", "--doctor-interval", "-1"]
+    done = subprocess.run(
+        [sys.executable, "-m", "prefix_gateway", "doctor", *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "doctor_interval must not be negative" in done.stderr
+
+
+@pytest.fixture(scope="module")
+def gateway(fleet: Fleet) -> Iterator[GatewayProcess]:
+    with GatewayProcess(fleet.urls, "--doctor-interval", "1") as started:
+        yield started
+
+
+def examined(gateway: GatewayProcess) -> dict[str, Any]:
+    listed = httpx.get(gateway.url + "/admin/backends", timeout=10).json()["data"]
+    return {row["name"]: row["checks"] for row in listed}
+
+
+def test_serve_runs_the_checks_in_the_background(fleet: Fleet, gateway: GatewayProcess) -> None:
+    started = [fleet.healthy, fleet.other_block_size, fleet.no_cached_tokens]
+    names = [fleet.name(replica) for replica in started]
+    wait_until(
+        lambda: all(examined(gateway)[name] is not None for name in names),
+        "every healthy replica examined",
+    )
+    checks = examined(gateway)
+    assert checks[fleet.closed.removeprefix("http://")] is None  # never healthy, never examined
+    assert checks[names[0]]["passed"] is True
+    assert checks[names[1]]["passed"] is False
+    failing = checks[names[1]]["results"]["token-agreement"]
+    assert failing["status"] == "fail" and "block size differs" in failing["detail"]
+    assert checks[names[2]]["results"]["cached-tokens-reported"]["status"] == "fail"
+
+    scrape = gateway.metrics()
+
+    def check(backend: str, name: str) -> float:
+        return metric_value(scrape, "gateway_backend_check", backend=backend, check=name)
+
+    assert [check(names[0], name) for name in CHECKS + PROBED] == [1.0] * 6
+    assert check(names[1], "token-agreement") == 0
+    assert check(names[2], "cached-tokens-reported") == 0
+    skipped = f'gateway_backend_check{{backend="{names[2]}",check="token-agreement"}}'
+    assert skipped not in scrape  # not judged: no series
+
+    # Periodically: a later examination of the same replica.
+    first = checks[names[0]]["at"]
+    wait_until(lambda: examined(gateway)[names[0]]["at"] > first, "a second examination")
+
+    # The probes went to the replicas directly: routing heard nothing of them.
+    assert fleet.healthy.metric("vllm:request_success_total") >= 4
+    after = gateway.metrics()
+    assert metric_value(after, "gateway_index_blocks") == 0
+    assert metric_value(after, "gateway_requests_total") == 0
+    assert metric_value(after, "gateway_matched_tokens_predicted_total") == 0
+
+
+def test_a_replica_added_while_serving_is_examined(gateway: GatewayProcess) -> None:
+    with EmulatorProcess("--block-size", "64", name=MODEL) as joining:
+        name = f"{joining.host}:{joining.port}"
+        added = httpx.post(gateway.url + "/admin/backends", json={"url": joining.url}, timeout=30)
+        assert added.status_code == 201 and added.json()["checks"] is None
+        wait_until(lambda: examined(gateway)[name] is not None, "the new replica examined")
+        agreement = examined(gateway)[name]["results"]["token-agreement"]
+        assert agreement["status"] == "fail" and "blocks of 64 tokens" in agreement["detail"]
+        series = f'gateway_backend_check{{backend="{name}",check="token-agreement"}} 0.0'
+        assert series in gateway.metrics().splitlines()
+        removed = httpx.delete(f"{gateway.url}/admin/backends/{name}", timeout=30)
+        assert removed.status_code == 200
+    # Gone from the pool: its series and its examination with it.
+    assert f'backend="{name}"' not in gateway.metrics()
+    assert name not in examined(gateway)
+
+
+def test_a_replica_without_details_answers_null_details(fleet: Fleet) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    reply = httpx.post(fleet.no_cached_tokens.url + "/v1/chat/completions", json=body, timeout=30)
+    usage = reply.json()["usage"]
+    assert usage["prompt_tokens"] > 0 and usage["prompt_tokens_details"] is None
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+def test_the_probe_length_tells_the_block_size_apart(block_size: int) -> None:
+    aimed = probe_tokens(block_size)
+    for tokens in range(aimed - 2, aimed + 3):
+        assert tokens % block_size, "not a whole number of blocks"
+        ours = cached_at(tokens, block_size)
+        assert sizes_reproducing(tokens, ours, block_size) == [block_size]
+        assert block_size_verdict(tokens, ours, block_size) is None
+    others = [size for size in COMMON_BLOCK_SIZES if size != block_size]
+    for size in others:
+        verdict = block_size_verdict(aimed, cached_at(aimed, size), block_size)
+        assert verdict is not None and f"blocks of {block_size}" in verdict
+
+
+def test_a_count_no_block_size_explains_is_called_eviction() -> None:
+    verdict = block_size_verdict(379, 100, 16)
+    assert verdict is not None and "evicted" in verdict
