@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from prefix_gateway.backends.adapters import AdapterLoader
 from prefix_gateway.backends.discovery import Discovery
 from prefix_gateway.backends.engine_load import EngineLoadScraper
 from prefix_gateway.backends.health import Health
@@ -58,6 +59,7 @@ class Components:
     shared_load: SharedLoad | None = None
     tenants: TenantGate | None = None
     flow: Flow | None = None
+    adapters: AdapterLoader | None = None
 
     @classmethod
     def build(cls, settings: Settings, pool: BackendPool | None = None) -> Components:
@@ -108,6 +110,12 @@ class Components:
         policy = build_policy(settings, random.Random())
         router = Router(settings, pool, stores, policy, metrics, tokenizer)
         pool.removed.append(router.memory.traffic.recent.forget)
+        adapters = None
+        if settings.lora_adapters:
+            adapters = AdapterLoader(
+                pool, probes, settings.lora_adapters, settings.lora_idle_unload, metrics
+            )
+            router.adapters = adapters
         health = Health(
             pool,
             settings.unhealthy_threshold,
@@ -176,6 +184,7 @@ class Components:
             shared_load,
             tenants,
             flow,
+            adapters,
         )
 
     async def start(self) -> None:
@@ -190,8 +199,12 @@ class Components:
         self.stalls.start()
         if self.kv_events is not None:
             self.kv_events.start()
+        if self.adapters is not None:
+            self.adapters.start()
 
     async def stop(self) -> None:
+        if self.adapters is not None:
+            await self.adapters.stop()
         if self.kv_events is not None:
             await self.kv_events.stop()
         await self.stalls.stop()

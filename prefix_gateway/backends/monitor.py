@@ -47,10 +47,12 @@ class BackendMonitor:
             if healthy and with_models and backend.pinned_model is None:
                 listing = await self._client.get(backend.url + "/v1/models")
                 listing.raise_for_status()
-                models = frozenset(
-                    str(item["id"]) for item in listing.json().get("data", []) if "id" in item
-                )
-                self._pool.models_listed(backend, models)
+                cards = [item for item in listing.json().get("data", []) if "id" in item]
+                models = frozenset(str(item["id"]) for item in cards)
+                parents = {
+                    str(item["id"]): str(item["parent"]) for item in cards if item.get("parent")
+                }
+                self._pool.models_listed(backend, models, parents)
         except (httpx.HTTPError, httpx.InvalidURL, ValueError, KeyError, TypeError):
             healthy = False
         self._on_probe(backend, healthy)

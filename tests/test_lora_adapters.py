@@ -1,0 +1,214 @@
+"""LoRA adapters through a real gateway in front of emulated replicas that serve them: shown
+apart from base models, kept on few replicas, keyed apart in the index, loaded on demand once
+and unloaded when idle."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from prefix_gateway.config import ConfigError, add_arguments, load_settings
+from prefix_gateway.config.adapters import AdapterSpec, parse_adapters
+from prefix_gateway.emulator.process import EmulatorProcess
+from prefix_gateway.processes import metric_value
+from tests.support import GatewayProcess, wait_until
+
+MODEL = "emulated-model"
+IDLE_SECONDS = 3
+# Both replicas serve `both`; only the first serves `only-a`; `lazy` and `idle` are declared to
+# the gateway and served by no replica at first. A load takes a while, so that the first
+# requests for an adapter all arrive while it runs.
+COMMON = ["--enable-lora", "--lora-load-ms", "300", "--max-loras", "1"]
+
+
+@pytest.fixture(scope="module")
+def replicas() -> Iterator[list[EmulatorProcess]]:
+    first = EmulatorProcess(*COMMON, "--lora-modules", "both=/a/both", "only-a=/a/only-a")
+    second = EmulatorProcess(*COMMON, "--seed", "1", "--lora-modules", "both=/a/both")
+    with first, second:
+        yield [first, second]
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    replicas: list[EmulatorProcess], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayProcess]:
+    config = tmp_path_factory.mktemp("lora") / "gateway.yaml"
+    config.write_text(
+        f"lora_idle_unload: {IDLE_SECONDS}\n"
+        "lora_adapters:\n"
+        "  - {name: lazy, path: /a/lazy}\n"
+        "  - {name: idle, path: /a/idle, base_model: emulated-model}\n"
+    )
+    with GatewayProcess([replica.url for replica in replicas], "--config", str(config)) as started:
+        wait_until(lambda: len(served_by(started, "both")) == 2, "both replicas listed")
+        yield started
+
+
+def served_by(gateway: GatewayProcess, adapter: str) -> list[str]:
+    listing = httpx.get(gateway.url + "/admin/backends", timeout=10).json()["data"]
+    return [item["name"] for item in listing if adapter in item["adapters"] and item["healthy"]]
+
+
+def complete(gateway: GatewayProcess, model: str, prompt: str) -> httpx.Response:
+    response = httpx.post(
+        gateway.url + "/v1/completions",
+        json={"model": model, "prompt": prompt, "max_tokens": 2},
+        timeout=30,
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == model
+    return response
+
+
+def cached_tokens(response: httpx.Response) -> int:
+    return int(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def name_of(replica: EmulatorProcess) -> str:
+    return replica.url.removeprefix("http://")
+
+
+def test_adapters_are_shown_apart_from_base_models(
+    gateway: GatewayProcess, replicas: list[EmulatorProcess]
+) -> None:
+    models = httpx.get(gateway.url + "/v1/models", timeout=10).json()["data"]
+    parents = {card["id"]: card["parent"] for card in models}
+    # `lazy` is served by nobody yet: listed all the same, with the fleet's one base model.
+    assert parents == {MODEL: None, "both": MODEL, "only-a": MODEL, "lazy": MODEL, "idle": MODEL}
+    listing = httpx.get(gateway.url + "/admin/backends", timeout=10).json()["data"]
+    views = {item["name"]: item for item in listing}
+    first, second = (views[name_of(replica)] for replica in replicas)
+    assert first["models"] == second["models"] == [MODEL]
+    assert first["adapters"] == {"both": MODEL, "only-a": MODEL}
+    assert second["adapters"] == {"both": MODEL}
+    metrics = gateway.metrics()
+    assert metric_value(metrics, "gateway_lora_adapter_replicas", adapter="both") == 2
+    assert metric_value(metrics, "gateway_lora_adapter_replicas", adapter="only-a") == 1
+    assert metric_value(metrics, "gateway_lora_adapter_replicas", adapter="lazy") == 0
+
+
+def test_an_adapter_stays_on_one_replica_while_its_load_allows(
+    gateway: GatewayProcess, replicas: list[EmulatorProcess]
+) -> None:
+    routes = [
+        complete(gateway, "both", f"question number {number} about something else entirely")
+        for number in range(8)
+    ]
+    backends = {response.headers["x-gateway-backend"] for response in routes}
+    assert len(backends) == 1
+    assert {response.headers["x-gateway-route"] for response in routes} == {"adapter"}
+    # The base model's distinct prompts spread by their own keys, over both replicas.
+    spread = {
+        complete(gateway, MODEL, f"a different question {number} on its own topic").headers[
+            "x-gateway-backend"
+        ]
+        for number in range(12)
+    }
+    assert spread == {name_of(replica) for replica in replicas}
+    # An adapter served by one replica only goes there.
+    only = {
+        complete(gateway, "only-a", f"ask {number}").headers["x-gateway-backend"]
+        for number in range(4)
+    }
+    assert only == {name_of(replicas[0])}
+
+
+def test_a_prompt_cached_under_one_adapter_is_not_predicted_for_another(
+    gateway: GatewayProcess,
+) -> None:
+    prompt = "the same long prompt under every adapter, " * 12
+    complete(gateway, "only-a", prompt)
+    repeat = complete(gateway, "only-a", prompt)
+    assert cached_tokens(repeat) > 0
+    metrics = gateway.metrics()
+    assert metric_value(metrics, "gateway_matched_tokens_predicted_total", model="only-a") > 0
+    # Same prompt, same replica, other adapter or the base model: nothing cached, none predicted.
+    for model in ("both", MODEL):
+        before = metric_value(
+            gateway.metrics(), "gateway_matched_tokens_predicted_total", model=model
+        )
+        other = complete(gateway, model, prompt)
+        assert cached_tokens(other) == 0
+        after = metric_value(
+            gateway.metrics(), "gateway_matched_tokens_predicted_total", model=model
+        )
+        assert after == before
+
+
+def test_a_declared_adapter_is_loaded_once_for_concurrent_first_requests(
+    gateway: GatewayProcess, replicas: list[EmulatorProcess]
+) -> None:
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(
+            pool.map(lambda number: complete(gateway, "lazy", f"first call {number}"), range(6))
+        )
+    homes = {answer.headers["x-gateway-backend"] for answer in answers}
+    assert len(homes) == 1
+    loads = {name_of(replica): replica.metric("emulator:lora_loads_total") for replica in replicas}
+    assert sorted(loads.values()) == [0, 1]
+    (home,) = homes
+    assert loads[home] == 1
+    assert served_by(gateway, "lazy") == [home]
+    # Reused: the next request goes there, and nothing is loaded again.
+    assert complete(gateway, "lazy", "a later call").headers["x-gateway-backend"] == home
+    assert sum(replica.metric("emulator:lora_loads_total") for replica in replicas) == 1
+    metrics = gateway.metrics()
+    assert metric_value(metrics, "gateway_lora_adapter_loads_total", adapter="lazy") == 1
+
+
+def test_an_idle_adapter_is_unloaded_and_loaded_again_when_asked_for(
+    gateway: GatewayProcess, replicas: list[EmulatorProcess]
+) -> None:
+    home = complete(gateway, "idle", "once").headers["x-gateway-backend"]
+    assert served_by(gateway, "idle") == [home]
+
+    def unloaded() -> float:
+        text = gateway.metrics()
+        return metric_value(
+            text, "gateway_lora_adapter_unloads_total", adapter="idle", outcome="unloaded"
+        )
+
+    wait_until(lambda: unloaded() == 1, "the idle adapter unloaded")
+    assert served_by(gateway, "idle") == []
+    (replica,) = (replica for replica in replicas if name_of(replica) == home)
+    listed = httpx.get(replica.url + "/v1/models", timeout=10).json()["data"]
+    assert "idle" not in {card["id"] for card in listed}
+    complete(gateway, "idle", "again")
+    loads = metric_value(
+        gateway.metrics(), "gateway_lora_adapter_loads_total", adapter="idle", outcome="loaded"
+    )
+    assert loads == 2
+
+
+def test_the_adapters_list_is_checked_at_start() -> None:
+    assert parse_adapters([{"name": "a", "path": "/p"}]) == (AdapterSpec("a", "/p"),)
+    bad = [
+        ("not a list", "must be a list"),
+        ([{"name": "a"}], "path must be"),
+        ([{"name": "a b", "path": "/p"}], "name must be"),
+        ([{"name": "a", "path": "/p", "weight": 1}], "unknown fields"),
+        ([{"name": "a", "path": "/p"}, {"name": "a", "path": "/q"}], "given twice"),
+        ([{"name": "a", "path": "/p", "base_model": "a"}], "its own base model"),
+    ]
+    for raw, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            parse_adapters(raw)
+
+
+def test_the_adapters_list_is_read_from_the_config_file(tmp_path: Path) -> None:
+    config = tmp_path / "gateway.yaml"
+    config.write_text("lora_adapters:\n  - {name: lazy, path: /a/lazy}\nlora_idle_unload: 60\n")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    settings = load_settings(parser.parse_args(["--config", str(config), "--backend", "a:1"]), {})
+    assert settings.lora_adapters == (AdapterSpec("lazy", "/a/lazy"),)
+    assert settings.lora_idle_unload == 60
+    config.write_text("lora_adapters:\n  - {name: lazy}\n")
+    with pytest.raises(ConfigError, match=r"lora_adapters\[0\] \(lazy\): path must be"):
+        load_settings(parser.parse_args(["--config", str(config), "--backend", "a:1"]), {})
