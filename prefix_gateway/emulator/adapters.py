@@ -20,7 +20,14 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from prefix_gateway.emulator.errors import EmulatorError, InvalidRequest
+from prefix_gateway.emulator.errors import EmulatorError
+
+
+class InvalidAdapterRequest(EmulatorError):
+    """vLLM's answer to a load or unload it refuses (its error type, not the status name)."""
+
+    status = 400
+    error_type = "InvalidUserInput"
 
 
 class AdapterNotFound(EmulatorError):
@@ -74,11 +81,13 @@ class Adapters:
     async def load(self, body: Mapping[str, Any]) -> bytes:
         name, path = body.get("lora_name"), body.get("lora_path")
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
-            raise InvalidRequest("Both 'lora_name' and 'lora_path' must be provided.")
+            raise InvalidAdapterRequest("Both 'lora_name' and 'lora_path' must be provided.")
         if name == self.base_model:
-            raise InvalidRequest(f"The lora adapter '{name}' conflicts with a served base model.")
+            raise InvalidAdapterRequest(
+                f"The lora adapter '{name}' conflicts with a served base model."
+            )
         if name in self.served and not body.get("load_inplace", False):
-            raise InvalidRequest(
+            raise InvalidAdapterRequest(
                 f"The lora adapter '{name}' has already been loaded. If you want to load the"
                 " adapter in place, set 'load_inplace' to True."
             )
@@ -91,7 +100,9 @@ class Adapters:
     def unload(self, body: Mapping[str, Any]) -> bytes:
         name = body.get("lora_name")
         if not isinstance(name, str) or not name:
-            raise InvalidRequest("'lora_name' needs to be provided to unload a LoRA adapter.")
+            raise InvalidAdapterRequest(
+                "'lora_name' needs to be provided to unload a LoRA adapter."
+            )
         if name not in self.served:
             raise AdapterNotFound(f"The lora adapter '{name}' cannot be found.")
         del self.served[name]
