@@ -121,7 +121,7 @@ def measure(policy: str, given: argparse.Namespace) -> tuple[Run, float]:
         *(f"{name}=/adapters/{name}" for name in adapters),
     ]
     with EmulatedReplicas(REPLICAS, MODEL, emulator) as replicas:
-        options = ("--policy", policy, "--health-interval", "30", "--access-log", "false")
+        options = ("--policy", policy, "--health-interval", "30", "--no-access-log")
         with GatewayProcess(replicas.urls, *options) as gateway:
             run = asyncio.run(
                 drive(gateway.url, adapters, given.requests, given.concurrency, given.seed)

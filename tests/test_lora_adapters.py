@@ -12,10 +12,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prefix_gateway.config import ConfigError, add_arguments, load_settings
+from prefix_gateway.config import ConfigError, Settings, add_arguments, load_settings
 from prefix_gateway.config.adapters import AdapterSpec, parse_adapters
 from prefix_gateway.emulator.process import EmulatorProcess
 from prefix_gateway.processes import metric_value
+from prefix_gateway.prompt.hashing import key_hash
+from prefix_gateway.replay.report import render_table, summarise
+from prefix_gateway.replay.simulator import ReplayConfig, run_replay
+from prefix_gateway.replay.synthetic import synthetic_trace
+from prefix_gateway.routing.prefix_policy import PrefixPolicy
+from prefix_gateway.routing.types import Route, RoutingState
 from tests.support import GatewayProcess, wait_until
 
 MODEL = "emulated-model"
@@ -212,3 +218,46 @@ def test_the_adapters_list_is_read_from_the_config_file(tmp_path: Path) -> None:
     config.write_text("lora_adapters:\n  - {name: lazy}\n")
     with pytest.raises(ConfigError, match=r"lora_adapters\[0\] \(lazy\): path must be"):
         load_settings(parser.parse_args(["--config", str(config), "--backend", "a:1"]), {})
+
+
+def test_the_policy_keys_an_adapter_on_its_name_until_the_bound_moves_it() -> None:
+    policy = PrefixPolicy(Settings())
+    names = [f"replica-{number}" for number in range(4)]
+    adapter = key_hash("sql-lora")
+
+    def choose(affinity_key: int, loads: dict[str, int]) -> tuple[str, Route]:
+        state = RoutingState(
+            candidates=names, loads=loads, affinity_key=affinity_key, adapter_key=adapter
+        )
+        decision = policy.choose(state)
+        return decision.backend, decision.route
+
+    idle = dict.fromkeys(names, 0)
+    keys = [key_hash(f"prompt {number}") for number in range(50)]
+    homes = {choose(key, idle) for key in keys}
+    assert len(homes) == 1  # whatever the prompt: the adapter's replica
+    ((home, route),) = homes
+    assert route is Route.ADAPTER
+    # Its replica at the bound (floor 2, 2 in flight of 2 in all): the next on the ring.
+    busy = {**idle, home: 2}
+    spill, route = choose(keys[0], busy)
+    assert spill != home and route is Route.ADAPTER
+    # Without an adapter, the prompts' own keys spread over the replicas.
+    spread = {
+        policy.choose(RoutingState(candidates=names, loads=idle, affinity_key=key)).backend
+        for key in keys
+    }
+    assert len(spread) == len(names)
+
+
+def test_the_replay_counts_fewer_swaps_with_adapter_affinity() -> None:
+    trace = synthetic_trace("customers", 1, adapters=8, limit=160)
+    assert {request.adapter for request in trace.requests} >= {"adapter-0", "adapter-1"}
+    config = ReplayConfig(replicas=4, cache_tokens=16_384, max_loras=2)
+    prefix = summarise(run_replay(trace, "prefix", config))
+    rotated = summarise(run_replay(trace, "round_robin", config))
+    assert prefix.adapters == rotated.adapters == 8
+    assert "adapter" in prefix.routes
+    assert prefix.swaps < rotated.swaps / 2
+    assert prefix.replicas_per_adapter < rotated.replicas_per_adapter
+    assert "| prefix | 8 |" in render_table("adapters", [prefix, rotated])
