@@ -126,10 +126,9 @@ REFUSALS: dict[str, Refusal] = {
         "no healthy backend serves model `{0}`; retry later",
         (RETRY_AFTER,),
     ),
-    # A LoRA adapter of `lora_adapters` that the replica chosen to load it did not load
-    # (backends/adapters.py).
+    # A LoRA adapter of `lora_adapters` that no replica tried loaded (backends/adapters.py).
     "adapter_load_failed": Refusal(
-        UpstreamFailed, "the replica chosen to load LoRA adapter `{0}` did not load it: {1}"
+        UpstreamFailed, "no replica loaded LoRA adapter `{0}`; the last one tried said: {1}"
     ),
     # The replicas (proxy/upstream.py) and the deadlines (proxy/deadlines.py).
     "upstream_unreachable": Refusal(UpstreamFailed, "the replica could not be reached"),

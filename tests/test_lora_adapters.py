@@ -25,10 +25,13 @@ from prefix_gateway.routing.types import Route, RoutingState
 from tests.support import GatewayProcess, wait_until
 
 MODEL = "emulated-model"
+OTHER_MODEL = "other-model"
 IDLE_SECONDS = 3
 # Both replicas serve `both`; only the first serves `only-a`; `lazy` and `idle` are declared to
 # the gateway and served by no replica at first. A load takes a while, so that the first
-# requests for an adapter all arrive while it runs.
+# requests for an adapter all arrive while it runs. A third replica serves another base model
+# without LoRA (its load endpoint is a 404, as vLLM's without runtime updating): the declared
+# `broken` can only be loaded there.
 COMMON = ["--enable-lora", "--lora-load-ms", "300", "--max-loras", "1"]
 
 
@@ -36,8 +39,9 @@ COMMON = ["--enable-lora", "--lora-load-ms", "300", "--max-loras", "1"]
 def replicas() -> Iterator[list[EmulatorProcess]]:
     first = EmulatorProcess(*COMMON, "--lora-modules", "both=/a/both", "only-a=/a/only-a")
     second = EmulatorProcess(*COMMON, "--seed", "1", "--lora-modules", "both=/a/both")
-    with first, second:
-        yield [first, second]
+    third = EmulatorProcess(name=OTHER_MODEL)
+    with first, second, third:
+        yield [first, second, third]
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +54,7 @@ def gateway(
         "lora_adapters:\n"
         "  - {name: lazy, path: /a/lazy}\n"
         "  - {name: idle, path: /a/idle, base_model: emulated-model}\n"
+        f"  - {{name: broken, path: /a/broken, base_model: {OTHER_MODEL}}}\n"
     )
     with GatewayProcess([replica.url for replica in replicas], "--config", str(config)) as started:
         wait_until(lambda: len(served_by(started, "both")) == 2, "both replicas listed")
@@ -86,10 +91,19 @@ def test_adapters_are_shown_apart_from_base_models(
     models = httpx.get(gateway.url + "/v1/models", timeout=10).json()["data"]
     parents = {card["id"]: card["parent"] for card in models}
     # `lazy` is served by nobody yet: listed all the same, with the fleet's one base model.
-    assert parents == {MODEL: None, "both": MODEL, "only-a": MODEL, "lazy": MODEL, "idle": MODEL}
+    # `lazy` names no base model and the fleet has two: its parent is unknown until it loads.
+    assert parents == {
+        MODEL: None,
+        OTHER_MODEL: None,
+        "both": MODEL,
+        "only-a": MODEL,
+        "lazy": None,
+        "idle": MODEL,
+        "broken": OTHER_MODEL,
+    }
     listing = httpx.get(gateway.url + "/admin/backends", timeout=10).json()["data"]
     views = {item["name"]: item for item in listing}
-    first, second = (views[name_of(replica)] for replica in replicas)
+    first, second, _ = (views[name_of(replica)] for replica in replicas)
     assert first["models"] == second["models"] == [MODEL]
     assert first["adapters"] == {"both": MODEL, "only-a": MODEL}
     assert second["adapters"] == {"both": MODEL}
@@ -116,7 +130,7 @@ def test_an_adapter_stays_on_one_replica_while_its_load_allows(
         ]
         for number in range(12)
     }
-    assert spread == {name_of(replica) for replica in replicas}
+    assert spread == {name_of(replica) for replica in replicas[:2]}
     # An adapter served by one replica only goes there.
     only = {
         complete(gateway, "only-a", f"ask {number}").headers["x-gateway-backend"]
@@ -157,7 +171,7 @@ def test_a_declared_adapter_is_loaded_once_for_concurrent_first_requests(
     homes = {answer.headers["x-gateway-backend"] for answer in answers}
     assert len(homes) == 1
     loads = {name_of(replica): replica.metric("emulator:lora_loads_total") for replica in replicas}
-    assert sorted(loads.values()) == [0, 1]
+    assert sorted(loads.values()) == [0, 0, 1]
     (home,) = homes
     assert loads[home] == 1
     assert served_by(gateway, "lazy") == [home]
@@ -165,7 +179,13 @@ def test_a_declared_adapter_is_loaded_once_for_concurrent_first_requests(
     assert complete(gateway, "lazy", "a later call").headers["x-gateway-backend"] == home
     assert sum(replica.metric("emulator:lora_loads_total") for replica in replicas) == 1
     metrics = gateway.metrics()
-    assert metric_value(metrics, "gateway_lora_adapter_loads_total", adapter="lazy") == 1
+    loaded = metric_value(
+        metrics, "gateway_lora_adapter_loads_total", adapter="lazy", outcome="loaded"
+    )
+    assert loaded == 1
+    # Whatever it tried first (the replica without LoRA may refuse), its base model now.
+    listed = httpx.get(gateway.url + "/v1/models", timeout=10).json()["data"]
+    assert {card["id"]: card["parent"] for card in listed}["lazy"] == MODEL
 
 
 def test_an_idle_adapter_is_unloaded_and_loaded_again_when_asked_for(
@@ -190,6 +210,26 @@ def test_an_idle_adapter_is_unloaded_and_loaded_again_when_asked_for(
         gateway.metrics(), "gateway_lora_adapter_loads_total", adapter="idle", outcome="loaded"
     )
     assert loads == 2
+
+
+def test_an_adapter_no_replica_loads_is_a_502_and_is_tried_again(gateway: GatewayProcess) -> None:
+    def ask() -> httpx.Response:
+        body = {"model": "broken", "prompt": "anything", "max_tokens": 2}
+        return httpx.post(gateway.url + "/v1/completions", json=body, timeout=30)
+
+    for attempt in (1, 2):
+        answer = ask()
+        assert answer.status_code == 502
+        error = answer.json()["error"]
+        assert error["code"] == "adapter_load_failed"
+        assert "broken" in error["message"] and "HTTP 404" in error["message"]
+        failed = metric_value(
+            gateway.metrics(),
+            "gateway_lora_adapter_loads_total",
+            adapter="broken",
+            outcome="failed",
+        )
+        assert failed == attempt
 
 
 def test_the_adapters_list_is_checked_at_start() -> None:

@@ -89,6 +89,8 @@ class AdapterLoader:
             self._last_sent[(backend, model)] = self._clock()
 
     async def _load(self, spec: AdapterSpec, pick: Callable[[ModelPool], Backend]) -> None:
+        """Load on the replica `pick` chooses; where that fails, on its next choice among the
+        others, until one loads it or none is left."""
         hosts = [
             backend
             for backend in self._pool.backends
@@ -96,26 +98,37 @@ class AdapterLoader:
         ]
         if not hosts:
             raise refused("no_healthy_backend", spec.name)
-        backend = pick(ModelPool(hosts, key_hash(spec.name)))
+        why = ""
+        while hosts:
+            backend = pick(ModelPool(hosts, key_hash(spec.name)))
+            why = await self._loads_on(backend, spec)
+            loaded = not why
+            self._metrics.child(
+                self._metrics.adapter_loads, spec.name, "loaded" if loaded else "failed"
+            ).inc()
+            if loaded:
+                log.info("LoRA adapter %s loaded on %s", spec.name, backend.name)
+                self._last_sent[(backend.name, spec.name)] = self._clock()
+                self._pool.adapter_loaded(backend, spec.name, spec.base_model or _base_of(backend))
+                return
+            log.warning("LoRA adapter %s not loaded on %s: %s", spec.name, backend.name, why)
+            hosts.remove(backend)
+        raise refused("adapter_load_failed", spec.name, why)
+
+    async def _loads_on(self, backend: Backend, spec: AdapterSpec) -> str:
+        """Why `backend` did not load the adapter; empty when it did."""
         body = {"lora_name": spec.name, "lora_path": spec.path}
         try:
             response = await self._client.post(
                 backend.url + "/v1/load_lora_adapter", json=body, timeout=_LOAD_SECONDS
             )
-            loaded = response.status_code == 200 or (
-                response.status_code == 400 and _ALREADY_LOADED in response.text
-            )
-            why = f"HTTP {response.status_code}: {response.text[:200]}"
         except httpx.HTTPError as exc:
-            loaded, why = False, f"{type(exc).__name__}: {exc}"
-        outcome = "loaded" if loaded else "failed"
-        self._metrics.child(self._metrics.adapter_loads, spec.name, outcome).inc()
-        if not loaded:
-            log.warning("LoRA adapter %s not loaded on %s: %s", spec.name, backend.name, why)
-            raise refused("adapter_load_failed", spec.name, why)
-        log.info("LoRA adapter %s loaded on %s", spec.name, backend.name)
-        self._last_sent[(backend.name, spec.name)] = self._clock()
-        self._pool.adapter_loaded(backend, spec.name, spec.base_model or _base_of(backend))
+            return f"{type(exc).__name__}: {exc}"
+        if response.status_code == 200 or (
+            response.status_code == 400 and _ALREADY_LOADED in response.text
+        ):
+            return ""
+        return f"HTTP {response.status_code}: {response.text[:200]}"
 
     async def unload_idle(self) -> None:
         """Unload each declared adapter from the replicas not sent a request for it within
