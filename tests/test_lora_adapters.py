@@ -232,6 +232,40 @@ def test_an_adapter_no_replica_loads_is_a_502_and_is_tried_again(gateway: Gatewa
         assert failed == attempt
 
 
+def test_the_emulated_replica_swaps_loads_and_unloads_as_vllm_does(
+    replicas: list[EmulatorProcess],
+) -> None:
+    replica = replicas[0]  # serves `both` and `only-a`, one slot
+
+    def ask(model: str) -> None:
+        body = {"model": model, "prompt": "slot check", "max_tokens": 1}
+        answer = httpx.post(replica.url + "/v1/completions", json=body, timeout=30)
+        assert answer.status_code == 200 and answer.json()["model"] == model
+
+    ask("only-a")
+    before = replica.metric("emulator:lora_swaps_total")
+    for model in ("only-a", "both", "both", "only-a", MODEL):
+        ask(model)
+    assert replica.metric("emulator:lora_swaps_total") == before + 2  # the base model needs none
+    load = {"lora_name": "extra", "lora_path": "/a/extra"}
+    first = httpx.post(replica.url + "/v1/load_lora_adapter", json=load, timeout=10)
+    assert (first.status_code, first.text) == (
+        200,
+        "Success: LoRA adapter 'extra' added successfully.",
+    )
+    again = httpx.post(replica.url + "/v1/load_lora_adapter", json=load, timeout=10)
+    assert again.status_code == 400 and again.json()["error"]["type"] == "InvalidUserInput"
+    cards = httpx.get(replica.url + "/v1/models", timeout=10).json()["data"]
+    assert {"id": "extra", "root": "/a/extra", "parent": MODEL}.items() <= cards[-1].items()
+    unload = {"lora_name": "extra"}
+    assert httpx.post(replica.url + "/v1/unload_lora_adapter", json=unload).status_code == 200
+    gone = httpx.post(replica.url + "/v1/unload_lora_adapter", json=unload)
+    assert gone.status_code == 404 and gone.json()["error"]["type"] == "NotFoundError"
+    # Without LoRA, as vLLM without runtime updating: no such endpoint.
+    plain = httpx.post(replicas[2].url + "/v1/load_lora_adapter", json=load, timeout=10)
+    assert plain.status_code == 404
+
+
 def test_the_adapters_list_is_checked_at_start() -> None:
     assert parse_adapters([{"name": "a", "path": "/p"}]) == (AdapterSpec("a", "/p"),)
     bad = [
