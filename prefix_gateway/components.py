@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from prefix_gateway.backends.adapters import AdapterLoader
 from prefix_gateway.backends.discovery import Discovery
 from prefix_gateway.backends.engine_load import EngineLoadScraper
 from prefix_gateway.backends.health import Health
@@ -62,6 +63,7 @@ class Components:
     tenants: TenantGate | None = None
     flow: Flow | None = None
     doctor: DoctorWatch | None = None
+    adapters: AdapterLoader | None = None
 
     @classmethod
     def build(cls, settings: Settings, pool: BackendPool | None = None) -> Components:
@@ -104,6 +106,12 @@ class Components:
         policy = build_policy(settings, random.Random())
         router = Router(settings, pool, stores, policy, metrics, tokenizer)
         pool.removed.append(router.memory.traffic.recent.forget)
+        adapters = None
+        if settings.lora_adapters:
+            adapters = AdapterLoader(
+                pool, probes, settings.lora_adapters, settings.lora_idle_unload, metrics
+            )
+            router.adapters = adapters
         health = Health(
             pool,
             settings.unhealthy_threshold,
@@ -178,6 +186,7 @@ class Components:
             tenants,
             flow,
             doctor,
+            adapters,
         )
 
     async def start(self) -> None:
@@ -194,8 +203,12 @@ class Components:
             self.kv_events.start()
         if self.doctor is not None:
             self.doctor.start()
+        if self.adapters is not None:
+            self.adapters.start()
 
     async def stop(self) -> None:
+        if self.adapters is not None:
+            await self.adapters.stop()
         if self.doctor is not None:
             await self.doctor.stop()
         if self.kv_events is not None:

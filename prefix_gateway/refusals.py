@@ -126,6 +126,10 @@ REFUSALS: dict[str, Refusal] = {
         "no healthy backend serves model `{0}`; retry later",
         (RETRY_AFTER,),
     ),
+    # A LoRA adapter of `lora_adapters` that no replica tried loaded (backends/adapters.py).
+    "adapter_load_failed": Refusal(
+        UpstreamFailed, "no replica loaded LoRA adapter `{0}`; the last one tried said: {1}"
+    ),
     # The replicas (proxy/upstream.py) and the deadlines (proxy/deadlines.py).
     "upstream_unreachable": Refusal(UpstreamFailed, "the replica could not be reached"),
     "upstream_failed": Refusal(UpstreamFailed, "the replica's response was not valid HTTP"),

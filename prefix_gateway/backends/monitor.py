@@ -61,10 +61,12 @@ class BackendMonitor:
                 path = "/v1/models"
                 listing = await self._client.get(backend.url + path)
                 listing.raise_for_status()
-                models = frozenset(
-                    str(item["id"]) for item in listing.json().get("data", []) if "id" in item
-                )
-                self._pool.models_listed(backend, models)
+                cards = [item for item in listing.json().get("data", []) if "id" in item]
+                models = frozenset(str(item["id"]) for item in cards)
+                parents = {
+                    str(item["id"]): str(item["parent"]) for item in cards if item.get("parent")
+                }
+                self._pool.models_listed(backend, models, parents)
         except (httpx.HTTPError, httpx.InvalidURL, ValueError, KeyError, TypeError) as exc:
             error = _reason(exc)
         if error:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -16,6 +16,7 @@ from typing import Protocol
 from prefix_gateway.backends.load_views import LoadView, PendingPrefillView
 from prefix_gateway.config import ConfigError
 from prefix_gateway.config.backend_specs import read_backend_spec
+from prefix_gateway.prompt.hashing import key_hash
 
 log = logging.getLogger("prefix_gateway.backends.pool")
 
@@ -53,6 +54,9 @@ class Backend:
     url: str
     models: frozenset[str] = frozenset()
     pinned_model: str | None = None
+    parents: Mapping[str, str] = field(default_factory=dict)
+    """The LoRA adapters among `models`, each with the base model its `/v1/models` names as
+    `parent`."""
     healthy: bool = False
     source: str = "static"
     """Who added it: `static`, `admin`, or the discovery source that found it."""
@@ -203,6 +207,7 @@ class ModelPool:
     change of a backend's load, so that the load bound costs O(1) instead of a sum."""
 
     __slots__ = (
+        "adapter_key",
         "backends",
         "by_name",
         "loads",
@@ -212,8 +217,10 @@ class ModelPool:
         "total_load",
     )
 
-    def __init__(self, backends: list[Backend]) -> None:
+    def __init__(self, backends: list[Backend], adapter_key: int | None = None) -> None:
         self.backends = backends
+        self.adapter_key = adapter_key
+        """The ring key of a LoRA adapter's group: its requests gather on few replicas."""
         self.names = tuple(backend.name for backend in backends)
         self.members = frozenset(self.names)
         self.by_name = {backend.name: backend for backend in backends}
@@ -225,7 +232,9 @@ class ModelPool:
         """The backends `room` admits, as a group of their own (this one when it admits all);
         a group made here is not kept up to date: it serves one decision."""
         chosen = [backend for backend in self.backends if room(backend)]
-        return self if len(chosen) == len(self.backends) else ModelPool(chosen)
+        if len(chosen) == len(self.backends):
+            return self
+        return ModelPool(chosen, self.adapter_key)
 
 
 @dataclass
@@ -302,7 +311,11 @@ class BackendPool:
             if backend.healthy and not backend.draining:
                 for model in backend.models:
                     serving.setdefault(model, []).append(backend)
-        by_model = {model: ModelPool(backends) for model, backends in serving.items()}
+        adapters = self.adapters()
+        by_model = {
+            model: ModelPool(backends, key_hash(model) if model in adapters else None)
+            for model, backends in serving.items()
+        }
         for group in by_model.values():
             for backend in group.backends:
                 backend.groups.append(group)
@@ -327,11 +340,31 @@ class BackendPool:
     def served_models(self) -> list[str]:
         return sorted(self._by_model)
 
-    def models_listed(self, backend: Backend, models: frozenset[str]) -> None:
-        """Its `/v1/models` lists `models` (a backend given as `MODEL=URL` keeps its own)."""
-        if models != backend.models:
+    def adapters(self) -> dict[str, str]:
+        """Every LoRA adapter a backend lists, with its base model."""
+        return {
+            name: parent for backend in self.backends for name, parent in backend.parents.items()
+        }
+
+    def models_listed(
+        self, backend: Backend, models: frozenset[str], parents: Mapping[str, str] | None = None
+    ) -> None:
+        """Its `/v1/models` lists `models`, the adapters among them with their `parents` (a
+        backend given as `MODEL=URL` keeps its own)."""
+        parents = parents or {}
+        if models != backend.models or parents != backend.parents:
             backend.models = models
+            backend.parents = parents
             self.rebuild()
+
+    def adapter_loaded(self, backend: Backend, name: str, parent: str) -> None:
+        """It serves adapter `name` from now on, loaded at runtime."""
+        self.models_listed(backend, backend.models | {name}, {**backend.parents, name: parent})
+
+    def adapter_unloaded(self, backend: Backend, name: str) -> None:
+        """It no longer serves adapter `name`."""
+        parents = {adapter: base for adapter, base in backend.parents.items() if adapter != name}
+        self.models_listed(backend, backend.models - {name}, parents)
 
     def set_health(self, backend: Backend, healthy: bool) -> bool:
         """Record a health observation; True when it changed the backend's state."""

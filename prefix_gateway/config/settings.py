@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefix_gateway.config.adapters import AdapterSpec
 from prefix_gateway.config.errors import ConfigError
 from prefix_gateway.config.tenants import TenantSpec
 
@@ -224,6 +225,14 @@ class Settings:
         " vLLM's `cache_salt` added to its requests (needs --api-key or tenants)",
     )
     tenants: tuple[TenantSpec, ...] = _opt((), "the `tenants:` list (YAML only)", file_only=True)
+    lora_adapters: tuple[AdapterSpec, ...] = _opt(
+        (), "the `lora_adapters:` list (YAML only): adapters loaded on demand", file_only=True
+    )
+    lora_idle_unload: float = _opt(
+        600.0,
+        "seconds an adapter of `lora_adapters` may go without requests on a replica before the"
+        " gateway unloads it there (0: never)",
+    )
     forward_priority: bool = _opt(
         False,
         "write each request's tenant priority into vLLM's `priority` field (as -priority: vLLM"

@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from prefix_gateway.config.adapters import parse_adapters
 from prefix_gateway.config.sections import sectioned_fields
 from prefix_gateway.config.settings import ConfigError, Settings
 from prefix_gateway.config.tenants import parse_tenants
@@ -112,6 +113,8 @@ def load_settings(
         if f.metadata.get("file_only"):
             if f.name == "tenants":
                 values[f.name] = parse_tenants(from_file.get(f.name), environ)
+            elif f.name == "lora_adapters":
+                values[f.name] = parse_adapters(from_file.get(f.name))
         elif given.get(f.name) is not None:
             raw = given[f.name]
             if isinstance(raw, list):

@@ -24,6 +24,8 @@ def validated(settings: Settings) -> Settings:
     if settings.load_factor < 1.0:
         raise ConfigError("load_factor must be at least 1.0")
     _check_policy(settings)
+    if settings.lora_idle_unload < 0:
+        raise ConfigError("lora_idle_unload must not be negative")
     if settings.block_tokens < 1 or settings.chars_per_token <= 0:
         raise ConfigError("block_tokens and chars_per_token must be positive")
     if settings.engine_block_size < 0:

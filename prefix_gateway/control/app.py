@@ -53,10 +53,24 @@ def build_control_app(components: Components) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
+        """The models served now, each LoRA adapter with its base model as `parent` (those of
+        `lora_adapters` too, loaded on a replica by their first request)."""
         created = int(time.time())
+        parents: dict[str, str | None] = dict.fromkeys(pool.served_models())
+        parents.update(
+            (adapter, base) for adapter, base in pool.adapters().items() if adapter in parents
+        )
+        if components.adapters is not None:
+            parents.update(components.adapters.unserved())
         data = [
-            {"id": model, "object": "model", "created": created, "owned_by": "prefix-gateway"}
-            for model in pool.served_models()
+            {
+                "id": model,
+                "object": "model",
+                "created": created,
+                "owned_by": "prefix-gateway",
+                "parent": parents[model],
+            }
+            for model in sorted(parents)
         ]
         return JSONResponse({"object": "list", "data": data})
 

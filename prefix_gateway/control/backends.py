@@ -38,12 +38,14 @@ class NewBackend(BaseModel):
 def backend_view(
     backend: Backend, feed: FeedState | None = None, examined: Examination | None = None
 ) -> dict[str, Any]:
-    """A backend as listed; `kv_events` is its KV-event feed with `--kv-events`, else null;
-    `checks` the doctor's last examination of it, null before the first."""
+    """A backend as listed: `models` its base models, `adapters` its LoRA adapters with their
+    base model; `kv_events` is its KV-event feed with `--kv-events`, else null; `checks` the
+    doctor's last examination of it, null before the first."""
     return {
         "name": backend.name,
         "url": backend.url,
-        "models": sorted(backend.models),
+        "models": sorted(backend.models - backend.parents.keys()),
+        "adapters": dict(sorted(backend.parents.items())),
         "pinned_model": backend.pinned_model,
         "healthy": backend.healthy,
         "stalled": backend.stalled,

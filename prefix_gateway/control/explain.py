@@ -44,6 +44,11 @@ _REASONS = {
         "and recent requests of the first backends within the load bound and not running hot "
         "there, for consistent_hash the key's own backend"
     ),
+    Route.ADAPTER: (
+        "the model is a LoRA adapter and no prefix match is worth routing on: {backend} is the"
+        " first backend within the load bound on the ring from the adapter's name, so that the"
+        " adapter stays on as few replicas as its load needs"
+    ),
     Route.FALLBACK: (
         "no backend may take the request by the other rules (for policy prefix: every backend "
         "within the load bound is running hot): {backend} is the first within the load bound "

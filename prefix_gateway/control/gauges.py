@@ -9,7 +9,8 @@ from prefix_gateway.components import Components
 
 def publish_scrape_gauges(components: Components) -> None:
     metrics = components.metrics
-    backends = components.pool.backends
+    pool = components.pool
+    backends = pool.backends
     metrics.set_per_label(
         metrics.in_flight, {backend.name: backend.in_flight for backend in backends}
     )
@@ -23,7 +24,21 @@ def publish_scrape_gauges(components: Components) -> None:
         metrics.pending_prefill, {backend.name: backend.pending_prefill for backend in backends}
     )
     metrics.set_per_label(metrics.load_bound, components.router.load_bounds())
+    metrics.set_per_label(metrics.adapter_replicas, _adapter_replicas(components))
     metrics.conversations.set(len(components.router.memory.conversations))
     size = getattr(components.index, "__len__", None)
     if size is not None:
         metrics.index_blocks.set(size())
+
+
+def _adapter_replicas(components: Components) -> dict[str, int]:
+    """Replicas serving each adapter a replica lists or `lora_adapters` declares."""
+    pool = components.pool
+    known = set(pool.adapters())
+    if components.adapters is not None:
+        known.update(components.adapters.declared())
+    replicas = {}
+    for name in known:
+        serving = pool.serving(name)
+        replicas[name] = len(serving.names) if serving is not None else 0
+    return replicas

@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, MutableMapping, Sequence
 from typing import Any, TypeVar
 
+from prefix_gateway.emulator.adapters import AdapterCollector, Adapters, adapter_salt
 from prefix_gateway.emulator.bodies import (
     DONE,
     Envelope,
@@ -92,6 +93,14 @@ class EmulatorApp:
             observer=self.metrics,
         )
         self.metrics.watch(self.engine)
+        self.adapters = Adapters(
+            config.model,
+            config.lora_modules,
+            config.max_loras,
+            config.lora_load_seconds,
+            config.lora_swap_seconds,
+        )
+        self.metrics.registry.register(AdapterCollector(self.adapters, config.model))
         self._created = int(time.time())
         self._serial = itertools.count()
         self._id_prefix = os.urandom(4).hex()
@@ -109,6 +118,9 @@ class EmulatorApp:
             # Not vLLM's: lets tests and benchmarks hang the engine while /health still answers.
             "/emulator/stall": ("POST", self._stall),
         }
+        if config.lora_enabled:
+            self._routes["/v1/load_lora_adapter"] = ("POST", self._load_adapter)
+            self._routes["/v1/unload_lora_adapter"] = ("POST", self._unload_adapter)
         if config.pooling:
             for path, (prefix, answer) in _POOLING.items():
                 self._routes[path] = ("POST", self._pooled(prefix, answer))
@@ -138,12 +150,14 @@ class EmulatorApp:
             return
 
     async def _chat(self, receive: Receive, send: Send) -> None:
-        request = parse_chat(parse_body(await _read_body(receive)), self.config)
-        await _until_disconnect(receive, self._generate(request, send))
+        adapter, body = self.adapters.adapter_of(parse_body(await _read_body(receive)))
+        request = parse_chat(body, self.config)
+        await _until_disconnect(receive, self._generate(request, send, adapter))
 
     async def _completions(self, receive: Receive, send: Send) -> None:
-        request = parse_completion(parse_body(await _read_body(receive)), self.config)
-        await _until_disconnect(receive, self._generate(request, send))
+        adapter, body = self.adapters.adapter_of(parse_body(await _read_body(receive)))
+        request = parse_completion(body, self.config)
+        await _until_disconnect(receive, self._generate(request, send, adapter))
 
     async def _embeddings(self, receive: Receive, send: Send) -> None:
         request = parse_embedding(parse_body(await _read_body(receive)), self.config)
@@ -198,8 +212,17 @@ class EmulatorApp:
         await _respond(send, 200, body)
 
     async def _models(self, receive: Receive, send: Send) -> None:
-        body = models_body(self.config.model, self._created, self.config.max_model_len)
+        config = self.config
+        body = models_body(config.model, self._created, config.max_model_len, self.adapters.served)
         await _respond(send, 200, body)
+
+    async def _load_adapter(self, receive: Receive, send: Send) -> None:
+        body = parse_body(await _read_body(receive))
+        await _respond(send, 200, await self.adapters.load(body), b"text/plain; charset=utf-8")
+
+    async def _unload_adapter(self, receive: Receive, send: Send) -> None:
+        body = parse_body(await _read_body(receive))
+        await _respond(send, 200, self.adapters.unload(body), b"text/plain; charset=utf-8")
 
     async def _health(self, receive: Receive, send: Send) -> None:
         await _respond(send, 200, b"", b"text/plain; charset=utf-8")
@@ -214,17 +237,22 @@ class EmulatorApp:
     async def _metrics(self, receive: Receive, send: Send) -> None:
         await _respond(send, 200, self.metrics.render(), METRICS_CONTENT_TYPE.encode())
 
-    async def _generate(self, request: GenerationRequest, send: Send) -> None:
+    async def _generate(
+        self, request: GenerationRequest, send: Send, adapter: str | None = None
+    ) -> None:
         prefix = "chatcmpl" if request.kind == "chat" else "cmpl"
+        model = adapter or self.config.model
         envelope = Envelope(
             request.kind,
             self._new_id(prefix),
             int(time.time()),
-            self.config.model,
+            model,
             self.config.prompt_tokens_details,
         )
+        salt = adapter_salt(adapter, request.cache_salt)
+        if adapter is not None:
+            await self.adapters.activate(adapter)
         if not request.stream:
-            salt = request.cache_salt
             results = await _each(
                 [self._complete(prompt, limit, salt) for prompt, limit in _choices(request)]
             )
@@ -234,7 +262,7 @@ class EmulatorApp:
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
         usages = await _each(
             [
-                self._stream(envelope, index, prompt, limit, request.cache_salt, send)
+                self._stream(envelope, index, prompt, limit, salt, send)
                 for index, (prompt, limit) in enumerate(_choices(request))
             ]
         )

@@ -7,7 +7,7 @@ import random
 import sys
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,23 +141,27 @@ def embedding(token_ids: Sequence[int]) -> list[float]:
     return [value / norm for value in vector]
 
 
-def models_body(model: str, created: int, max_model_len: int) -> bytes:
-    return orjson.dumps(
+def models_body(
+    model: str, created: int, max_model_len: int, adapters: Mapping[str, str] | None = None
+) -> bytes:
+    """vLLM's model list: the base model, then each LoRA adapter (`root` its path, `parent`
+    the base model)."""
+    cards = [
         {
-            "object": "list",
-            "data": [
-                {
-                    "id": model,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "vllm",
-                    "root": model,
-                    "parent": None,
-                    "max_model_len": max_model_len,
-                }
-            ],
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "vllm",
+            "root": root,
+            "parent": parent,
+            "max_model_len": max_model_len if parent is None else None,
         }
-    )
+        for name, root, parent in [
+            (model, model, None),
+            *((name, path, model) for name, path in (adapters or {}).items()),
+        ]
+    ]
+    return orjson.dumps({"object": "list", "data": cards})
 
 
 def tokenize_body(ids: list[int], max_model_len: int) -> bytes:

@@ -30,6 +30,13 @@ class EmulatorConfig:
     pooling: bool = False
     """Also serve what vLLM serves only for a pooling model: `/pooling`, `/classify`,
     `/v2/embed`, score and rerank (a generative vLLM answers them 404)."""
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    """LoRA adapters served from the start, (name, path), as vLLM's `--lora-modules`."""
+    enable_lora: bool = False
+    """Serve adapters (implied by `lora_modules`), with the runtime load and unload endpoints."""
+    max_loras: int = 1
+    lora_load_seconds: float = 0.0
+    lora_swap_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -45,6 +52,15 @@ class EmulatorConfig:
             )
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be at least 1")
+        if self.max_loras < 1 or self.lora_load_seconds < 0 or self.lora_swap_seconds < 0:
+            raise ValueError("max_loras must be at least 1, LoRA load and swap times not negative")
+        names = [name for name, _ in self.lora_modules]
+        if len(set(names)) != len(names) or self.model in names:
+            raise ValueError("LoRA adapter names must differ from each other and the model")
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
 
     @property
     def max_model_len(self) -> int:
@@ -120,6 +136,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " /v1/score, /rerank, /v1/rerank, /v2/rerank",
     )
 
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters served from the start (as vLLM's flag; implies --enable-lora)",
+    )
+    parser.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters, with POST /v1/load_lora_adapter and /v1/unload_lora_adapter",
+    )
+    parser.add_argument(
+        "--max-loras",
+        type=int,
+        default=defaults.max_loras,
+        help="adapters resident at once; a request for another swaps one out",
+    )
+    parser.add_argument(
+        "--lora-load-ms", type=float, default=0.0, help="milliseconds a runtime load takes"
+    )
+    parser.add_argument(
+        "--lora-swap-ms",
+        type=float,
+        default=0.0,
+        help="milliseconds added before the prefill of a request whose adapter was swapped in",
+    )
+
+
+def _lora_modules(given: list[str]) -> tuple[tuple[str, str], ...]:
+    modules = []
+    for spec in given:
+        name, _, path = spec.partition("=")
+        if not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH, not {spec!r}")
+        modules.append((name, path))
+    return tuple(modules)
+
 
 def config_from_args(ns: argparse.Namespace) -> EmulatorConfig:
     return EmulatorConfig(
@@ -137,4 +191,9 @@ def config_from_args(ns: argparse.Namespace) -> EmulatorConfig:
         pooling=ns.pooling,
         prompt_tokens_details=ns.prompt_tokens_details,
         honour_cache_salt=ns.honour_cache_salt,
+        lora_modules=_lora_modules(ns.lora_modules),
+        enable_lora=ns.enable_lora,
+        max_loras=ns.max_loras,
+        lora_load_seconds=ns.lora_load_ms / 1e3,
+        lora_swap_seconds=ns.lora_swap_ms / 1e3,
     )

@@ -108,6 +108,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scale", type=float, default=1.0, help="synthetic: multiply the number of sessions"
     )
+    parser.add_argument(
+        "--adapters",
+        type=int,
+        default=0,
+        help="synthetic: each session names one of N LoRA adapters (Zipf weights; 0: none)",
+    )
+    parser.add_argument(
+        "--max-loras",
+        type=int,
+        default=ReplayConfig.max_loras,
+        help="LoRA adapters a replica keeps resident; another evicts one (a swap)",
+    )
 
 
 def load_trace(args: argparse.Namespace) -> Trace:
@@ -117,6 +129,8 @@ def load_trace(args: argparse.Namespace) -> Trace:
         raise ValueError("--time-scale must be positive")
     if args.limit is not None and args.limit < 1:
         raise ValueError("--limit must be at least 1")
+    if args.adapters < 0:
+        raise ValueError("--adapters must not be negative")
     source: str = args.trace
     if source.startswith(SYNTHETIC):
         shape, _, seed = source.removeprefix(SYNTHETIC).partition(":")
@@ -133,6 +147,7 @@ def load_trace(args: argparse.Namespace) -> Trace:
             think_seconds=args.think_seconds,
             time_scale=args.time_scale,
             limit=args.limit,
+            adapters=args.adapters,
         )
     return read_mooncake(
         source,
@@ -156,6 +171,7 @@ def replay_table(args: argparse.Namespace) -> str:
         seed=args.seed,
         load_factor=args.load_factor,
         load_floor=args.load_floor,
+        max_loras=args.max_loras,
     )
     policies = args.policy or list(ROUTERS)
     summaries = [summarise(run_replay(trace, policy, config)) for policy in policies]

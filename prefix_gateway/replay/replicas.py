@@ -6,7 +6,7 @@ in and schedules the times returned.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from prefix_gateway.emulator.prefix_cache import CacheLease, PrefixCache
@@ -26,6 +26,8 @@ class Flight:
     lease: CacheLease | None = None
     first_token_at: float = 0.0
     done_at: float = 0.0
+    swapped: bool = False
+    """Its adapter had to be brought into a slot, evicting another."""
 
     @property
     def backend(self) -> str:
@@ -36,11 +38,36 @@ class Flight:
         return self.lease.cached_tokens if self.lease is not None else 0
 
 
+class AdapterSlots:
+    """An engine's `--max-loras` slots: least recently used adapter out when another comes."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._resident: OrderedDict[str, None] = OrderedDict()
+
+    def swapped_in(self, adapter: str) -> bool:
+        """Bring `adapter` in for a request; whether that evicted another (a swap)."""
+        if adapter in self._resident:
+            self._resident.move_to_end(adapter)
+            return False
+        self._resident[adapter] = None
+        if len(self._resident) > self._size:
+            self._resident.popitem(last=False)
+            return True
+        return False
+
+
 class SimulatedReplica:
     def __init__(
-        self, name: str, cache: PrefixCache, time_model: TimeModel, max_running: int
+        self,
+        name: str,
+        cache: PrefixCache,
+        time_model: TimeModel,
+        max_running: int,
+        max_loras: int = 1,
     ) -> None:
         self.name = name
+        self._slots = AdapterSlots(max_loras)
         self.cache = cache
         self._time = time_model
         self._max_running = max_running
@@ -83,6 +110,8 @@ class SimulatedReplica:
             waiting.popleft()
             self._running += 1
             head.lease = lease
+            if request.adapter:
+                head.swapped = self._slots.swapped_in(request.adapter)
             uncached = request.prompt_tokens - lease.cached_tokens
             head.first_token_at = self._lane.reserve(now, self._time.prefill_seconds(uncached))
             head.done_at = self._time.token_time(head.first_token_at, request.output_tokens - 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prefix_gateway.replay.simulator import ORACLE, RunResult, Served
 
@@ -39,6 +40,12 @@ class Summary:
     over_bound: int
     routes: dict[str, int]
     shapes: tuple[ShapeSummary, ...] = ()
+    adapters: int = 0
+    """LoRA adapters the requests named (0: all for the base model)."""
+    swaps: int = 0
+    """Requests whose adapter evicted another from its replica's slots."""
+    replicas_per_adapter: float = 0.0
+    """Replicas that served each adapter, on average."""
 
     @property
     def hit_rate(self) -> float:
@@ -63,7 +70,22 @@ def summarise(result: RunResult) -> Summary:
         over_bound=sum(1 for item in served if item.load > item.bound),
         routes=dict(sorted(routes.items(), key=lambda pair: (-pair[1], pair[0]))),
         shapes=_by_shape(served, result.replicas),
+        **_adapters(served),
     )
+
+
+def _adapters(served: Sequence[Served]) -> dict[str, Any]:
+    homes: dict[str, set[str]] = {}
+    for item in served:
+        if item.adapter:
+            homes.setdefault(item.adapter, set()).add(item.backend)
+    if not homes:
+        return {}
+    return {
+        "adapters": len(homes),
+        "swaps": sum(1 for item in served if item.swapped),
+        "replicas_per_adapter": sum(len(backends) for backends in homes.values()) / len(homes),
+    }
 
 
 def _by_shape(served: Sequence[Served], replicas: Sequence[str]) -> tuple[ShapeSummary, ...]:
@@ -119,6 +141,17 @@ def render_table(title: str, summaries: Sequence[Summary]) -> str:
                     f"| {shape.hit_rate:.1%} | {shape.prompt_tokens - shape.cached_tokens:,} "
                     f"| {shape.ttft_p99 * 1000:,.1f} | {per_replica} |"
                 )
+    if any(item.adapters for item in summaries):
+        lines += [
+            "",
+            "| policy | LoRA adapters | swaps | replicas per adapter |",
+            "|---|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {item.policy} | {item.adapters} | {item.swaps:,} "
+            f"| {item.replicas_per_adapter:.2f} |"
+            for item in summaries
+        ]
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ from typing import Protocol
 
 from prefix_gateway.clock import Clock
 from prefix_gateway.config import Settings
+from prefix_gateway.prompt.hashing import key_hash
 from prefix_gateway.replay.traces import TraceRequest
 from prefix_gateway.routing.policies import Decision, Policy, RoutingState
 from prefix_gateway.routing.traffic import Traffic
@@ -50,7 +51,8 @@ class PolicyRouter:
 
     async def route(self, request: TraceRequest, loads: Mapping[str, int]) -> Decision:
         names = self._names
-        matched = await self._index.match(MODEL, request.hashes)
+        model = request.adapter or MODEL
+        matched = await self._index.match(model, request.hashes)
         state = RoutingState(
             candidates=names,
             loads=loads,
@@ -65,12 +67,13 @@ class PolicyRouter:
             ),
             sequence=self._routed,
             pending_prefill=self._pending,  # read during `choose` only, changed after it
+            adapter_key=key_hash(request.adapter) if request.adapter else None,
         )
         decision = self._policy.choose(state)
         self._routed += 1
         self._pending[decision.backend] += _unmatched(request, decision)
         self._traffic.recent.add(decision.backend)
-        await self._index.record(MODEL, decision.backend, request.hashes)
+        await self._index.record(model, decision.backend, request.hashes)
         return decision
 
     def prefilled(self, request: TraceRequest, decision: Decision) -> None:
@@ -78,7 +81,7 @@ class PolicyRouter:
 
     async def answered(self, request: TraceRequest, backend: str) -> None:
         if request.answered:
-            await self._index.record(MODEL, backend, request.answered)
+            await self._index.record(request.adapter or MODEL, backend, request.answered)
 
 
 def _unmatched(request: TraceRequest, decision: Decision) -> int:

@@ -38,10 +38,12 @@ class ReplayConfig:
     load_factor: float = Settings.load_factor
     """The bound's c, for the policies and the oracle alike (the gateway's default)."""
     load_floor: int = Settings.load_floor
+    max_loras: int = 2
+    """LoRA adapters a replica keeps resident at once (vLLM's `--max-loras`)."""
 
     def __post_init__(self) -> None:
-        if self.replicas < 1 or self.max_running < 1:
-            raise ValueError("replicas and max_running must be at least 1")
+        if self.replicas < 1 or self.max_running < 1 or self.max_loras < 1:
+            raise ValueError("replicas, max_running and max_loras must be at least 1")
         if self.load_factor < 1.0 or self.load_floor < 1:
             raise ValueError("the load factor must be at least 1 and the floor at least 1")
 
@@ -63,6 +65,9 @@ class Served:
     finished: float
     """When its last token came out: it counted in its replica's load until then."""
     shape: str = ""
+    adapter: str = ""
+    swapped: bool = False
+    """Its adapter evicted another from the replica's slots."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,7 @@ async def _run(
             PrefixCache(capacity, trace.block_tokens),
             config.time_model,
             config.max_running,
+            config.max_loras,
         )
         for name in names
     }
@@ -206,6 +212,8 @@ async def _simulate(
             ttft=flight.first_token_at - flight.arrived_at,
             finished=flight.done_at,
             shape=flight.request.shape,
+            adapter=flight.request.adapter,
+            swapped=flight.swapped,
         )
         for flight in flights
         if flight is not None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from array import array
 
+from prefix_gateway.emulator.adapters import adapter_salt
 from prefix_gateway.emulator.prefix_cache import block_hashes
 from prefix_gateway.emulator.prompts import chat_prompt_ids
 from prefix_gateway.emulator.sampler import Sampler
@@ -27,8 +28,11 @@ def synthetic_trace(
     time_scale: float = 1.0,
     affinity_tokens: int = 256,
     limit: int | None = None,
+    adapters: int = 0,
 ) -> Trace:
-    """The requests of workload `shape`, sessions starting at `rate` per second on average."""
+    """The requests of workload `shape`, sessions starting at `rate` per second on average;
+    with `adapters`, each session names one of that many LoRA adapters (Zipf weights: a few
+    popular ones, a long tail), whose key its blocks carry as the engine's do."""
     if rate <= 0 or think_seconds < 0:
         raise ValueError("the session rate must be positive and the think time not negative")
     sessions = build_workload(shape, seed, scale)
@@ -39,9 +43,15 @@ def synthetic_trace(
         f"synthetic:{shape}:{seed} (sessions at {rate:g}/s, think time {think_seconds:g} s, "
         f"scale {scale:g})"
     )
+    if adapters:
+        name += f", {adapters} LoRA adapters"
+    names = [f"adapter-{number}" for number in range(adapters)]
+    weights = [1 / (rank + 1) for rank in range(adapters)]
     started = 0.0
     for session in sessions:
         started += arrivals.expovariate(rate)
+        adapter = arrivals.choices(names, weights)[0] if adapters else ""
+        salt = adapter_salt(adapter or None, None)
         system_tokens = len(encode(session.system))
         messages = [{"role": "system", "content": session.system}]
         previous: int | None = None
@@ -49,7 +59,7 @@ def synthetic_trace(
         for question in session.questions:
             messages.append({"role": "user", "content": question})
             prompt = chat_prompt_ids(messages, None, "plain")
-            hashes = block_hashes(prompt, block_tokens, known)
+            hashes = block_hashes(prompt, block_tokens, known, salt)
             answer = sampler.sample(prompt, session.max_tokens)
             answer_ids = token_ids(answer)
             answered = block_hashes([*prompt, *answer_ids], block_tokens, hashes)
@@ -69,6 +79,7 @@ def synthetic_trace(
                     held=tuple(held),
                     shape=session.shape,
                     first_turn=previous is None,
+                    adapter=adapter,
                 )
             )
             if limit is not None and len(requests) >= limit:

@@ -39,6 +39,8 @@ class TraceRequest:
     first_turn: bool = False
     """A conversation's first request (known for a synthetic shape; a trace file does not
     say, so as for a plain prompt: False)."""
+    adapter: str = ""
+    """The LoRA adapter the request names (its blocks are keyed by it); empty: the base model."""
 
     @property
     def cached_at_finish(self) -> tuple[int, ...]:

@@ -39,6 +39,11 @@ The rules, the first that applies; each is the route label of its decision:
    the prompt's first tokens from its first user message on). A request with a session key
    takes the first eligible backend in rules 4 and 5, so that its first requests, sent at
    once or through several gateways, agree before its binding is stored.
+   adapter — the same where the model is a LoRA adapter, from the adapter's own key and
+   without the recent cap: its requests gather on the first replica within B clockwise from
+   the adapter and spill to the next only when B says so, so that replicas do not swap
+   adapters in and out of their few resident slots. The overflow of an adapter's request
+   walks from that key too, and its holders are eligible without the recent cap.
 6. fallback — no candidate is eligible (those within B all run hot): the first within B
    clockwise from the rule's key. B always admits the least loaded candidate, who takes the
    request if the loads given were inconsistent.
@@ -104,8 +109,9 @@ class PrefixPolicy:
             name: depth for name, depth in state.matched.items() if depth > 0 and name in members
         }
         ring = self._rings.get(members)
-        plain = Allowance(bound, hot_cap)
-        choices = 1 if state.keyed else self._choices
+        adapter_key = state.adapter_key
+        plain = Allowance(bound, hot_cap) if adapter_key is None else Allowance(bound)
+        choices = 1 if state.keyed or adapter_key is not None else self._choices
         deepest = max(depth_of.values(), default=0)
         if deepest >= self._min_match:
             owner = self._owner(state, depth_of, bound, busy_cap)
@@ -121,15 +127,16 @@ class PrefixPolicy:
                 tied = [name for name in holders if depth_of[name] == depth]
                 chosen = min(tied, key=self._order(state, ring, _key_after(state, depth)))
                 return Decision(chosen, Route.PREFIX, depth, bound)
-            key = _key_after(state, deepest)
+            key = _key_after(state, deepest) if adapter_key is None else adapter_key
             picked = self._ring_pick(state, ring, key, plain, choices)
             if picked is not None:
                 return Decision(picked, Route.OVERFLOW, depth_of.get(picked, 0), bound)
         else:
-            key = state.affinity_key
+            key = state.affinity_key if adapter_key is None else adapter_key
             picked = self._ring_pick(state, ring, key, plain, choices)
             if picked is not None:
-                return Decision(picked, Route.HASH, depth_of.get(picked, 0), bound)
+                route = Route.HASH if adapter_key is None else Route.ADAPTER
+                return Decision(picked, route, depth_of.get(picked, 0), bound)
 
         chosen = self._ring_pick(state, ring, key, Allowance(bound), 1) or min(
             candidates, key=lambda name: state.loads.get(name, 0)

@@ -9,6 +9,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from prefix_gateway.backends.pool import Backend, BackendPool, ModelPool
 from prefix_gateway.clock import Clock, monotonic
@@ -39,7 +40,23 @@ class Explanation:
     turn: Turn
 
 
+class AdapterPlacer(Protocol):
+    """Where LoRA adapters declared to be loaded on demand are placed
+    (`prefix_gateway.backends.adapters`)."""
+
+    async def place(self, model: str, pick: Callable[[ModelPool], Backend]) -> None:
+        """Load `model` where `pick` chooses, if it is a declared adapter no replica serves."""
+        ...
+
+    def sent(self, model: str, backend: str) -> None:
+        """A request for `model` goes to `backend`."""
+        ...
+
+
 class Router:
+    adapters: AdapterPlacer | None = None
+    """Set where `lora_adapters` are declared."""
+
     def __init__(
         self,
         settings: Settings,
@@ -75,7 +92,14 @@ class Router:
             param = "response_id" if request.response_id is not None else "previous_response_id"
             placement = await self._to_holder(request, named, param)
         else:
-            placement = await self.decide(request, count=True, room=room)
+            adapters = self.adapters
+            if adapters is not None:
+                if self.pool.serving(request.model) is None:
+                    await adapters.place(request.model, self._adapter_home)
+                placement = await self.decide(request, count=True, room=room)
+                adapters.sent(request.model, placement.backend.name)
+            else:
+                placement = await self.decide(request, count=True, room=room)
             self._routed += 1
         await placement.commit(self.memory, self._observer, time.perf_counter() - began)
         return placement
@@ -175,6 +199,7 @@ class Router:
             shared_share=share,
             sequence=self._routed,
             pending_prefill=serving.pending_prefill,
+            adapter_key=serving.adapter_key,
         )
         decision = self.policy.choose(state)
         return Placement(
@@ -188,6 +213,19 @@ class Router:
             fleet=fleet,
             claim_key=claim_key if memory.claims else None,
         )
+
+    def _adapter_home(self, hosts: ModelPool) -> Backend:
+        """The replica of `hosts` the policy picks for an adapter none of them serves yet."""
+        state = RoutingState(
+            candidates=hosts.names,
+            loads=hosts.loads,
+            members=hosts.members,
+            total_load=hosts.total_load,
+            sequence=self._routed,
+            pending_prefill=hosts.pending_prefill,
+            adapter_key=hosts.adapter_key,
+        )
+        return hosts.by_name[self.policy.choose(state).backend]
 
     async def explain(self, request: RoutingInput) -> Explanation:
         """The placement `route` would make for `request` now, recording nothing."""

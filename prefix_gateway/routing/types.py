@@ -21,6 +21,8 @@ class Route(Enum):
     RETRY = "retry"
     PREVIOUS_RESPONSE = "previous_response"
     """To the replica that stored the response a request names: no other can answer it."""
+    ADAPTER = "adapter"
+    """A LoRA adapter's request with no prefix worth routing on: the ring from the adapter."""
     LEAST_LOADED = "least_loaded"
     ROUND_ROBIN = "round_robin"
     RANDOM = "random"
@@ -61,6 +63,9 @@ class RoutingState:
     counted (0 when it has none): see `prefix_gateway.routing.traffic.Traffic`."""
     sequence: int = 0
     """The request's number among those routed (a round robin's turn)."""
+    adapter_key: int | None = None
+    """The ring key of the LoRA adapter the request names (None: a base model): where no
+    prefix is known, its requests gather on as few replicas as their load needs."""
     pending_prefill: Mapping[str, int] = field(default_factory=dict)
     """Prompt blocks sent to each candidate and not computed yet, by the caller's estimate
     (unmatched blocks until the first byte): how long a new prefill would wait there."""
