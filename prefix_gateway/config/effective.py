@@ -26,6 +26,8 @@ def effective(settings: Settings) -> dict[str, Any]:
             value = [{**dataclasses.asdict(tenant), "api_key": REDACTED} for tenant in value]
         elif f.name == "redis_url":
             value = _without_password(value)
+        elif isinstance(value, tuple) and value and dataclasses.is_dataclass(value[0]):
+            value = [dataclasses.asdict(entry) for entry in value]  # lora_adapters and the like
         values[f.name] = list(value) if isinstance(value, tuple) else value
     return values
 
