@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import shlex
 import signal
 import sys
@@ -33,9 +34,9 @@ def _serve(args: argparse.Namespace) -> int:
         if metrics_dir is not None:
             metrics_dir.remove()
         return 2
-    from prefix_gateway.server import configure_logging
+    from prefix_gateway.logs import configure_logging
 
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format)
     from prefix_gateway.emulator.replicas import EmulatedReplicas
 
     fleet = None
@@ -54,7 +55,9 @@ def _serve(args: argparse.Namespace) -> int:
             settings = dataclasses.replace(
                 settings, backend=(*settings.backend, *(f"{url}" for url in fleet.urls))
             )
-            print(f"emulated replicas: {' '.join(fleet.urls)}", flush=True)
+            logging.getLogger("prefix_gateway.cli").info(
+                "emulated replicas: %s", " ".join(fleet.urls)
+            )
         if metrics_dir is not None:
             from prefix_gateway.workers import run_workers
 
@@ -69,7 +72,9 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         if fleet is not None:
             fleet.stop()
-            print(f"stopped {len(fleet.urls)} emulated replicas", flush=True)
+            logging.getLogger("prefix_gateway.cli").info(
+                "stopped %d emulated replicas", len(fleet.urls)
+            )
 
 
 class _Stopped(Exception):
