@@ -4,7 +4,9 @@ access log; standard output and error), in one process and under `--workers`, is
 from __future__ import annotations
 
 import json
+import logging
 import re
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,6 +16,8 @@ import pytest
 
 from prefix_gateway.config import ConfigError, load_settings
 from prefix_gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.logs import JsonFormatter
+from prefix_gateway.processes import is_error_record
 from tests.conftest import MODEL
 from tests.support import GatewayProcess, wait_until
 
@@ -122,3 +126,28 @@ def test_json_is_the_default_and_an_unknown_format_is_refused() -> None:
     assert load_settings(environ={**backends, "GATEWAY_LOG_FORMAT": "text"}).log_format == "text"
     with pytest.raises(ConfigError, match="log_format must be json or text"):
         load_settings(environ={**backends, "GATEWAY_LOG_FORMAT": "xml"})
+
+
+def test_a_traceback_stays_inside_its_json_record() -> None:
+    caught = None
+    try:
+        _ = 1 / 0
+    except ZeroDivisionError:
+        caught = sys.exc_info()
+    assert caught is not None
+    record = logging.LogRecord(
+        "prefix_gateway.proxy", logging.ERROR, __file__, 1, "failed %s", ("here",), caught
+    )
+    line = JsonFormatter().format(record)
+    assert "\n" not in line
+    parsed = json.loads(line)
+    assert (parsed["level"], parsed["logger"], parsed["message"]) == (
+        "ERROR",
+        "prefix_gateway.proxy",
+        "failed here",
+    )
+    assert parsed["exc_info"].startswith("Traceback (most recent call last):")
+    assert parsed["exc_info"].endswith("ZeroDivisionError: division by zero")
+    # The test suite's witness of a started process counts it as an error.
+    assert is_error_record(line)
+    assert not is_error_record(line.replace('"ERROR"', '"WARNING"').split(',"exc_info"')[0] + "}")
