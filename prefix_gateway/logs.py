@@ -9,6 +9,9 @@ traceback, so that a record and its traceback stay one line for a log collector.
 from __future__ import annotations
 
 import logging
+import sys
+import threading
+from types import TracebackType
 from typing import Any
 
 import orjson
@@ -39,8 +42,9 @@ def formatter(log_format: str) -> logging.Formatter:
 
 
 def configure_logging(level: str, log_format: str) -> None:
-    """The root logger writes `log_format` to standard error; uvicorn's loggers and Python's
-    warnings go through it (uvicorn is given no logging configuration of its own)."""
+    """The root logger writes `log_format` to standard error; uvicorn's loggers, Python's
+    warnings and exceptions nothing caught go through it (uvicorn is given no logging
+    configuration of its own)."""
     handler = logging.StreamHandler()
     handler.setFormatter(formatter(log_format))
     root = logging.getLogger()
@@ -55,3 +59,25 @@ def configure_logging(level: str, log_format: str) -> None:
         logger.propagate = True
     logging.captureWarnings(True)
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    sys.excepthook = _log_uncaught
+    threading.excepthook = _log_uncaught_in_thread
+
+
+def _log_uncaught(
+    kind: type[BaseException], value: BaseException, traceback: TracebackType | None
+) -> None:
+    """An exception nothing caught, as a record in the log's format rather than Python's
+    plain traceback."""
+    if issubclass(kind, KeyboardInterrupt):
+        sys.__excepthook__(kind, value, traceback)
+        return
+    logging.getLogger("prefix_gateway").critical(
+        "uncaught exception", exc_info=(kind, value, traceback)
+    )
+
+
+def _log_uncaught_in_thread(hook: threading.ExceptHookArgs) -> None:
+    if issubclass(hook.exc_type, SystemExit):  # as threading's own hook: a thread's exit
+        return
+    value = hook.exc_value if hook.exc_value is not None else hook.exc_type()
+    _log_uncaught(hook.exc_type, value, hook.exc_traceback)

@@ -270,4 +270,9 @@ def _work(settings: Settings, number: int, supervisor_pid: int, listeners: Liste
     from prefix_gateway.server import WorkerRole, serve
 
     configure_logging(settings.log_level, settings.log_format)
-    serve(GatewayApp(settings), settings, WorkerRole(number, supervisor_pid, listeners))
+    try:
+        serve(GatewayApp(settings), settings, WorkerRole(number, supervisor_pid, listeners))
+    except Exception:
+        # A record in the log's format, not multiprocessing's plain traceback; same status.
+        log.exception("worker %d failed", number)
+        raise SystemExit(1) from None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import subprocess
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -151,3 +152,24 @@ def test_a_traceback_stays_inside_its_json_record() -> None:
     # The test suite's witness of a started process counts it as an error.
     assert is_error_record(line)
     assert not is_error_record(line.replace('"ERROR"', '"WARNING"').split(',"exc_info"')[0] + "}")
+
+
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_an_exception_nothing_caught_is_a_record_in_the_format(where: str) -> None:
+    script = (
+        "import threading\n"
+        "from prefix_gateway.logs import configure_logging\n"
+        "configure_logging('info', 'json')\n"
+        "def fail():\n"
+        "    raise ValueError('nobody caught this')\n"
+        + ("fail()\n" if where == "main" else "t = threading.Thread(target=fail)\nt.start()\n")
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    record = json.loads(lines[0])
+    assert (record["level"], record["message"]) == ("CRITICAL", "uncaught exception")
+    assert record["exc_info"].endswith("ValueError: nobody caught this")
+    assert done.returncode == (1 if where == "main" else 0)
