@@ -44,9 +44,9 @@ def _serve(args: argparse.Namespace) -> int:
         if metrics_dir is not None:
             metrics_dir.remove()
         return 2
-    from prefix_gateway.server import configure_logging
+    from prefix_gateway.logs import configure_logging
 
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format)
     logging.getLogger("prefix_gateway.config").info(
         "effective configuration: %s", json.dumps(effective(settings))
     )
@@ -68,7 +68,9 @@ def _serve(args: argparse.Namespace) -> int:
             settings = dataclasses.replace(
                 settings, backend=(*settings.backend, *(f"{url}" for url in fleet.urls))
             )
-            print(f"emulated replicas: {' '.join(fleet.urls)}", flush=True)
+            logging.getLogger("prefix_gateway.cli").info(
+                "emulated replicas: %s", " ".join(fleet.urls)
+            )
         if metrics_dir is not None:
             from prefix_gateway.workers import run_workers
 
@@ -83,7 +85,9 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         if fleet is not None:
             fleet.stop()
-            print(f"stopped {len(fleet.urls)} emulated replicas", flush=True)
+            logging.getLogger("prefix_gateway.cli").info(
+                "stopped %d emulated replicas", len(fleet.urls)
+            )
 
 
 class _Stopped(Exception):

@@ -69,7 +69,7 @@ class Components:
     def build(cls, settings: Settings, pool: BackendPool | None = None) -> Components:
         pool = pool or BackendPool.from_specs(settings.backend)
         if settings.access_log:
-            configure_access_logger()
+            configure_access_logger(settings.log_format)
         metrics = Metrics()
         pool.removed.append(metrics.forget_backend)
         local_index = InMemoryPrefixIndex(settings.affinity_ttl, settings.index_max_blocks)

@@ -18,11 +18,14 @@ from prefix_gateway.metric_registry import (
     render,
     worker_restarts_counter,
 )
+from prefix_gateway.process_series import ProcessSeries
 from prefix_gateway.tenant_metrics import TenantSeries
 
 # fmt: off
+# Up to the default --request-timeout (3,600 s): a request that long still lands in a bucket.
 _LATENCY_BUCKETS = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120,
+    300, 600, 1200, 1800, 3600,
 )
 # fmt: on
 _DECISION_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.01)
@@ -185,8 +188,10 @@ class Metrics:
         )
         self.first_byte_seconds = Histogram(
             "gateway_upstream_first_byte_seconds",
-            "Time from sending a request upstream to its first body byte.",
-            ["backend"],
+            'Time from sending a request upstream to its first body byte: with stream="true"'
+            ' the first event of a streamed answer (time to first token), with stream="false"'
+            " a whole answer.",
+            ["backend", "stream"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -356,6 +361,7 @@ class Metrics:
         )
         self.workers.set(1)  # this process; dead workers' files are dropped from the sum
         self.worker_restarts = worker_restarts_counter(r)
+        self.process = ProcessSeries(r, multiprocess=self.multiprocess_dir is not None)
 
     def forget_backend(self, name: str) -> None:
         """Drop every series labelled with `name`, a backend that left the pool (under

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import socket
@@ -22,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 _TRACEBACK = "Traceback (most recent call last):"
 # A log record's first line, as the gateway (`%(asctime)s %(levelname)s ...`) and uvicorn
-# (`LEVEL:    ...`) write it; the lines up to the next such line (a traceback) belong to it. An
-# access log line (JSON) is a record of its own.
+# (`LEVEL:    ...`) write it; the lines up to the next such line (a traceback) belong to it. A
+# JSON line (`--log-format json`, the access log) is a record of its own.
 _RECORD = re.compile(r"^(?:\d{4}-\d\d-\d\d [\d:,.]+ )?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
 _ASGI_ERROR = "Exception in ASGI application"
 
@@ -40,13 +41,21 @@ def log_records(text: str) -> list[str]:
 
 def is_error_record(record: str) -> bool:
     """An error nobody was answered about: a traceback, `Exception in ASGI application`, or a
-    record logged at ERROR or CRITICAL."""
-    level = _RECORD.match(record)
-    return (
-        _TRACEBACK in record
-        or _ASGI_ERROR in record
-        or (level is not None and level.group(1) in ("ERROR", "CRITICAL"))
-    )
+    record logged at ERROR or CRITICAL (in text, or as a JSON line's `level`)."""
+    text_level = _RECORD.match(record)
+    level = text_level.group(1) if text_level is not None else _json_level(record)
+    return _TRACEBACK in record or _ASGI_ERROR in record or level in ("ERROR", "CRITICAL")
+
+
+def _json_level(record: str) -> str | None:
+    if not record.startswith("{"):
+        return None
+    try:
+        line = json.loads(record.split("\n", 1)[0])
+    except ValueError:
+        return None
+    level = line.get("level") if isinstance(line, dict) else None
+    return level if isinstance(level, str) else None
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:

@@ -60,13 +60,6 @@ class HeadLimits:
     """From the end of a head to the end of its body, for what no application timer watches."""
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-
-
 def serve(app: GatewayApp, settings: Settings, worker: WorkerRole | None = None) -> None:
     """Serve until a signal has ended the shutdown; blocks."""
     limits = HeadLimits(
@@ -82,6 +75,8 @@ def serve(app: GatewayApp, settings: Settings, worker: WorkerRole | None = None)
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        # uvicorn's records go through the root logger, in --log-format (prefix_gateway.logs).
+        log_config=None,
         access_log=False,
         loop="auto",
         http=_http_protocol(limits, Refusals(app), clients),

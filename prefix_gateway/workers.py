@@ -27,6 +27,8 @@ from prefix_gateway.listeners import Listeners, bind_listeners
 if TYPE_CHECKING:
     from prometheus_client import Counter
 
+    from prefix_gateway.process_series import ProcessSeries
+
 log = logging.getLogger("prefix_gateway.workers")
 
 # prometheus_client reads this variable once, when it is first imported.
@@ -72,6 +74,7 @@ def run_workers(settings: Settings, directory: MetricsDirectory) -> int:
     from prometheus_client import CollectorRegistry, values
 
     from prefix_gateway.metric_registry import worker_restarts_counter
+    from prefix_gateway.process_series import ProcessSeries
 
     if values.ValueClass is values.MutexValue:
         # Imported before the variable was set (the command line's parsers import the
@@ -93,8 +96,10 @@ def run_workers(settings: Settings, directory: MetricsDirectory) -> int:
         directory.remove()
         return _STARTUP_FAILURE
     restarts = worker_restarts_counter(CollectorRegistry())
+    # The supervisor's own CPU and memory are the pod's too.
+    own_process = ProcessSeries(CollectorRegistry(), multiprocess=True)
     try:
-        return Supervisor(settings, listeners, directory.path, restarts).run()
+        return Supervisor(settings, listeners, directory.path, restarts, own_process).run()
     finally:
         listeners.close()
         directory.remove()
@@ -112,9 +117,15 @@ class _Slot:
 
 class Supervisor:
     def __init__(
-        self, settings: Settings, listeners: Listeners, metrics_dir: Path, restarts: Counter
+        self,
+        settings: Settings,
+        listeners: Listeners,
+        metrics_dir: Path,
+        restarts: Counter,
+        own_process: ProcessSeries,
     ) -> None:
         self._settings = settings
+        self._own_process = own_process
         self._listeners: Listeners | None = listeners
         self._metrics_dir = metrics_dir
         self._restarts = restarts
@@ -137,7 +148,7 @@ class Supervisor:
             assert self._listeners is not None
             log.info("serving on %s with %d workers", self._listeners.describe(), len(self._slots))
             while self._supervise(wakeup_read):
-                pass
+                self._own_process.refresh()  # a round lasts a second at most
         finally:
             signal.set_wakeup_fd(previous_wakeup)
             for sig, handler in handlers.items():
@@ -255,7 +266,13 @@ def _work(settings: Settings, number: int, supervisor_pid: int, listeners: Liste
     # Signals come from the supervisor alone, not also from a terminal's Ctrl-C to the group.
     os.setpgrp()
     from prefix_gateway.app import GatewayApp
-    from prefix_gateway.server import WorkerRole, configure_logging, serve
+    from prefix_gateway.logs import configure_logging
+    from prefix_gateway.server import WorkerRole, serve
 
-    configure_logging(settings.log_level)
-    serve(GatewayApp(settings), settings, WorkerRole(number, supervisor_pid, listeners))
+    configure_logging(settings.log_level, settings.log_format)
+    try:
+        serve(GatewayApp(settings), settings, WorkerRole(number, supervisor_pid, listeners))
+    except Exception:
+        # A record in the log's format, not multiprocessing's plain traceback; same status.
+        log.exception("worker %d failed", number)
+        raise SystemExit(1) from None

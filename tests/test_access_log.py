@@ -16,6 +16,8 @@ from tests.words import words
 
 FIELDS = {
     "ts",
+    "level",
+    "logger",
     "request_id",
     "endpoint",
     "model",

@@ -5,6 +5,7 @@ promtool and prometheus come with Debian's `prometheus` package (.ci/run install
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import time
@@ -20,7 +21,18 @@ import yaml
 from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
 from tests.support import GatewayProcess, free_port
-from tests.test_dashboards import ALERTS, DEPLOY, dashboard, runnable
+from tests.test_dashboards import (
+    ALERTS,
+    DEPLOY,
+    PROMETHEUS_OWN,
+    alert_rules,
+    dashboard,
+    dashboard_queries,
+    exported_families,
+    metric_names,
+    runnable,
+    sample_names,
+)
 from tests.words import words
 
 PROMTOOL = shutil.which("promtool")
@@ -49,7 +61,7 @@ def test_promtool_accepts_the_scrape_config() -> None:
 
 @needs_promtool
 def test_promtool_accepts_the_alert_rules() -> None:
-    assert "SUCCESS: 8 rules found" in promtool("check", "rules", "alerts.yml")
+    assert f"SUCCESS: {len(alert_rules())} rules found" in promtool("check", "rules", "alerts.yml")
 
 
 @needs_promtool
@@ -171,6 +183,11 @@ def talk(client: openai.OpenAI, tag: str) -> None:
             reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
             messages.append({"role": "assistant", "content": reply.choices[0].message.content})
             messages.append({"role": "user", "content": words(20, f"{tag}n{len(messages)}")})
+    # One streamed answer: the time to first token's series.
+    for _ in client.chat.completions.create(
+        model=MODEL, messages=[system, *messages[:2]], max_tokens=2, stream=True
+    ):
+        pass
     client.chat.completions.create(model=MODEL, messages=[system, *messages[3:]], max_tokens=2)
 
 
@@ -219,8 +236,34 @@ def test_a_real_prometheus_renders_every_panel_from_a_live_gateway(
         "Upstream errors / s",
         "Redis operation time p99",
         "Redis errors and fallbacks / s",
+        "Admission refusals / s",
+        "Prefill waits / s",
+        "Prefill wait time",
+        "Stalls and resends / s",
+        "KV-event feeds live",
+        "KV-event messages, fallbacks / s",
+        "Tenant wait for a replica slot p99",
     }, empty
     assert prometheus.value(panel_expr("Cache breaks / min", "breaks/min")) > 0
+    streamed = panel_expr("Time to first token (streamed requests)", "p99")
+    assert 0 < prometheus.value(streamed) <= 3600
+    memory = panel_expr("Resident memory per gateway", "{{instance}}")
+    assert prometheus.value(memory) > 1_000_000
+
+
+def test_every_name_in_the_panels_and_alerts_is_in_the_live_metrics(
+    gateway: GatewayProcess, client: openai.OpenAI
+) -> None:
+    talk(client, "names")
+    live = gateway.metrics()
+    exported = sample_names(exported_families(live)) | PROMETHEUS_OWN
+    queries = [*dashboard_queries(), *((rule["alert"], rule["expr"]) for rule in alert_rules())]
+    for where, expr in queries:
+        missing = metric_names(runnable(expr) if "$" in expr else expr) - exported
+        assert not missing, f"{where}: not in the live /metrics: {sorted(missing)}"
+        # A bucket bound is matched as the gateway spells it ("5.0", not "5").
+        for bound in re.findall(r'le="([^"]*)"', expr):
+            assert f'le="{bound}"' in live, f"{where}: no bucket le={bound}"
 
 
 @needs_prometheus
@@ -230,6 +273,6 @@ def test_prometheus_evaluates_every_alert_rule(prometheus: Prometheus) -> None:
         return [rule for group in body["data"]["groups"] for rule in group["rules"]]
 
     wait_for(lambda: all(rule["health"] == "ok" for rule in rules()), "the rules to evaluate")
-    assert len(rules()) == 8
+    assert len(rules()) == len(alert_rules())
     firing = prometheus.query('ALERTS{alertstate="firing"}')
     assert firing == []  # four healthy replicas, no Redis configured, nothing to fire

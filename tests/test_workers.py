@@ -132,6 +132,48 @@ def test_both_workers_serve_and_every_scrape_counts_all_requests(
             assert metric_value(text, "gateway_backend_healthy", backend=backend) == 1
 
 
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def resident_bytes(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def started_at(pid: int) -> float:
+    """Seconds since the epoch, as the process collector computes it."""
+    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    boot = next(
+        float(line.split()[1])
+        for line in Path("/proc/stat").read_text().splitlines()
+        if line.startswith("btime ")
+    )
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def test_the_process_series_are_the_whole_pod(gateway: GatewayProcess) -> None:
+    workers = worker_pids(gateway)
+    cpu_before = sum(cpu_seconds(pid) for pid in workers)
+    largest = max(resident_bytes(pid) for pid in workers)
+
+    def reported(name: str) -> float:
+        return metric_value(gateway.metrics(), name)
+
+    # Each process publishes its own every second: the sums reach the workers' together, more
+    # than any one of them holds.
+    wait_until(lambda: reported("process_cpu_seconds_total") >= cpu_before, "CPU summed")
+    wait_until(lambda: reported("process_resident_memory_bytes") > largest, "memory summed")
+    assert reported("process_open_fds") > 0
+    # The supervisor's own start, before it started any worker, is the pod's.
+    supervisor = started_at(gateway.pid)
+    assert supervisor < min(started_at(pid) for pid in workers)
+    wait_until(
+        lambda: abs(reported("process_start_time_seconds") - supervisor) < 0.05,
+        "the supervisor's start time",
+    )
+
+
 def test_a_killed_worker_is_restarted_and_counted_and_requests_keep_succeeding(
     gateway: GatewayProcess,
 ) -> None:

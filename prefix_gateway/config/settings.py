@@ -321,6 +321,11 @@ class Settings:
         "", "cookie name: issue a session key as a cookie that then acts like x-session-id"
     )
     log_level: str = _opt("info", "log level")
+    log_format: str = _opt(
+        "json",
+        "json (one object a line, for a log collector) or text, for every line the gateway"
+        " writes: its own, uvicorn's and the access log's",
+    )
     access_log: bool = _opt(
         True, "write one JSON line per request to the `prefix_gateway.access` log"
     )

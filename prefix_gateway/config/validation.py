@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from prefix_gateway.config.backend_specs import read_backend_spec
 from prefix_gateway.config.errors import ConfigError
 from prefix_gateway.config.tenants import check_tenants
+from prefix_gateway.logs import LOG_FORMATS
 
 if TYPE_CHECKING:
     from prefix_gateway.config.settings import Settings
@@ -21,6 +22,8 @@ def validated(settings: Settings) -> Settings:
         raise ConfigError("workers must be at least 1")
     if not 0 <= settings.metrics_port <= 65535 or 0 < settings.metrics_port == settings.port:
         raise ConfigError("metrics_port must be 0 (none) or a TCP port other than port")
+    if settings.log_format not in LOG_FORMATS:
+        raise ConfigError(f"log_format must be {' or '.join(LOG_FORMATS)}")
     if settings.load_factor < 1.0:
         raise ConfigError("load_factor must be at least 1.0")
     _check_policy(settings)

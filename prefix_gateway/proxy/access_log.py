@@ -1,6 +1,7 @@
-"""The access log: one JSON line per request on the logger `prefix_gateway.access`, with what an
-operator needs to follow a request (docs/observability.md) and never the prompt. The line is
-built only when the logger is enabled for INFO.
+"""The access log: one line per request on the logger `prefix_gateway.access`, with what an
+operator needs to follow a request (docs/observability.md) and never the prompt: a JSON object,
+or with `--log-format text` a record whose message is `key=value` pairs. The line is built only
+when the logger is enabled for INFO.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import orjson
 
 from prefix_gateway.config import Settings
 from prefix_gateway.errors import GatewayError
+from prefix_gateway.logs import formatter
 from prefix_gateway.routing.placement import Placement
 from prefix_gateway.routing.types import Outcome
 
@@ -48,12 +50,18 @@ class JsonLinesHandler(logging.StreamHandler):  # type: ignore[type-arg]
         super().flush()
 
 
-def configure_access_logger(stream: TextIO | None = None) -> None:
-    """Plain JSON lines on stdout, whatever the root format, unless already configured."""
+def configure_access_logger(log_format: str = "json", stream: TextIO | None = None) -> None:
+    """Lines on stdout whatever the log level, unless already configured: JSON lines, or text
+    records as the other loggers write them."""
     logger = logging.getLogger(LOGGER)
     if logger.handlers:
         return
-    logger.addHandler(JsonLinesHandler(stream or sys.stdout))
+    if log_format == "json":
+        logger.addHandler(JsonLinesHandler(stream or sys.stdout))
+    else:
+        handler = logging.StreamHandler(stream or sys.stdout)
+        handler.setFormatter(formatter(log_format))
+        logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
 
@@ -69,6 +77,7 @@ class AccessLog:
         self._enabled = settings.access_log
         self._block_tokens = settings.block_tokens
         self._chars_per_token = settings.chars_per_token
+        self._text = settings.log_format == "text"
 
     def answered(
         self, placement: Placement, outcome: Outcome, request_id: str, began: float
@@ -80,7 +89,6 @@ class AccessLog:
         first_byte = outcome.first_byte_at
         self._write(
             {
-                "ts": round(time.time(), 3),
                 "request_id": request_id,
                 "endpoint": request.endpoint.value,
                 "model": request.model,
@@ -105,7 +113,6 @@ class AccessLog:
             return
         self._write(
             {
-                "ts": round(time.time(), 3),
                 "request_id": request_id,
                 "endpoint": path,
                 "status": error.status,
@@ -113,15 +120,27 @@ class AccessLog:
             }
         )
 
-    def _write(self, line: dict[str, Any]) -> None:
+    def _write(self, fields: dict[str, Any]) -> None:
         logger = self._logger
-        handlers = logger.handlers
-        if len(handlers) == 1 and not logger.filters:
-            handler = handlers[0]
-            if isinstance(handler, JsonLinesHandler) and handler.binary is not None:
-                handler.write_line(orjson.dumps(line))
-                return
+        if self._text:
+            message = " ".join(f"{key}={_text_value(value)}" for key, value in fields.items())
+        else:
+            # The keys every JSON log record starts with (prefix_gateway.logs).
+            line = {"ts": round(time.time(), 3), "level": "INFO", "logger": LOGGER, **fields}
+            handlers = logger.handlers
+            if len(handlers) == 1 and not logger.filters:
+                handler = handlers[0]
+                if isinstance(handler, JsonLinesHandler) and handler.binary is not None:
+                    handler.write_line(orjson.dumps(line))
+                    return
+            message = orjson.dumps(line).decode()
         # A record made directly skips the logger's costly look-up of its caller's frame: the
         # line's origin is always here.
-        message = orjson.dumps(line).decode()
         logger.handle(logger.makeRecord(LOGGER, logging.INFO, __file__, 0, message, (), None))
+
+
+def _text_value(value: object) -> str:
+    """A value of a `key=value` pair: JSON's spelling, strings bare unless they need quotes."""
+    if isinstance(value, str) and value.isprintable() and not any(c in value for c in ' "=\\'):
+        return value
+    return orjson.dumps(value).decode()

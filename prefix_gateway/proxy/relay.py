@@ -207,7 +207,7 @@ class Relay:
             return Relayed(0, failure=failure_of(exc))
         except Interrupted as stop:
             return Relayed(0, failure=self._first_byte_missed(stop))
-        self._first_byte(attempt)
+        self._first_byte(attempt, streamed=True)
         idle, client_write = self._limits.idle, self._limits.client_write
         clock = time.monotonic
         backend = attempt.backend
@@ -299,10 +299,12 @@ class Relay:
             raise stop
         return missed
 
-    def _first_byte(self, attempt: Attempt) -> None:
+    def _first_byte(self, attempt: Attempt, streamed: bool = False) -> None:
+        """`streamed`: the first event of a streamed answer, its time to first token."""
         waited = attempt.reached_first_byte()
         name = attempt.backend.name
-        self._metrics.child(self._metrics.first_byte_seconds, name).observe(waited)
+        stream = "true" if streamed else "false"
+        self._metrics.child(self._metrics.first_byte_seconds, name, stream).observe(waited)
 
     def _ended(self, attempt: Attempt) -> None:
         took = time.perf_counter() - attempt.started
