@@ -39,7 +39,12 @@ class HoldingReplica(ThreadedServer):
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             async for request in self.posts(reader, writer):
-                text = json.loads(request.body)["messages"][-1]["content"]
+                messages = json.loads(request.body).get("messages")
+                if not messages:  # not a chat request (the gateway's own probe): not held
+                    writer.write(_answer(json.dumps({"object": "text_completion"}).encode()))
+                    await writer.drain()
+                    continue
+                text = messages[-1]["content"]
                 with self._lock:
                     self.arrived.append(text)
                 assert self._releases is not None
@@ -55,12 +60,16 @@ class HoldingReplica(ThreadedServer):
                 ).encode()
                 with self._lock:
                     self.answered += 1
-                writer.write(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                    b"content-length: %d\r\n\r\n%s" % (len(body), body)
-                )
+                writer.write(_answer(body))
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
             writer.close()
+
+
+def _answer(body: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+        len(body),
+        body,
+    )

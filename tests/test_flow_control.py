@@ -30,7 +30,12 @@ def fleet(
         replicas = [stack.enter_context(HoldingReplica()) for _ in range(count)]
         specs = [f"{MODEL}={replica.url}" for replica in replicas]
         gateway = stack.enter_context(
-            GatewayProcess(specs, "--config", str(config), "--queue-timeout", "300", *args)
+            # The replicas hold requests by design, longer than a stall on a busy machine.
+            GatewayProcess(
+                specs,
+                *("--config", str(config), "--queue-timeout", "300", "--stall-seconds", "3600"),
+                *args,
+            )
         )
         try:
             yield replicas, gateway
