@@ -17,9 +17,13 @@ from typing import Any
 
 import orjson
 
+from prefix_gateway.errors import BadRequest
+
 MESSAGE = b"\x1e"
 """Begins each chat message; separates the prompts of a batch."""
 FIELD = b"\x1f"
+FIELD_TEXT = FIELD.decode()
+"""Where an answer's text ends and a tool call it made begins (a Messages answer's)."""
 TOOLS = b"\x1d"
 TOKENS = b"\x1c"
 PART = b"\x1a"
@@ -62,6 +66,30 @@ class MessageStream:
         """The bytes, where the first user message begins (0 without one), and whether the
         prompt is a first turn: no answer follows its first user message."""
         return b"".join(self._parts), max(self._distinct_from, 0), not self._answered
+
+
+def checked_messages(payload: dict[str, Any], max_messages: int) -> list[Any]:
+    """A body's `messages`: a non-empty list of at most `max_messages`, else a `BadRequest`."""
+    messages = payload.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest(
+            "messages must be a non-empty list", param="messages", code="invalid_messages"
+        )
+    if len(messages) > max_messages:
+        raise BadRequest(
+            f"more than {max_messages} messages", param="messages", code="too_many_messages"
+        )
+    return messages
+
+
+def message_role(message: Any, position: int) -> str:
+    """The role of `messages[position]`, an object with a string role, else a `BadRequest`."""
+    if not isinstance(message, dict):
+        raise BadRequest(f"messages[{position}] must be an object", param="messages")
+    role = message.get("role")
+    if not isinstance(role, str):
+        raise BadRequest(f"messages[{position}].role must be a string", param="messages")
+    return role
 
 
 def tools_block(tools: list[Any]) -> bytes:
