@@ -28,7 +28,7 @@ from tests.words import words
 
 KEY = "messages-key"
 SYSTEM = "You answer questions about the shop's tools and paint in one short line. " * 8
-WEATHER = {
+WEATHER: Any = {
     "name": "get_weather",
     "description": "The weather in a city.",
     "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
@@ -211,24 +211,24 @@ def client(gateway: GatewayProcess) -> Iterator[anthropic.Anthropic]:
 
 
 def test_plain_and_streamed_messages(client: anthropic.Anthropic) -> None:
-    question = [{"role": "user", "content": words(12, "pl")}]
+    question: Any = [{"role": "user", "content": words(12, "pl")}]
     raw = client.messages.with_raw_response.create(
         model=MODEL,
         max_tokens=6,
         system=SYSTEM,
-        messages=question,  # type: ignore[arg-type]
+        messages=question,
     )
     message = raw.parse()
     assert raw.headers["x-gateway-route"] in ("hash", "prefix", "owner")
     assert message.type == "message" and message.role == "assistant"
     assert message.content[0].type == "text" and message.content[0].text
     assert message.usage.output_tokens == 6 and message.usage.input_tokens > 0
-    again = [{"role": "user", "content": words(12, "st")}]
+    again: Any = [{"role": "user", "content": words(12, "st")}]
     with client.messages.stream(
         model=MODEL,
         max_tokens=5,
         system=SYSTEM,
-        messages=again,  # type: ignore[arg-type]
+        messages=again,
     ) as stream:
         kinds = [item.type for item in stream]
         final = stream.get_final_message()
@@ -292,7 +292,7 @@ def test_a_tool_call_and_its_result_continue_the_conversation(
         model=MODEL,
         max_tokens=4,
         system=SYSTEM,
-        tools=[WEATHER],  # type: ignore[list-item]
+        tools=[WEATHER],
         tool_choice={"type": "tool", "name": "get_weather"},
         messages=history,
     )
@@ -306,7 +306,7 @@ def test_a_tool_call_and_its_result_continue_the_conversation(
         model=MODEL,
         max_tokens=4,
         system=SYSTEM,
-        tools=[WEATHER],  # type: ignore[list-item]
+        tools=[WEATHER],
         messages=history,
     )
     assert answered.content[0].type == "text"
