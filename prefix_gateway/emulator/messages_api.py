@@ -102,6 +102,7 @@ class MessagesAPI:
         async with engine.run(request.prompt, request.max_tokens, request.cache_salt) as run:
             opening = {"input_tokens": run.prompt_tokens, "output_tokens": 0}
             head = {**self._head(message_id), "content": [], "stop_reason": None}
+            head["stop_sequence"] = None  # vLLM's event keeps it; its whole body leaves it out
             yield _event("message_start", {"message": {**head, "usage": opening}})
             if request.call is None:
                 block: dict[str, Any] = {"type": "text", "text": ""}
@@ -134,7 +135,6 @@ class MessagesAPI:
             "type": "message",
             "role": "assistant",
             "model": self._config.model,
-            "stop_sequence": None,
         }
 
     def _parse(self, body: Mapping[str, Any]) -> _Request:
@@ -200,7 +200,9 @@ def _chat_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
     chat: list[dict[str, Any]] = []
     if isinstance(system, list):
         system = "".join(
-            block.get("text") or "" for block in system if isinstance(block, Mapping)
+            block["text"]
+            for block in system
+            if isinstance(block, Mapping) and isinstance(block.get("text"), str)
         )
     if system is not None and not isinstance(system, str):
         raise InvalidRequest("system must be a string or a list of blocks", param="system")

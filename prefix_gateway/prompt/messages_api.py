@@ -184,8 +184,8 @@ def chat_messages(
     only first, so vLLM moves later ones into it."""
     try:
         return _chat_messages(payload, merge_inline_system)
-    except (_Unknown, TypeError, AttributeError):
-        return None
+    except (_Unknown, TypeError, AttributeError, KeyError, ValueError):
+        return None  # left for the engine to refuse
 
 
 def _chat_messages(
