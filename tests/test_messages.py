@@ -7,12 +7,14 @@ stream ends. The pieces that read Messages bodies and events are checked on thei
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
 import httpx
 import orjson
 import pytest
+import yaml
 
 from prefix_gateway.auth import tenant_of
 from prefix_gateway.emulator.replicas import EmulatedReplicas
@@ -348,6 +350,19 @@ def test_keys_as_anthropic_clients_send_them_and_errors_in_their_shape(
     assert refused_chat.status_code == 401 and "error" in refused_chat.json()
 
 
+def test_explain_reads_a_messages_body(gateway: GatewayProcess) -> None:
+    body = orjson.loads(messages_body(model=MODEL, system=SYSTEM))
+    explained = httpx.post(gateway.url + "/admin/explain", json=body).json()
+    assert explained["endpoint"] == "/v1/messages" and explained["prompt_blocks"] > 0
+    del body["system"]
+    as_anthropic = {"anthropic-version": "2023-06-01"}
+    headed = httpx.post(gateway.url + "/admin/explain", json=body, headers=as_anthropic).json()
+    assert headed["endpoint"] == "/v1/messages"
+    assert httpx.post(gateway.url + "/admin/explain", json=body).json()["endpoint"] == (
+        "/v1/chat/completions"
+    )
+
+
 def test_count_tokens_is_routed_by_model(client: anthropic.Anthropic) -> None:
     raw = client.messages.with_raw_response.count_tokens(
         model=MODEL, system=SYSTEM, messages=[{"role": "user", "content": "how many?"}]
@@ -366,14 +381,20 @@ PASSED_ON = (
 )
 
 
-def test_what_a_replica_is_sent_and_a_cut_stream_ending_in_an_error_event() -> None:
+def test_what_a_replica_is_sent_and_a_cut_stream_ending_in_an_error_event(tmp_path: Path) -> None:
     """The version headers pass through; the client's key stops at the gateway; the tenant's
     salt and priority are set as on chat (the priority as the header vLLM's Messages endpoint
     reads); count_tokens is left as sent; body limits hold; a broken stream ends in Anthropic's
-    `error` event."""
+    `error` event; a tenant's budget refuses in Anthropic's shape."""
+    config = tmp_path / "gateway.yaml"
+    config.write_text(
+        yaml.safe_dump({"tenants": [{"name": "once", "api_key": "once", "requests_per_minute": 1}]})
+    )
     with (
         FaultServer() as replica,
-        GatewayProcess([f"fault-model={replica.url}"], *PASSED_ON) as gateway,
+        GatewayProcess(
+            [f"fault-model={replica.url}"], *PASSED_ON, "--config", str(config)
+        ) as gateway,
     ):
         wait_until(lambda: httpx.get(gateway.url + "/ready").status_code == 200, "ready")
         headers = {
@@ -401,6 +422,11 @@ def test_what_a_replica_is_sent_and_a_cut_stream_ending_in_an_error_event() -> N
         too_large = httpx.post(gateway.url + "/v1/messages", content=large, headers=headers)
         assert too_large.status_code == 413
         assert too_large.json()["error"]["type"] == "request_too_large"
+        budgeted = {**headers, "x-api-key": "once"}
+        assert httpx.post(gateway.url + "/v1/messages", content=body, headers=budgeted).is_success
+        spent = httpx.post(gateway.url + "/v1/messages", content=body, headers=budgeted)
+        assert spent.status_code == 429 and "retry-after" in spent.headers
+        assert spent.json()["error"]["type"] == "rate_limit_error"
         replica.mode = "cut"
         streamed = messages_body(model="fault-model", stream=True)
         cut = httpx.post(gateway.url + "/v1/messages", content=streamed, headers=headers)

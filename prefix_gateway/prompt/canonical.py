@@ -6,6 +6,8 @@ cache sees it; a batch is marked so it is never taken for one long prompt.
     content     text, and PART json for a part that is not text (images, audio, files)
     responses   as chat: `instructions` a system message, then each input item a message
                 (a function call an assistant's FIELD json, its output a tool's content)
+    messages    as chat: `system` a system message, then each message's blocks (text as its
+                text, a `tool_use` FIELD json, a user's `tool_result` a tool message of its own)
     completion  text | TOKENS json
     batch       text (MESSAGE text)+ | TOKENS json of lists
 """
@@ -132,6 +134,8 @@ def _content_bytes(content: Any) -> bytes:
         return b""
     if isinstance(content, str):
         return content.encode()
+    if isinstance(content, bytes):  # already canonical (a Messages body's blocks)
+        return content
     if isinstance(content, list):
         chunks: list[bytes] = []
         for part in content:

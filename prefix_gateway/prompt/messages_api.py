@@ -107,11 +107,11 @@ def _add_message(stream: MessageStream, role: str, content: Any) -> None:
             result = _blocks_bytes(_result_blocks(block.get("content")))
             used = block.get("tool_use_id")
             named = FIELD + (used.encode() if isinstance(used, str) else b"")
-            stream.add(message_segment(ANSWERED, result.decode(), named), ANSWERED)
+            stream.add(message_segment(ANSWERED, result, named), ANSWERED)
         else:
             chunks.append(_block_bytes(block))
     if chunks or role != "user":
-        stream.add(message_segment(role, b"".join(chunks).decode()), role)
+        stream.add(message_segment(role, b"".join(chunks)), role)
 
 
 def tool_use_field(block: dict[str, Any]) -> bytes:
