@@ -12,7 +12,8 @@ Routers: the gateway with its `prefix` policy, the gateway with `round_robin`, a
 robin straight over the replicas (a plain load balancer). One row per router: the prompt
 tokens the replicas report (`input_tokens + cache_read_input_tokens +
 cache_creation_input_tokens`) and the share read from their caches, the spread of requests
-over the replicas (the most any answered over the mean) and the time to the first event.
+over the replicas (the most any answered over the mean), the time to the first event and,
+through the gateway, the turns it counted as cache breaks (none is expected).
 
     python loadtest/messages_agents.py
     python loadtest/messages_agents.py --conversations 64 --turns 8 --prefill-us 50
@@ -41,6 +42,7 @@ from tests.support import GatewayProcess
 from tests.words import words
 
 SYSTEM_TOKENS = 1200
+BREAKS = "gateway_cache_breaks_total"
 TOOLS = [
     {
         "name": name,
@@ -155,13 +157,14 @@ def main() -> None:
     )
     print(
         "| router | requests | failed | prompt tokens | cached tokens | hit rate "
-        "| max/mean req | TTFT p50 ms | TTFT p99 ms |"
+        "| max/mean req | TTFT p50 ms | TTFT p99 ms | cache breaks |"
     )
-    print("|" + "---|" * 9)
+    print("|" + "---|" * 10)
     with EmulatedReplicas(4, MODEL, emulator_args) as fleet:
         runs = itertools.count(1)
         for router in ("gateway prefix", "gateway round_robin", "direct round robin"):
             with contextlib.ExitStack() as stack:
+                gateway = None
                 if router.startswith("gateway"):
                     policy = router.split()[1]
                     gateway = stack.enter_context(GatewayProcess(fleet.urls, "--policy", policy))
@@ -175,11 +178,12 @@ def main() -> None:
                 counts = [now - then for now, then in zip(answered(fleet), before, strict=True)]
                 spread = max(counts) / (sum(counts) / len(counts)) if sum(counts) else 0
                 rate = tally.cached_tokens / tally.prompt_tokens if tally.prompt_tokens else 0
+                breaks = "–" if gateway is None else f"{gateway.metric(BREAKS):g}"
                 print(
                     f"| {router} | {len(tally.ttfts)} | {tally.failed} "
                     f"| {tally.prompt_tokens:,} | {tally.cached_tokens:,} | {rate:.1%} "
                     f"| {spread:.2f} | {percentile(tally.ttfts, 0.5) * 1000:.1f} "
-                    f"| {percentile(tally.ttfts, 0.99) * 1000:.1f} |",
+                    f"| {percentile(tally.ttfts, 0.99) * 1000:.1f} | {breaks} |",
                     flush=True,
                 )
 
