@@ -32,7 +32,7 @@ _BILLING_HEADER = "x-anthropic-billing-header"
 _NOT_PROMPT = frozenset({"cache_control"})
 _SKIPPED = frozenset({"redacted_thinking", "tool_reference"})
 """Blocks the engine drops from a message."""
-ANSWERED = "tool"
+_TOOL_ROLE = "tool"
 """The role of a tool's result in the canonical stream, as in chat's."""
 
 
@@ -107,7 +107,7 @@ def _add_message(stream: MessageStream, role: str, content: Any) -> None:
             result = _blocks_bytes(_result_blocks(block.get("content")))
             used = block.get("tool_use_id")
             named = FIELD + (used.encode() if isinstance(used, str) else b"")
-            stream.add(message_segment(ANSWERED, result, named), ANSWERED)
+            stream.add(message_segment(_TOOL_ROLE, result, named), _TOOL_ROLE)
         else:
             chunks.append(_block_bytes(block))
     if chunks or role != "user":
