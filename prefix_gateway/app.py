@@ -19,7 +19,7 @@ from prefix_gateway.backends.pool import BackendPool
 from prefix_gateway.components import Components
 from prefix_gateway.config import Settings
 from prefix_gateway.control.app import build_control_app
-from prefix_gateway.errors import GatewayError
+from prefix_gateway.errors import GatewayError, error_shape
 from prefix_gateway.prompt.parsing import ENDPOINTS, Endpoint
 from prefix_gateway.prompt.responses_api import RESPONSE_ID, response_target
 from prefix_gateway.proxy.asgi import ASGIApp, Receive, Scope, Send, send_error, send_json
@@ -66,20 +66,20 @@ class GatewayApp:
                 try:
                     key, scope[KEY_POSITION] = self._api_keys.check(scope["headers"])
                 except GatewayError as unknown_key:
-                    await self._refuse(unknown_key, send)
+                    await self._refuse(unknown_key, send, path)
                     return
                 if self._isolate_tenants:
                     scope[TENANT] = tenant_of(key)
             allowed = _proxied_methods(path)
             if allowed is not None:
                 if passed_through(scope["headers"]):
-                    await self._refuse(refused("loop_detected"), send)
+                    await self._refuse(refused("loop_detected"), send, path)
                 elif scope["method"] in allowed:
                     await self.components.proxy(scope, receive, send)
                 else:
                     allow = ((b"allow", ", ".join(allowed).encode()),)
                     wrong = refused("http_405", " or ".join(allowed), path, headers=allow)
-                    await self._refuse(wrong, send)
+                    await self._refuse(wrong, send, path)
             elif path == "/ready" and self.shutting_down:
                 body = orjson.dumps({"ready": False, "shutting_down": True})
                 await send_json(send, 503, body)
@@ -88,10 +88,10 @@ class GatewayApp:
         elif kind == "lifespan":
             await self._lifespan(receive, send)
 
-    async def _refuse(self, error: GatewayError, send: Send) -> None:
+    async def _refuse(self, error: GatewayError, send: Send, path: str) -> None:
         assert self.components is not None
         count_refusal(self.components.metrics, error)
-        await send_error(send, error)
+        await send_error(send, error, shape=error_shape(path))
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -155,6 +155,16 @@ class ResponseRequest(_Open):
     max_output_tokens: int | None = Field(default=None, ge=1)
 
 
+class MessagesRequest(_Open):
+    """Anthropic's Messages API."""
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    system: str | list[dict[str, Any]] | None = None
+    stream: bool | None = None
+
+
 class ModelRequest(_Open):
     """A body routed by its model alone (`/tokenize`, `/v1/rerank`...)."""
 
@@ -179,6 +189,9 @@ def _declare_inference_routes(app: FastAPI) -> None:
     async def stored(response_id: str = Path(pattern=_ID_PATTERN)) -> dict[str, Any]:
         raise NotImplementedError
 
+    async def messages(body: MessagesRequest) -> dict[str, Any]:
+        raise NotImplementedError
+
     async def by_model(body: ModelRequest) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -188,6 +201,7 @@ def _declare_inference_routes(app: FastAPI) -> None:
         ("/v1/embeddings", embeddings, "Embeddings (OpenAI), routed to a replica"),
         ("/v1/responses", responses, "Response (OpenAI Responses API), routed to a replica"),
         ("/v1/responses/{response_id}/cancel", stored, "Cancel, at the replica that stored it"),
+        ("/v1/messages", messages, "Message (Anthropic Messages API), routed to a replica"),
     ):
         app.add_api_route(path, endpoint, methods=["POST"], summary=summary, tags=["inference"])
     app.add_api_route(

@@ -46,19 +46,22 @@ class ApiKeys:
         return bool(self._keys)
 
     def check(self, headers: list[tuple[bytes, bytes]]) -> tuple[bytes, int]:
-        """The key the headers carry and its position among the keys; `Unauthorized` unless
-        it is one of them."""
-        given = None
+        """The key the headers carry (`Authorization: Bearer`, else Anthropic's `x-api-key`)
+        and its position among the keys; `Unauthorized` unless it is one of them."""
+        authorization = api_key = None
         for name, value in headers:
             if name == b"authorization":
-                given = value
+                authorization = value
                 break
-        if given is None:
+            if name == b"x-api-key" and api_key is None:
+                api_key = value
+        if authorization is None and api_key is None:
             raise Unauthorized(
-                "You didn't provide an API key: send `Authorization: Bearer <key>`.",
+                "You didn't provide an API key: send `Authorization: Bearer <key>` or"
+                " `x-api-key: <key>`.",
                 code="missing_api_key",
             )
-        token = bearer(given) or b""
+        token = (bearer(authorization) or b"") if authorization is not None else api_key or b""
         position = -1
         for index, key in enumerate(self._keys):
             # Every key is compared, matched or not.

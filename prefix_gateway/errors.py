@@ -1,7 +1,11 @@
-"""The gateway's error tree and the one renderer of OpenAI-style error bodies. What each
-refusal answers (its code, message and headers) is `prefix_gateway/refusals.py`'s table."""
+"""The gateway's error tree and the one renderer of OpenAI-style error bodies (and of
+Anthropic-style ones, on the Messages API's paths). What each refusal answers (its code,
+message and headers) is `prefix_gateway/refusals.py`'s table."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import orjson
 
@@ -136,3 +140,48 @@ def render_error(
 def sse_error(error: GatewayError) -> bytes:
     """The error as the last event of a stream whose response has already begun."""
     return b"data: " + error.body() + b"\n\n"
+
+
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+"""Anthropic's error type for each status (any other 4xx an `invalid_request_error`, any
+other 5xx an `api_error`)."""
+
+
+def anthropic_error(error: GatewayError) -> bytes:
+    """The error in Anthropic's shape: `{"type": "error", "error": {"type", "message"}}`."""
+    status = error.status
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return orjson.dumps({"type": "error", "error": {"type": kind, "message": error.message}})
+
+
+def anthropic_event(error: GatewayError) -> bytes:
+    """The error as the `error` event that ends an Anthropic stream already begun."""
+    return b"event: error\ndata: " + anthropic_error(error) + b"\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorShape:
+    """How one API's clients expect an error: a whole body, or the last event of a stream."""
+
+    body: Callable[[GatewayError], bytes]
+    event: Callable[[GatewayError], bytes]
+
+
+OPENAI = ErrorShape(GatewayError.body, sse_error)
+ANTHROPIC = ErrorShape(anthropic_error, anthropic_event)
+_ANTHROPIC_PATH = "/v1/messages"
+
+
+def error_shape(path: str) -> ErrorShape:
+    """The shape of the errors answered on `path`: Anthropic's on the Messages API's."""
+    if path == _ANTHROPIC_PATH or path.startswith(_ANTHROPIC_PATH + "/"):
+        return ANTHROPIC
+    return OPENAI

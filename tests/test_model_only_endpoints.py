@@ -87,7 +87,9 @@ def _error(response: httpx.Response) -> dict[str, Any]:
 
 
 def test_every_model_only_endpoint_is_covered() -> None:
-    assert set(BODIES) == {endpoint.value for endpoint in Endpoint if not endpoint.by_prefix}
+    # Anthropic's count_tokens answers errors in Anthropic's shape: tests/test_messages.py.
+    routed = {e.value for e in Endpoint if not e.by_prefix and not e.anthropic}
+    assert set(BODIES) == routed
 
 
 @pytest.mark.parametrize("path", list(BODIES))

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -33,6 +34,7 @@ from engines.venv import VLLMVenv
 from tests.support import GatewayProcess, metric_value
 from tests.test_doctor import CHECKS as DOCTOR_CHECKS
 from tests.test_doctor import by_check, doctor
+from tests.test_messages import converse
 from tests.test_responses import WEATHER_TOOL
 
 pytestmark = pytest.mark.real_vllm
@@ -471,6 +473,32 @@ def test_responses_through_the_gateway_and_a_chain_on_the_storing_replica(
     assert [answers[name].status_code for name in ("GET", "DELETE", "cancel")] == [200, 405, 400]
 
 
+def anthropic_client(gateway: GatewayProcess) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_messages_plain_streamed_and_a_conversation_on_one_replica(real: RealFleet) -> None:
+    """vLLM's Anthropic endpoints through the gateway, with the official client: a
+    conversation (its second turn streamed) stays on one replica and reads its cache, in whole
+    blocks; count_tokens answers."""
+    history: list[Any] = []
+    backends, hits = [], []
+    with anthropic_client(real.gateway) as client:
+        for turn in range(3):
+            history.append({"role": "user", "content": text(25, f"messages-{turn}")})
+            message, backend = converse(
+                client, turn == 1, model=MODEL, max_tokens=8, system=SYSTEM, messages=history
+            )
+            assert message.type == "message" and message.usage.output_tokens >= 1
+            backends.append(backend)
+            hits.append(message.usage.cache_read_input_tokens)
+            history.append({"role": "assistant", "content": message.content})
+        counted = client.messages.count_tokens(model=MODEL, system=SYSTEM, messages=history[:1])
+    assert len(set(backends)) == 1, backends
+    assert all(hit > 0 and hit % BLOCK == 0 for hit in hits[1:]), hits
+    assert counted.input_tokens > 0
+
+
 @pytest.fixture(scope="module")
 def tokens_gateway(real: RealFleet) -> Iterator[GatewayProcess]:
     """A second gateway in front of the same replicas, tokenizing as they do and following
@@ -545,6 +573,27 @@ def test_with_the_tokenizer_a_responses_conversation_predicts_the_cached_tokens(
             assert response.usage is not None
             hits.append(int(response.usage.input_tokens_details.cached_tokens or 0))
             items.append({"role": "assistant", "content": response.output_text})
+    assert_predicted_within_5_percent(before, tokens_gateway.metrics(), hits)
+
+
+def test_with_the_tokenizer_a_messages_conversation_predicts_the_cached_tokens(
+    tokens_gateway: GatewayProcess,
+) -> None:
+    # The engine renders the system blocks and content blocks as chat messages: so must the
+    # gateway; the second turn is streamed, its usage read from `message_delta`.
+    before = tokens_gateway.metrics()
+    system = [{"type": "text", "text": text(200, "messages-tokenizer-system")}]
+    history: list[Any] = []
+    hits = []
+    with anthropic_client(tokens_gateway) as client:
+        for turn in range(4):
+            question = text(30, f"messages-tokenizer-{turn}")
+            history.append({"role": "user", "content": [{"type": "text", "text": question}]})
+            message, _ = converse(
+                client, turn == 1, model=MODEL, max_tokens=20, system=system, messages=history
+            )
+            hits.append(int(message.usage.cache_read_input_tokens or 0))
+            history.append({"role": "assistant", "content": message.content})
     assert_predicted_within_5_percent(before, tokens_gateway.metrics(), hits)
 
 

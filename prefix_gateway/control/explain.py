@@ -79,7 +79,7 @@ def build_explain_router(components: Components, guard: Guard) -> APIRouter:
         """Where this request would go and why, without sending or recording it."""
         body = await request.body()  # bounded before it was read: control/bodies.py
         parsed = parse_request(
-            _endpoint(endpoint, body),
+            _endpoint(endpoint, body, "anthropic-version" in request.headers),
             body,
             request.headers.get("x-session-id"),
             settings.default_model,
@@ -95,7 +95,9 @@ def build_explain_router(components: Components, guard: Guard) -> APIRouter:
     return router
 
 
-def _endpoint(given: str | None, body: bytes) -> Endpoint:
+def _endpoint(given: str | None, body: bytes, anthropic: bool) -> Endpoint:
+    """The endpoint named, else the one the body is for (Anthropic's clients send their
+    version header; only a Messages body has a `system` field beside `messages`)."""
     if given is not None:
         found = ENDPOINTS.get(given)
         if found is None:
@@ -110,6 +112,8 @@ def _endpoint(given: str | None, body: bytes) -> Endpoint:
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     if isinstance(payload, dict):
+        if "messages" in payload and (anthropic or "system" in payload):
+            return Endpoint.MESSAGES
         for field, endpoint in (
             ("messages", Endpoint.CHAT),
             ("prompt", Endpoint.COMPLETIONS),

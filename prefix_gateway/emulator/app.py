@@ -29,6 +29,7 @@ from prefix_gateway.emulator.errors import (
     NotFound,
     PayloadTooLarge,
 )
+from prefix_gateway.emulator.messages_api import MessagesAPI, error_body
 from prefix_gateway.emulator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from prefix_gateway.emulator.metrics import EngineMetrics
 from prefix_gateway.emulator.pooling import classify_body, cohere_embed_body, pooling_body
@@ -53,6 +54,8 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 Handler = Callable[[Receive, Send], Awaitable[None]]
+Creation = Callable[[dict[str, Any]], Awaitable[bytes | AsyncIterator[bytes]]]
+"""What makes an answer to a body: its JSON, or (streamed) its events."""
 PoolingAnswer = Callable[[dict[str, Any], EmulatorConfig, str], bytes]
 """A pooling endpoint's answer to a body, given the id it names itself with."""
 _T = TypeVar("_T")
@@ -60,6 +63,7 @@ _T = TypeVar("_T")
 MAX_BODY_BYTES = 64 * 1024 * 1024
 _JSON = b"application/json"
 _STORED_RESPONSE = "/v1/responses/"
+_MESSAGES = "/v1/messages"
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -105,11 +109,14 @@ class EmulatorApp:
         self._serial = itertools.count()
         self._id_prefix = os.urandom(4).hex()
         self.responses = ResponsesAPI(self.engine, config)
+        self.messages = MessagesAPI(self.engine, config)
         self._routes: dict[str, tuple[str, Handler]] = {
             "/v1/chat/completions": ("POST", self._chat),
             "/v1/completions": ("POST", self._completions),
             "/v1/embeddings": ("POST", self._embeddings),
-            "/v1/responses": ("POST", self._create_response),
+            "/v1/responses": ("POST", _created(self.responses.create)),
+            "/v1/messages": ("POST", _created(self.messages.create)),
+            "/v1/messages/count_tokens": ("POST", self._count_tokens),
             "/tokenize": ("POST", self._tokenize),
             "/detokenize": ("POST", self._detokenize),
             "/v1/models": ("GET", self._models),
@@ -145,7 +152,8 @@ class EmulatorApp:
                 raise MethodNotAllowed(f"Method Not Allowed: use {method}")
             await handler(receive, send)
         except EmulatorError as exc:
-            await _respond(send, exc.status, exc.body())
+            anthropic = scope["path"].startswith(_MESSAGES)
+            await _respond(send, exc.status, error_body(exc) if anthropic else exc.body())
         except _ClientGone:
             return
 
@@ -185,16 +193,9 @@ class EmulatorApp:
 
         return handler
 
-    async def _create_response(self, receive: Receive, send: Send) -> None:
+    async def _count_tokens(self, receive: Receive, send: Send) -> None:
         body = parse_body(await _read_body(receive))
-        await _until_disconnect(receive, self._answer_response(body, send))
-
-    async def _answer_response(self, body: dict[str, Any], send: Send) -> None:
-        created = await self.responses.create(body)
-        if isinstance(created, bytes):
-            await _respond(send, 200, created)
-        else:
-            await _send_events(send, created)
+        await _respond(send, 200, self.messages.count_tokens(body))
 
     async def _stored_response(self, method: str, path: str, send: Send) -> None:
         """`GET`/`DELETE /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`."""
@@ -302,6 +303,23 @@ class EmulatorApp:
 
 def build_app(config: EmulatorConfig) -> EmulatorApp:
     return EmulatorApp(config)
+
+
+def _created(create: Creation) -> Handler:
+    """The handler of an endpoint whose answer is a JSON body or (streamed) its events."""
+
+    async def answer(body: dict[str, Any], send: Send) -> None:
+        created = await create(body)
+        if isinstance(created, bytes):
+            await _respond(send, 200, created)
+        else:
+            await _send_events(send, created)
+
+    async def handler(receive: Receive, send: Send) -> None:
+        body = parse_body(await _read_body(receive))
+        await _until_disconnect(receive, answer(body, send))
+
+    return handler
 
 
 def _choices(request: GenerationRequest) -> list[tuple[list[int], int]]:

@@ -6,6 +6,8 @@ cache sees it; a batch is marked so it is never taken for one long prompt.
     content     text, and PART json for a part that is not text (images, audio, files)
     responses   as chat: `instructions` a system message, then each input item a message
                 (a function call an assistant's FIELD json, its output a tool's content)
+    messages    as chat: `system` a system message, then each message's blocks (text as its
+                text, a `tool_use` FIELD json, a user's `tool_result` a tool message of its own)
     completion  text | TOKENS json
     batch       text (MESSAGE text)+ | TOKENS json of lists
 """
@@ -17,9 +19,13 @@ from typing import Any
 
 import orjson
 
+from prefix_gateway.errors import BadRequest
+
 MESSAGE = b"\x1e"
 """Begins each chat message; separates the prompts of a batch."""
 FIELD = b"\x1f"
+FIELD_TEXT = FIELD.decode()
+"""Where an answer's text ends and a tool call it made begins (a Messages answer's)."""
 TOOLS = b"\x1d"
 TOKENS = b"\x1c"
 PART = b"\x1a"
@@ -64,6 +70,30 @@ class MessageStream:
         return b"".join(self._parts), max(self._distinct_from, 0), not self._answered
 
 
+def checked_messages(payload: dict[str, Any], max_messages: int) -> list[Any]:
+    """A body's `messages`: a non-empty list of at most `max_messages`, else a `BadRequest`."""
+    messages = payload.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest(
+            "messages must be a non-empty list", param="messages", code="invalid_messages"
+        )
+    if len(messages) > max_messages:
+        raise BadRequest(
+            f"more than {max_messages} messages", param="messages", code="too_many_messages"
+        )
+    return messages
+
+
+def message_role(message: Any, position: int) -> str:
+    """The role of `messages[position]`, an object with a string role, else a `BadRequest`."""
+    if not isinstance(message, dict):
+        raise BadRequest(f"messages[{position}] must be an object", param="messages")
+    role = message.get("role")
+    if not isinstance(role, str):
+        raise BadRequest(f"messages[{position}].role must be a string", param="messages")
+    return role
+
+
 def tools_block(tools: list[Any]) -> bytes:
     return TOOLS + b"tools" + FIELD + orjson.dumps(tools, option=orjson.OPT_SORT_KEYS)
 
@@ -104,6 +134,8 @@ def _content_bytes(content: Any) -> bytes:
         return b""
     if isinstance(content, str):
         return content.encode()
+    if isinstance(content, bytes):  # already canonical (a Messages body's blocks)
+        return content
     if isinstance(content, list):
         chunks: list[bytes] = []
         for part in content:

@@ -4,17 +4,16 @@ re-serialised (the bytes go upstream as the client sent them).
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
-
-import orjson
 
 from prefix_gateway.config import Settings
 from prefix_gateway.errors import BadRequest
 from prefix_gateway.prompt.canonical import (
     MessageStream,
+    checked_messages,
+    message_role,
     message_segment,
     text_prompts,
     token_prompts,
@@ -22,6 +21,9 @@ from prefix_gateway.prompt.canonical import (
     tools_block,
 )
 from prefix_gateway.prompt.hashing import key_hash
+from prefix_gateway.prompt.json_body import json_object
+from prefix_gateway.prompt.messages_api import chat_messages as messages_chat
+from prefix_gateway.prompt.messages_api import messages_canonical, user_id
 from prefix_gateway.prompt.responses_api import (
     chat_messages,
     checked_response_id,
@@ -37,6 +39,8 @@ class Endpoint(Enum):
     COMPLETIONS = "/v1/completions"
     EMBEDDINGS = "/v1/embeddings"
     RESPONSES = "/v1/responses"
+    MESSAGES = "/v1/messages"
+    """Anthropic's Messages API (errors on it in Anthropic's shape)."""
     # Routed by model alone: what they carry is not a prompt an engine caches for later.
     TOKENIZE = "/tokenize"
     DETOKENIZE = "/detokenize"
@@ -48,6 +52,12 @@ class Endpoint(Enum):
     POOLING = "/pooling"
     CLASSIFY = "/classify"
     EMBED_V2 = "/v2/embed"
+    COUNT_TOKENS = "/v1/messages/count_tokens"
+
+    @property
+    def anthropic(self) -> bool:
+        """Anthropic's API: its clients expect its error shape."""
+        return self is Endpoint.MESSAGES or self is Endpoint.COUNT_TOKENS
 
     @property
     def by_prefix(self) -> bool:
@@ -67,10 +77,16 @@ class Endpoint(Enum):
 
 
 _BY_PREFIX = frozenset(
-    {Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.EMBEDDINGS, Endpoint.RESPONSES}
+    {
+        Endpoint.CHAT,
+        Endpoint.COMPLETIONS,
+        Endpoint.EMBEDDINGS,
+        Endpoint.RESPONSES,
+        Endpoint.MESSAGES,
+    }
 )
-_GENERATES = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES})
-_UNSALTED = frozenset({Endpoint.TOKENIZE, Endpoint.DETOKENIZE})
+_GENERATES = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES, Endpoint.MESSAGES})
+_UNSALTED = frozenset({Endpoint.TOKENIZE, Endpoint.DETOKENIZE, Endpoint.COUNT_TOKENS})
 ENDPOINTS = {endpoint.value: endpoint for endpoint in Endpoint}
 
 
@@ -155,7 +171,7 @@ def parse_request(
     """What routing needs of `body`; a `BadRequest` for anything malformed or past `limits`
     (its values are counted before it is parsed, its depth checked before it is walked). With
     `tokenizer`, also the prompt's token ids."""
-    payload = _json_object(body, limits)
+    payload = json_object(body, limits.values, limits.depth)
     model = payload.get("model", default_model or None)
     if model is None or model == "":
         raise BadRequest("you must provide a model parameter", param="model", code="missing_model")
@@ -184,6 +200,8 @@ def parse_request(
         given_previous = payload.get("previous_response_id")
         if given_previous is not None:
             previous = checked_response_id(given_previous, "previous_response_id")
+    elif endpoint is Endpoint.MESSAGES:
+        canonical, distinct_from, first_turn = messages_canonical(payload, limits.messages)
     else:
         canonical, distinct_from = b"", 0
 
@@ -192,7 +210,9 @@ def parse_request(
         model=model,
         canonical=canonical,
         distinct_from=distinct_from,
-        session_key=_session_key(payload, session_header, session_from_user, limits, tenant),
+        session_key=_session_key(
+            endpoint, payload, session_header, session_from_user, limits, tenant
+        ),
         stream=bool(stream),
         wants_usage=wants_usage,
         tenant=tenant,
@@ -223,7 +243,7 @@ def stored_response_request(
     Its body, which routing does not need (a `cancel` is sent none), goes upstream only if it
     is empty or a JSON object within `limits`."""
     if body.strip():
-        _json_object(body, limits)
+        json_object(body, limits.values, limits.depth)
     return RoutingInput(
         endpoint=Endpoint.RESPONSES,
         model="",
@@ -235,31 +255,6 @@ def stored_response_request(
         tenant=tenant,
         response_id=checked_response_id(response_id, "response_id"),
     )
-
-
-def _json_object(body: bytes, limits: BodyLimits) -> dict[str, Any]:
-    """`body` parsed, once its values are counted; refused past `limits` or unless an object."""
-    containers = body.count(b"[") + body.count(b"{")
-    if containers + body.count(b",") > limits.values:
-        raise BadRequest(
-            f"request body holds more than {limits.values} values", code="too_many_values"
-        )
-    # A parsed body holds no cycles: the collector, run again and again while millions of
-    # objects are made, would only slow the parse (and the event loop) down.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        payload = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
-    finally:
-        if collecting:
-            gc.enable()
-    if not isinstance(payload, dict):
-        raise BadRequest("request body must be a JSON object", code="invalid_type")
-    if containers > limits.depth:  # fewer brackets than the limit cannot nest deeper
-        _check_depth(payload, limits.depth)
-    return payload
 
 
 def _client_salt(endpoint: Endpoint, payload: dict[str, Any]) -> str | None:
@@ -274,8 +269,12 @@ def _tokens(
     for a batch, whose prompts are cached apart, or what the template cannot render)."""
     if endpoint is Endpoint.CHAT:
         return tokenizer.chat(payload["messages"], payload.get("tools"))
-    if endpoint is Endpoint.RESPONSES:
-        rendered = chat_messages(payload)
+    if endpoint is Endpoint.RESPONSES or endpoint is Endpoint.MESSAGES:
+        rendered = (
+            chat_messages(payload)
+            if endpoint is Endpoint.RESPONSES
+            else messages_chat(payload, tokenizer.merges_inline_system)
+        )
         return None if rendered is None else tokenizer.chat(*rendered)
     if endpoint is Endpoint.COMPLETIONS:
         prompt = payload["prompt"]
@@ -291,23 +290,8 @@ def _tokens(
     return None
 
 
-def _check_depth(payload: dict[str, Any], limit: int) -> None:
-    """Refuse a body nested deeper than `limit` arrays and objects, level by level."""
-    level: list[Any] = [payload]
-    depth = 0
-    while level:
-        depth += 1
-        if depth > limit:
-            raise BadRequest(f"request body is nested deeper than {limit} levels", code="too_deep")
-        inner: list[Any] = []
-        for node in level:
-            for child in node.values() if isinstance(node, dict) else node:
-                if isinstance(child, dict | list):
-                    inner.append(child)
-        level = inner
-
-
 def _session_key(
+    endpoint: Endpoint,
     payload: dict[str, Any],
     header: str | None,
     from_user: bool,
@@ -315,7 +299,9 @@ def _session_key(
     tenant: str | None,
 ) -> str | None:
     key = header or None
-    if key is None:
+    if endpoint.anthropic:
+        key = key or user_id(payload)
+    elif key is None:
         given = payload.get("prompt_cache_key")
         if given is not None:
             if not isinstance(given, str):
@@ -330,7 +316,7 @@ def _session_key(
     if len(key) > limits.session_key_bytes:
         raise BadRequest(
             f"the session key is longer than {limits.session_key_bytes} characters",
-            param="prompt_cache_key",
+            param="metadata.user_id" if endpoint.anthropic else "prompt_cache_key",
             code="session_key_too_long",
         )
     return session_hash(key, tenant)
@@ -344,15 +330,7 @@ def session_hash(key: str, tenant: str | None = None) -> str:
 def _chat_canonical(payload: dict[str, Any], max_messages: int) -> tuple[bytes, int, bool]:
     """The canonical bytes, where the first user message begins, and whether no answer
     follows it."""
-    messages = payload.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest(
-            "messages must be a non-empty list", param="messages", code="invalid_messages"
-        )
-    if len(messages) > max_messages:
-        raise BadRequest(
-            f"more than {max_messages} messages", param="messages", code="too_many_messages"
-        )
+    messages = checked_messages(payload, max_messages)
     stream = MessageStream()
     tools = payload.get("tools")
     if tools is not None:
@@ -360,11 +338,7 @@ def _chat_canonical(payload: dict[str, Any], max_messages: int) -> tuple[bytes, 
             raise BadRequest("tools must be a list", param="tools")
         stream.add(tools_block(tools))
     for position, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise BadRequest(f"messages[{position}] must be an object", param="messages")
-        role = message.get("role")
-        if not isinstance(role, str):
-            raise BadRequest(f"messages[{position}].role must be a string", param="messages")
+        role = message_role(message, position)
         extra = b""
         tool_calls = message.get("tool_calls")
         if tool_calls is not None:

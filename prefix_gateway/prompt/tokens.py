@@ -90,6 +90,9 @@ class EngineTokenizer:
             environment.globals["strftime_now"] = _strftime_now
             self._template = environment.from_string(chat_template)
             self._pieces = PieceCache.checked(tokenizer, self._render(_PROBE))
+        self.merges_inline_system = _refuses_inline_system(chat_template)
+        """The template takes a system message only first: vLLM's Messages endpoint moves
+        later ones into the first (as `prefix_gateway.prompt.messages_api` does then)."""
 
     @classmethod
     def load(cls, path: str | Path) -> EngineTokenizer:
@@ -219,6 +222,24 @@ class PieceCache:
                     oldest, _ = kept.popitem(last=False)
                     self._chars -= len(oldest)
         return packed
+
+
+def _refuses_inline_system(chat_template: str | None) -> bool:
+    """vLLM's test, in a bare sandbox as its own: no template, or one that fails to render a
+    system message after the first user message."""
+    if not chat_template:
+        return True
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    system, user = {"role": "system", "content": "t"}, {"role": "user", "content": "t"}
+    try:
+        environment.from_string(chat_template).render(
+            messages=[system, user, system, user], add_generation_prompt=False
+        )
+    except TemplateError:
+        return True
+    return False
 
 
 def _token_text(value: Any) -> str:

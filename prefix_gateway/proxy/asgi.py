@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from prefix_gateway.errors import GatewayError
+from prefix_gateway.errors import OPENAI, ErrorShape, GatewayError
 from prefix_gateway.proxy.admission import PendingBodies
 from prefix_gateway.refusals import answer_head, refused
 
@@ -57,11 +57,15 @@ def too_many_pending_bodies() -> GatewayError:
 
 
 async def send_error(
-    send: Send, error: GatewayError, extra_headers: list[tuple[bytes, bytes]] | None = None
+    send: Send,
+    error: GatewayError,
+    extra_headers: list[tuple[bytes, bytes]] | None = None,
+    shape: ErrorShape = OPENAI,
 ) -> None:
-    """Answer `error` with the headers the table gives it; `extra_headers`: the request's own
-    (its id, the replica tried). Counting it is the caller's (`refusals.count_refusal`)."""
-    body = error.body()
+    """Answer `error` in `shape` with the headers the table gives it; `extra_headers`: the
+    request's own (its id, the replica tried). Counting it is the caller's
+    (`refusals.count_refusal`)."""
+    body = shape.body(error)
     headers = answer_head(error, body)
     if extra_headers:
         headers.extend(extra_headers)

@@ -32,8 +32,14 @@ _RETRY_STATUSES = frozenset({429, 502, 503, 504})
 # Where `--observe-usage` asks a stream for usage (the Responses API's streams always carry it).
 _USAGE_ASKED = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
 # vLLM schedules every request that runs the model by its `priority`, pooling ones too (their
-# requests take the field as the generating ones do); tokenizing runs no model.
-_PRIORITISED = frozenset(Endpoint) - {Endpoint.TOKENIZE, Endpoint.DETOKENIZE}
+# requests take the field as the generating ones do); tokenizing runs no model. Its Messages
+# endpoint has no such field, but the chat path it hands requests to reads the header.
+_PRIORITISED = frozenset(Endpoint) - {
+    Endpoint.TOKENIZE,
+    Endpoint.DETOKENIZE,
+    Endpoint.COUNT_TOKENS,
+    Endpoint.MESSAGES,
+}
 _ENGINE_PRIORITY_HEADER = b"x-vllm-priority"
 """Read by vLLM before the body's `priority` (chat, completions, responses)."""
 
@@ -266,7 +272,10 @@ def _prioritise(forwarding: Forwarding) -> None:
     client asked for, in its body or its header: a client cannot raise its own."""
     forwarding.headers = [item for item in forwarding.headers if item[0] != _ENGINE_PRIORITY_HEADER]
     request = forwarding.placement.request
-    if (
+    if request.endpoint is Endpoint.MESSAGES:
+        priority = str(-forwarding.tenant_priority).encode()
+        forwarding.headers = [*forwarding.headers, (_ENGINE_PRIORITY_HEADER, priority)]
+    elif (
         request.endpoint in _PRIORITISED
         and request.response_id is None
         and forwarding.method == b"POST"

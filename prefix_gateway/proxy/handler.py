@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from prefix_gateway.auth import KEY_POSITION, TENANT
 from prefix_gateway.config import Settings
-from prefix_gateway.errors import GatewayError
+from prefix_gateway.errors import GatewayError, error_shape
 from prefix_gateway.metrics import Metrics
 from prefix_gateway.prompt.parsing import (
     ENDPOINTS,
@@ -130,7 +130,7 @@ class ProxyHandler:
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         request_id = _client_request_id(headers) or self._request_ids.next()
         connection = scope.get(CLIENT_CONNECTION)
-        reply = Reply(send, self._metrics, connection)
+        reply = Reply(send, self._metrics, connection, error_shape(scope["path"]))
         task = asyncio.current_task()
         assert task is not None
         exchange = Exchange(task, time.monotonic(), self._settings.request_timeout)

@@ -43,7 +43,7 @@ class Relayed:
 
 
 # What the last event of a stream carries; a chunk holding it is read before it is relayed.
-_LAST_EVENT = re.compile(rb"\[DONE\]|response\.(?:completed|incomplete|failed)")
+_LAST_EVENT = re.compile(rb"\[DONE\]|response\.(?:completed|incomplete|failed)|message_stop")
 _OPENING = 1024  # bytes of a passed-on body looked at for its shape and id
 _TAIL = 64 * 1024  # bytes at the end of a passed-on body kept for its usage
 
@@ -310,7 +310,6 @@ class Relay:
         took = time.perf_counter() - attempt.started
         name = attempt.backend.name
         self._metrics.child(self._metrics.duration_seconds, name).observe(took)
-
 
 
 def _malformed() -> UpstreamError:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable
 
-from prefix_gateway.errors import GatewayError, sse_error
+from prefix_gateway.errors import OPENAI, ErrorShape, GatewayError
 from prefix_gateway.metrics import Metrics
 from prefix_gateway.proxy.asgi import Send, send_error
 from prefix_gateway.proxy.deadlines import ClientConnection
@@ -17,13 +17,19 @@ Headers = list[tuple[bytes, bytes]]
 
 
 class Reply:
-    __slots__ = ("_connection", "_last", "_metrics", "_send", "begun", "streaming")
+    __slots__ = ("_connection", "_last", "_metrics", "_send", "_shape", "begun", "streaming")
 
     def __init__(
-        self, send: Send, metrics: Metrics, connection: ClientConnection | None = None
+        self,
+        send: Send,
+        metrics: Metrics,
+        connection: ClientConnection | None = None,
+        shape: ErrorShape = OPENAI,
     ) -> None:
-        """`connection`: the server's, which can close it at once (`CLIENT_CONNECTION`)."""
+        """`connection`: the server's, which can close it at once (`CLIENT_CONNECTION`);
+        `shape`: how the client expects its errors."""
         self._send = send
+        self._shape = shape
         self._metrics = metrics
         self._connection = connection
         self.begun = False
@@ -67,11 +73,12 @@ class Reply:
         if not self.begun:
             self.begun = True
             count_refusal(self._metrics, error)
-            await send_error(self._send, error, headers)
+            await send_error(self._send, error, headers, self._shape)
         elif self.streaming:
             count_refusal(self._metrics, error)
             # An event cut in the middle is closed first, so that the error is one of its own.
             last = self._last
             cut = bool(last) and not last.endswith((b"\n\n", b"\r\n\r\n"))
-            tail = b"\n\n" + sse_error(error) if cut else sse_error(error)
+            event = self._shape.event(error)
+            tail = b"\n\n" + event if cut else event
             await self.end(tail)

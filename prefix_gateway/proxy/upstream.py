@@ -7,7 +7,8 @@ Only the connect timeout is the client's: the wait for the first byte, the gaps 
 response and the whole request's time are the proxy's deadlines (`deadlines.py`).
 
 Client credentials stop here: the `Authorization` header a replica sees is the gateway's own
-(`--upstream-api-key`), unless the operator asks to pass the client's on.
+(`--upstream-api-key`), and no `x-api-key` reaches it, unless the operator asks to pass the
+client's on.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ HOP_BY_HOP = frozenset(
         b"expect",
     }
 )
+CREDENTIALS = frozenset({b"authorization", b"x-api-key"})
+"""A client's key, as OpenAI's clients send it and as Anthropic's do."""
 _VIA = b"1.1 prefix-gateway"
 _OWN = (b"x-request-id", b"x-forwarded-for", b"x-forwarded-proto", b"via")
 
@@ -105,7 +108,7 @@ class Upstream:
         self._connect_timeout = connect_timeout
         self._tls = tls
         self._on_resend = on_resend
-        self._dropped = HOP_BY_HOP if forward_client_auth else HOP_BY_HOP | {b"authorization"}
+        self._dropped = HOP_BY_HOP if forward_client_auth else HOP_BY_HOP | CREDENTIALS
         self._added: list[tuple[bytes, bytes]] = []
         if upstream_api_key:
             self._added.append((b"authorization", f"Bearer {upstream_api_key}".encode()))

@@ -1,5 +1,6 @@
 """Reading what a response says about the cache: usage, cached tokens and the answer text, in
-the shapes of chat and completions and of the Responses API (its id too).
+the shapes of chat and completions, of the Responses API (its id too) and of Anthropic's
+Messages API (`prefix_gateway.proxy.messages_events`).
 
 Responses are relayed untouched, except that a stream whose usage the gateway asked for itself
 (`--observe-usage`) loses its usage-only event (docs/routing.md).
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
+from prefix_gateway.proxy.messages_events import MESSAGE_EVENTS, MessageEvents, answer_parts
 
 _HOLD_MAX = 1 << 20  # bytes of one unfinished event held back at most while stripping usage
 _JOINED_EVERY = 256  # answer parts joined into one string past this many (a delta is tiny)
@@ -61,12 +64,20 @@ class Observation:
             parts[:] = ["".join(parts)]
 
     def take_usage(self, usage: Any) -> None:
-        """Chat's usage (`prompt_tokens`...) or the Responses API's (`input_tokens`...)."""
+        """Chat's usage (`prompt_tokens`...), the Responses API's (`input_tokens`...) or the
+        Messages API's, whose `input_tokens` leave out the tokens read from the cache and
+        written to it."""
         if not isinstance(usage, dict):
             return
         prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+        read = usage.get("cache_read_input_tokens")
         if isinstance(prompt, int):
+            written = usage.get("cache_creation_input_tokens")
+            for counted in (read, written):
+                prompt += counted if isinstance(counted, int) else 0
             self.prompt_tokens = prompt
+        if isinstance(read, int):
+            self.cached_tokens = read
         completion = usage.get("completion_tokens", usage.get("output_tokens"))
         if isinstance(completion, int):
             self.completion_tokens = completion
@@ -104,6 +115,11 @@ def observe_body(body: bytes, answer_limit: int = 1 << 62) -> Observation:
     if payload.get("object") == "response":
         seen.take_response(payload)
         return seen
+    if payload.get("type") == "message":
+        seen.take_usage(payload.get("usage"))
+        for part in answer_parts(payload.get("content")):
+            seen.add_answer(part)
+        return seen
     seen.take_usage(payload.get("usage"))
     choices = payload.get("choices")
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):
@@ -121,6 +137,7 @@ class StreamObserver:
         self.seen = Observation(answer_limit=answer_limit)
         self._strip_usage = strip_usage
         self._pending = b""
+        self._messages: MessageEvents | None = None
 
     def feed(self, chunk: bytes) -> bytes:
         data = self._pending + chunk if self._pending else chunk
@@ -184,9 +201,15 @@ class StreamObserver:
             if not isinstance(message, dict):
                 continue
             kind = message.get("type")
-            if isinstance(kind, str) and kind.startswith("response."):
-                self._response_event(kind, message)
-                continue
+            if isinstance(kind, str):
+                if kind.startswith("response."):
+                    self._response_event(kind, message)
+                    continue
+                if kind in MESSAGE_EVENTS:
+                    if self._messages is None:
+                        self._messages = MessageEvents()
+                    self._messages.take(kind, message, self.seen)
+                    continue
             choices = message.get("choices")
             if message.get("usage"):
                 self.seen.take_usage(message["usage"])

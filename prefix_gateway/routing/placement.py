@@ -18,7 +18,7 @@ from prefix_gateway.routing.conversations import Turn
 from prefix_gateway.routing.types import Decision, Outcome, Policy, Route, RoutingState
 from prefix_gateway.state.agreement import FleetView
 
-CONVERSATIONS = frozenset({Endpoint.CHAT, Endpoint.RESPONSES})
+CONVERSATIONS = frozenset({Endpoint.CHAT, Endpoint.RESPONSES, Endpoint.MESSAGES})
 """Endpoints whose prompts are messages, each turn extending the last with its answer."""
 
 
@@ -28,8 +28,7 @@ class Recorder(Protocol):
 
     async def placed(self, placement: Placement) -> Turn | None: ...
 
-    async def response_stored(self, response_id: str, tenant: str | None, backend: str) -> None:
-        ...
+    async def response_stored(self, response_id: str, tenant: str | None, backend: str) -> None: ...
 
     async def answer_complete(
         self, placement: Placement, backend: str, answer: str, completion_tokens: int | None

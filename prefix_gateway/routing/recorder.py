@@ -14,7 +14,7 @@ from prefix_gateway.backends.pool import BackendPool
 from prefix_gateway.clock import Clock
 from prefix_gateway.config import Settings
 from prefix_gateway.metrics import Metrics
-from prefix_gateway.prompt.canonical import message_segment
+from prefix_gateway.prompt.canonical import FIELD_TEXT, message_segment
 from prefix_gateway.prompt.hashing import chain_seed, extend_hashes
 from prefix_gateway.prompt.parsing import Endpoint, RoutingInput
 from prefix_gateway.prompt.tokens import TOKEN_BYTES, EngineTokenizer
@@ -213,6 +213,9 @@ class Recorder:
         hashed, block = request.hashed(self._block_chars, self._block_tokens)
         tokenizer = self._tokenizer
         if request.tokens is not None and tokenizer is not None:
+            if FIELD_TEXT in answer:
+                # It called a tool: the template renders the call, which the gateway cannot.
+                return placement.chain
             ids = tokenizer.text(answer, add_special_tokens=False)
             if completion_tokens is not None and len(ids) != completion_tokens * TOKEN_BYTES:
                 # The engine cached the ids it generated, which this text does not encode back
