@@ -23,10 +23,10 @@ def _warn_unknown_variables() -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    _warn_unknown_variables()
     try:
         settings = gateway_config.load_settings(args)
     except (gateway_config.ConfigError, OSError) as exc:
+        _warn_unknown_variables()  # a misspelt variable may be why
         print(f"prefix-gateway: {exc}", file=sys.stderr)
         return 2
     metrics_dir = None
@@ -40,6 +40,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         build_policy(settings)
     except (gateway_config.ConfigError, OSError) as exc:
+        _warn_unknown_variables()
         print(f"prefix-gateway: {exc}", file=sys.stderr)
         if metrics_dir is not None:
             metrics_dir.remove()
@@ -47,9 +48,10 @@ def _serve(args: argparse.Namespace) -> int:
     from prefix_gateway.logs import configure_logging
 
     configure_logging(settings.log_level, settings.log_format)
-    logging.getLogger("prefix_gateway.config").info(
-        "effective configuration: %s", json.dumps(effective(settings))
-    )
+    config_log = logging.getLogger("prefix_gateway.config")
+    for warning in gateway_config.unknown_variables(os.environ):
+        config_log.warning(warning)
+    config_log.info("effective configuration: %s", json.dumps(effective(settings)))
     from prefix_gateway.emulator.replicas import EmulatedReplicas
 
     fleet = None

@@ -4,7 +4,6 @@ backend URLs; the effective configuration and the version are printed on request
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -124,9 +123,11 @@ def test_the_start_logs_misspelt_variables_and_the_configuration_without_secrets
 ) -> None:
     log = gateway.log()
     assert "unknown variable GATEWAY_POLCY is ignored; did you mean GATEWAY_POLICY?" in log
-    logged = re.search(r"effective configuration: (\{.*\})", log)
-    assert logged is not None
-    configuration = json.loads(logged.group(1))
+    # One JSON record a line (--log-format json, the default): the configuration is its message.
+    messages = [json.loads(line).get("message", "") for line in log.splitlines() if line]
+    logged = [m for m in messages if m.startswith("effective configuration: ")]
+    assert len(logged) == 1, messages
+    configuration = json.loads(logged[0].removeprefix("effective configuration: "))
     assert configuration["backend"][0] == closed
     assert configuration["policy"] == "prefix"
     assert configuration["admin_token"] == REDACTED
