@@ -49,7 +49,7 @@ def text(rng: random.Random, tokens: int) -> str:
 
 
 def build(backends: int, indexed: int, rng: random.Random) -> tuple[Settings, Router]:
-    settings = Settings(backend=("x",))
+    settings = Settings(backend=("x:1",))
     pool = BackendPool()
     for number in range(backends):
         pool.add(

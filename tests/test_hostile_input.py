@@ -622,5 +622,5 @@ def test_a_tenants_stored_responses_are_its_own(fleet: EmulatedReplicas) -> None
 
 def test_tenant_isolation_needs_client_keys() -> None:
     with pytest.raises(ConfigError):
-        Settings(backend=("x",), isolate_tenants=True).validate()
-    dataclasses.replace(Settings(backend=("x",)), isolate_tenants=True, api_key=("k",)).validate()
+        Settings(backend=("x:1",), isolate_tenants=True).validate()
+    dataclasses.replace(Settings(backend=("x:1",)), isolate_tenants=True, api_key=("k",)).validate()

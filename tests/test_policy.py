@@ -187,14 +187,14 @@ def test_hot_prefix_spreads_only_as_load_requires() -> None:
 
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_every_policy_answers_with_a_candidate(name: str) -> None:
-    chosen = build_policy(Settings(backend=("x",), policy=name), random.Random(1))
+    chosen = build_policy(Settings(backend=("x:1",), policy=name), random.Random(1))
     for key in range(50):
         decision = chosen.choose(state(key=key, matched={A: 5}))
         assert decision.backend in FOUR
 
 
 def test_round_robin_cycles() -> None:
-    chosen = build_policy(Settings(backend=("x",), policy="round_robin"))
+    chosen = build_policy(Settings(backend=("x:1",), policy="round_robin"))
     turns = [dataclasses.replace(state(), sequence=number) for number in range(8)]
     assert [chosen.choose(turn).backend for turn in turns] == [*FOUR, *FOUR]
 
@@ -205,7 +205,7 @@ def test_registry_matches_the_documented_names() -> None:
 
 def test_unknown_policy_is_a_start_up_error() -> None:
     with pytest.raises(ConfigError, match="prefix, consistent_hash"):
-        build_policy(Settings(backend=("x",), policy="fastest").validate())
+        build_policy(Settings(backend=("x:1",), policy="fastest").validate())
 
 
 def shared_prompt_state(
@@ -302,11 +302,11 @@ def test_the_policy_takes_its_knobs_from_settings() -> None:
     first, second = two_choices(777)
     busier_first = state(recent=dict.fromkeys(FOUR, 1.0) | {first: 3.0}, key=777)
     assert policy.choose(busier_first).backend == second
-    one_choice = Settings(backend=("x",), ring_choices=1)
+    one_choice = Settings(backend=("x:1",), ring_choices=1)
     assert build_policy(one_choice).choose(busier_first).backend == first
     owner_case = state(loads={A: 3, B: 1, C: 1, D: 1}, matched={A: 38, B: 4})
     assert policy.choose(owner_case).route is Route.OWNER
-    wide_margin = Settings(backend=("x",), owner_margin_blocks=35)  # A holds 34 more than B
+    wide_margin = Settings(backend=("x:1",), owner_margin_blocks=35)  # A holds 34 more than B
     decision = build_policy(wide_margin).choose(owner_case)
     assert (decision.backend, decision.route) == (B, Route.PREFIX)
 
