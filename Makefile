@@ -24,7 +24,7 @@ $(STAMP): $(RUNTIME_STAMP)
 install: $(STAMP)
 
 run: $(RUNTIME_STAMP)
-	$(BIN)/prefix-gateway serve --host 127.0.0.1 --port 8080 --emulate 4
+	$(BIN)/prefix-gateway serve --host 127.0.0.1 --port 8080 --emulate 4 --log-format text
 
 run-real: $(RUNTIME_STAMP)
 	$(BIN)/python -m engines.fleet --port 8080
