@@ -8,15 +8,20 @@ tools shared by every conversation, each turn's answer a tool call (`tool_choice
 result (about 60 tokens) opens the next turn with a new question (about 40 tokens); every
 request streamed, every run's text its own. Each turn re-sends the whole conversation.
 
-Routers: the gateway with its `prefix` policy, the gateway with `round_robin`, and round
-robin straight over the replicas (a plain load balancer). One row per router: the prompt
+Routers: the gateway with its `prefix` policy, the gateway with `round_robin`, round robin
+straight over the replicas (a plain load balancer) and the peer routers named by `--peers`
+(loadtest/peers.py; SGLang's router with `cache_aware` by default, as loadtest/benchmark.py
+runs it). One row per router: the prompt
 tokens the replicas report (`input_tokens + cache_read_input_tokens +
 cache_creation_input_tokens`) and the share read from their caches, the spread of requests
 over the replicas (the most any answered over the mean), the time to the first event and,
-through the gateway, the turns it counted as cache breaks (none is expected).
+through the gateway, the turns it counted as cache breaks (none is expected). A router that
+answers no turn gets a row that says what it answered instead (each conversation stops at
+its first failed turn).
 
     python loadtest/messages_agents.py
     python loadtest/messages_agents.py --conversations 64 --turns 8 --prefill-us 50
+    python loadtest/messages_agents.py --peers sglang-cache_aware,sglang-round_robin
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import contextlib
 import itertools
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +42,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from loadtest.peers import PEERS, start_peer
 from loadtest.responses_chains import CONCURRENCY, MODEL, Targets, answered
 from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.support import GatewayProcess
@@ -59,6 +66,8 @@ class Tally:
     cached_tokens: int = 0
     ttfts: list[float] = field(default_factory=list)
     failed: int = 0
+    refusals: Counter[int] = field(default_factory=Counter)
+    """The failed turns' statuses."""
 
 
 async def turn(
@@ -81,6 +90,7 @@ async def turn(
     async with client.stream("POST", url + "/v1/messages", json=body) as reply:
         if reply.status_code != 200:
             tally.failed += 1
+            tally.refusals[reply.status_code] += 1
             return None
         async for line in reply.aiter_lines():
             if not first:
@@ -136,6 +146,7 @@ async def run(targets: Targets, run_id: str, conversations: int, turns: int) -> 
             total.cached_tokens += tally.cached_tokens
             total.ttfts += tally.ttfts
             total.failed += tally.failed
+            total.refusals += tally.refusals
     return total
 
 
@@ -144,12 +155,51 @@ def percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, int(share * len(ordered)))] if ordered else 0.0
 
 
+def start_router(
+    stack: contextlib.ExitStack, router: str, fleet: EmulatedReplicas
+) -> tuple[list[str], GatewayProcess | None]:
+    """The URLs to send turns to for `router`, and the gateway when it is ours."""
+    if router.startswith("gateway"):
+        policy = router.split()[1]
+        gateway = stack.enter_context(GatewayProcess(fleet.urls, "--policy", policy))
+        return [gateway.url], gateway
+    if router in PEERS:
+        peer = start_peer(router, fleet.urls, MODEL)
+        stack.callback(peer.stop)
+        return [peer.router.url], None
+    return fleet.urls, None
+
+
+def row(router: str, tally: Tally, counts: list[float], gateway: GatewayProcess | None) -> str:
+    if not tally.ttfts:
+        answered_with = ", ".join(f"{status} ×{n}" for status, n in sorted(tally.refusals.items()))
+        return (
+            f"| {router} | 0 | {tally.failed} ({answered_with}) | – | – | not routed "
+            "| – | – | – | – |"
+        )
+    spread = max(counts) / (sum(counts) / len(counts)) if sum(counts) else 0
+    rate = tally.cached_tokens / tally.prompt_tokens if tally.prompt_tokens else 0
+    breaks = "–" if gateway is None else f"{gateway.metric(BREAKS):g}"
+    return (
+        f"| {router} | {len(tally.ttfts)} | {tally.failed} "
+        f"| {tally.prompt_tokens:,} | {tally.cached_tokens:,} | {rate:.1%} "
+        f"| {spread:.2f} | {percentile(tally.ttfts, 0.5) * 1000:.1f} "
+        f"| {percentile(tally.ttfts, 0.99) * 1000:.1f} | {breaks} |"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--conversations", type=int, default=32)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--prefill-us", type=float, default=100)
+    parser.add_argument(
+        "--peers",
+        default="sglang-cache_aware",
+        help=f"peer routers to add, comma-separated ('' for none): {', '.join(PEERS)}",
+    )
     args = parser.parse_args()
+    peers = [name for name in args.peers.split(",") if name]
     emulator_args = ["--prefill-us-per-token", str(args.prefill_us), "--decode-ms-per-token", "0"]
     print(
         f"{args.conversations} conversations of {args.turns} turns, 4 emulated replicas, "
@@ -162,30 +212,15 @@ def main() -> None:
     print("|" + "---|" * 10)
     with EmulatedReplicas(4, MODEL, emulator_args) as fleet:
         runs = itertools.count(1)
-        for router in ("gateway prefix", "gateway round_robin", "direct round robin"):
+        for router in ("gateway prefix", "gateway round_robin", "direct round robin", *peers):
             with contextlib.ExitStack() as stack:
-                gateway = None
-                if router.startswith("gateway"):
-                    policy = router.split()[1]
-                    gateway = stack.enter_context(GatewayProcess(fleet.urls, "--policy", policy))
-                    urls = [gateway.url]
-                else:
-                    urls = fleet.urls
+                urls, gateway = start_router(stack, router, fleet)
                 before = answered(fleet)
                 tally = asyncio.run(
                     run(Targets(urls), f"Run {next(runs)}", args.conversations, args.turns)
                 )
                 counts = [now - then for now, then in zip(answered(fleet), before, strict=True)]
-                spread = max(counts) / (sum(counts) / len(counts)) if sum(counts) else 0
-                rate = tally.cached_tokens / tally.prompt_tokens if tally.prompt_tokens else 0
-                breaks = "–" if gateway is None else f"{gateway.metric(BREAKS):g}"
-                print(
-                    f"| {router} | {len(tally.ttfts)} | {tally.failed} "
-                    f"| {tally.prompt_tokens:,} | {tally.cached_tokens:,} | {rate:.1%} "
-                    f"| {spread:.2f} | {percentile(tally.ttfts, 0.5) * 1000:.1f} "
-                    f"| {percentile(tally.ttfts, 0.99) * 1000:.1f} | {breaks} |",
-                    flush=True,
-                )
+                print(row(router, tally, counts, gateway), flush=True)
 
 
 if __name__ == "__main__":
