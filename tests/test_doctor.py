@@ -124,6 +124,19 @@ def test_an_engine_ignoring_cache_salt_fails_the_salt_check() -> None:
     assert status == 1
 
 
+def test_a_replica_serving_adapters_is_probed_with_its_base_model(tmp_path: Any) -> None:
+    # The adapter's name sorts before the base model's: the probe must still use the base,
+    # whose blocks (and KV events) are the ones prefix routing of the base model reads.
+    adapter = ("--enable-lora", "--lora-modules", f"aaa-adapter={tmp_path}")
+    with EmulatorProcess(*adapter, name=MODEL) as replica:
+        status, rows = doctor("--backend", replica.url)
+    checks = by_check(rows, f"{replica.host}:{replica.port}")
+    verdict, detail = checks["models"]
+    assert verdict == "PASS" and "aaa-adapter" in detail, detail
+    assert detail.endswith(f"probed with {MODEL}"), detail
+    assert status == 0, rows
+
+
 def test_the_gateway_hashing_the_engines_block_size_agrees(fleet: Fleet) -> None:
     status, rows = doctor("--backend", fleet.other_block_size.url, "--block-tokens", "32")
     checks = by_check(rows, fleet.name(fleet.other_block_size))

@@ -115,7 +115,9 @@ class Doctor:
         try:
             listing = await self._json("GET", backend, "/v1/models")
             listed = sorted(str(item["id"]) for item in listing["data"])
-        except (Unanswered, KeyError, TypeError) as exc:
+            # A LoRA adapter's blocks are its own (vLLM's KV events carry its id): probe a base.
+            bases = sorted(str(item["id"]) for item in listing["data"] if not item.get("parent"))
+        except (Unanswered, KeyError, TypeError, AttributeError) as exc:
             return failed(Check.MODELS, f"GET /v1/models: {exc}"), None
         pinned = backend.pinned_model
         if pinned is not None and pinned not in listed:
@@ -123,7 +125,8 @@ class Doctor:
             return failed(Check.MODELS, why), None
         if not listed:
             return failed(Check.MODELS, "/v1/models lists no model"), None
-        return passed(Check.MODELS, f"serves {', '.join(listed)}"), pinned or listed[0]
+        probed = pinned or (bases or listed)[0]
+        return passed(Check.MODELS, f"serves {', '.join(listed)}; probed with {probed}"), probed
 
     async def _load_metrics(self, backend: Backend) -> CheckResult:
         try:
