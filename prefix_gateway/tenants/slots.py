@@ -38,6 +38,7 @@ WRITE = "tenant_concurrency_write"
 # A count is rewritten this many times within its time-to-live, at most a second apart.
 _BEATS_PER_TTL = 4
 _MAX_INTERVAL = 1.0
+_UNKNOWN = -1
 
 
 class SharedSlots:
@@ -53,8 +54,8 @@ class SharedSlots:
         self._tenants: list[Tenant] = []
         self._orders = itertools.count()
         self._written: dict[str, tuple[int, int]] = {}
-        """Per tenant, the order and count of the latest count Redis took: rewritten while
-        it is not 0."""
+        """Per tenant, the order and count of the latest count Redis took (`_UNKNOWN` after a
+        call that failed): rewritten while it is not 0."""
         self._writing: set[str] = set()
         self._stale: set[str] = set()
         self._task: asyncio.Task[None] | None = None
@@ -76,6 +77,7 @@ class SharedSlots:
             )
         except RedisUnavailable:
             self._link.fell_back(ENTER)
+            self._lost(tenant.name, order)
             # Less a hair, so that a share of exactly 1/3 of 3 is 1, not 2.
             share = max(1, math.ceil(limit * self._share() - 1e-9))
             if count > share:
@@ -106,7 +108,11 @@ class SharedSlots:
         self._stale.discard(name)
         try:
             count, order = tenant.in_flight, next(self._orders)
-            await self._store.write(name, count, order)
+            try:
+                await self._store.write(name, count, order)
+            except BaseException:
+                self._lost(name, order)
+                raise
             self._took(name, order, count)
         finally:
             self._writing.discard(name)
@@ -116,6 +122,11 @@ class SharedSlots:
     def _took(self, name: str, order: int, count: int) -> None:
         if order > self._written.get(name, (-1, 0))[0]:
             self._written[name] = (order, count)
+
+    def _lost(self, name: str, order: int) -> None:
+        """A call that failed may have reached Redis all the same: what it holds of this
+        process is not known (-1) until a write answers."""
+        self._took(name, order, _UNKNOWN)
 
     def _count(self, name: str) -> int:
         return self._written.get(name, (-1, 0))[1]
