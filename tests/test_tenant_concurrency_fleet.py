@@ -56,7 +56,8 @@ class Fleet:
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     config = tmp_path_factory.mktemp("slots") / "tenants.yaml"
     config.write_text(yaml.safe_dump({"tenants": TENANTS}))
-    args = ("--config", str(config), "--tenant-slots-ttl", TTL, *PATIENT)
+    # The replica holds requests for as long as a test wants: not a stall.
+    args = ("--config", str(config), "--tenant-slots-ttl", TTL, "--stall-seconds", "600", *PATIENT)
     with HoldingReplica() as replica, RedisServer() as server:
         backends = [f"{MODEL}={replica.url}"]
         with gateways_on_redis(GATEWAYS, backends, server.url, *args) as started:
@@ -182,7 +183,8 @@ def test_with_redis_killed_each_gateway_holds_its_share_and_counts_return_with_i
     wait_until(lambda: fleet.total("gateway_redis_up") == live, "back on Redis")
     wait_until(lambda: sorted(fleet.in_flight("outage").values()) == [1, 1], "counts re-published")
     for gateway in gateways:
-        assert "across the fleet" in refused(gateway, "outage-key").message
+        message = refused(gateway, "outage-key").message
+        assert "across the fleet" in message, message
     replica.release(2)
     held.join()
     assert held.statuses == {"e0": 200, "e1": 200}
