@@ -183,8 +183,12 @@ def test_with_redis_killed_each_gateway_holds_its_share_and_counts_return_with_i
     wait_until(lambda: fleet.total("gateway_redis_up") == live, "back on Redis")
     wait_until(lambda: sorted(fleet.in_flight("outage").values()) == [1, 1], "counts re-published")
     for gateway in gateways:
-        message = refused(gateway, "outage-key").message
-        assert "across the fleet" in message, message
+        # A connection the restart broke may still fail one call, which the share answers
+        # (refused as well: each share is full); the next goes to Redis.
+        wait_until(
+            lambda gateway=gateway: "across the fleet" in refused(gateway, "outage-key").message,  # type: ignore[misc]
+            "refused by the fleet's count",
+        )
     replica.release(2)
     held.join()
     assert held.statuses == {"e0": 200, "e1": 200}
