@@ -41,6 +41,7 @@ from prefix_gateway.state.index import InMemoryPrefixIndex, PrefixIndex
 from prefix_gateway.state.sessions import InMemorySessionStore, SessionStore
 from prefix_gateway.tenants.gate import TenantGate
 from prefix_gateway.tenants.shared import SharedBudgets
+from prefix_gateway.tenants.slots import SharedSlots
 
 
 @dataclass
@@ -143,6 +144,7 @@ class Components:
         pool.removed.append(engine_load.forget)
         shared_load = None
         shared_budgets = None
+        slots = None
         if shared is not None:
             link = shared.link
             link.preload(LOAD_SCRIPT)
@@ -153,10 +155,12 @@ class Components:
             shared_budgets = SharedBudgets(
                 shared.budgets, link, lambda: fleet.gateways, settings.workers
             )
+            slots = SharedSlots(shared.slots, link, shared_budgets.share, settings.tenant_slots_ttl)
+            link.run_while_open(slots.start, slots.stop)
         admission = Admission(settings.max_concurrency, settings.max_queue, settings.queue_timeout)
         tenants = None
         if settings.tenants:
-            tenants = TenantGate(settings, metrics, shared=shared_budgets)
+            tenants = TenantGate(settings, metrics, shared=shared_budgets, slots=slots)
         flow = None
         if settings.max_inflight_per_replica:
             flow = Flow(settings, router, pool, metrics)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -137,3 +138,24 @@ class GatewayProcess(ChildProcess):
                 self.metrics_port = free_port(self.host)
             self.args = (*self._given_args, "--metrics-port", str(self.metrics_port))
         super()._spawn()
+
+
+@contextlib.contextmanager
+def gateways_on_redis(
+    count: int, backends: Sequence[str], redis_url: str, *args: str
+) -> Iterator[list[GatewayProcess]]:
+    """`count` gateway processes sharing `redis_url`, once each is on it; stopped after (a
+    test may have killed some)."""
+    started: list[GatewayProcess] = []
+    try:
+        for _ in range(count):
+            gateway = GatewayProcess(backends, "--redis-url", redis_url, *args)
+            started.append(gateway.start())
+        wait_until(
+            lambda: sum(gateway.metric("gateway_redis_up") for gateway in started) == count,
+            "every gateway on Redis",
+        )
+        yield started
+    finally:
+        for gateway in started:
+            gateway.stop()

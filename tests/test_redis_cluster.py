@@ -22,6 +22,7 @@ from prefix_gateway.state.redis import (
     RedisBudgets,
     RedisPrefixIndex,
     RedisSessionStore,
+    RedisSlots,
     open_client,
 )
 from tests.conftest import MODEL
@@ -103,6 +104,35 @@ def test_a_tenants_budgets_are_charged_in_one_slot(cluster: RedisClusterServers)
         len(node.cli("--scan", "--pattern", "budgets:t:*").split()) for node in cluster.nodes
     ]
     assert sum(per_node) == 60 and all(per_node), per_node
+
+
+def test_a_tenants_requests_in_flight_are_counted_in_its_slot(
+    cluster: RedisClusterServers,
+) -> None:
+    async def scenario() -> None:
+        client = open_client(cluster.url, timeout=1.0, max_connections=8)
+        keys = KeySpace("slots")
+        first, second = (RedisSlots(client, keys, name, ttl=60) for name in ("one", "two"))
+        for tenant in range(30):
+            name = f"team-{tenant}"
+            assert (await first.enter(name, 1, order=1, limit=2)).done
+            assert (await second.enter(name, 1, order=1, limit=2)).done
+            # Full: a second request at either process does not fit, and is not counted.
+            refused = await second.enter(name, 2, order=2, limit=2)
+            assert not refused.done and refused.fleet_in_flight == 2
+            # A count older than the one stored is not written; a newer one is.
+            await first.write(name, 0, order=0)
+            assert not (await second.enter(name, 2, order=3, limit=2)).done
+            await first.write(name, 0, order=4)
+            admitted = await second.enter(name, 2, order=5, limit=2)
+            assert admitted.done and admitted.fleet_in_flight == 2
+        await client.aclose()
+
+    asyncio.run(scenario())
+    per_node = [
+        len(node.cli("--scan", "--pattern", "slots:t:*").split()) for node in cluster.nodes
+    ]
+    assert sum(per_node) == 30 and all(per_node), per_node
 
 
 def test_gateways_share_a_conversation_through_the_cluster(cluster: RedisClusterServers) -> None:

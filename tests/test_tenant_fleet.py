@@ -24,7 +24,7 @@ import yaml
 
 from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.redis_server import PATIENT, RedisServer
-from tests.support import GatewayProcess, wait_until
+from tests.support import GatewayProcess, gateways_on_redis, wait_until
 
 MODEL = "emulated-model"
 GATEWAYS = 3
@@ -50,17 +50,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     config = tmp_path_factory.mktemp("tenants") / "gateway.yaml"
     config.write_text(yaml.safe_dump({"tenants": TENANTS}))
     with EmulatedReplicas(2, MODEL) as replicas, RedisServer() as redis:
-        started: list[GatewayProcess] = []
-        try:
-            for _ in range(GATEWAYS):
-                args = ("--config", str(config), "--redis-url", redis.url, *PATIENT)
-                started.append(GatewayProcess(replicas.urls, *args).start())
-            shared = Fleet(redis, started)
-            wait_until(lambda: shared.total("gateway_redis_up") == GATEWAYS, "all on Redis")
-            yield shared
-        finally:
-            for gateway in started:
-                gateway.stop()
+        args = ("--config", str(config), *PATIENT)
+        with gateways_on_redis(GATEWAYS, replicas.urls, redis.url, *args) as started:
+            yield Fleet(redis, started)
 
 
 @dataclass

@@ -147,6 +147,7 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "redis_max_connections",
             "fleet_share",
             "claim_ttl",
+            "tenant_slots_ttl",
         ),
     ),
     ("Logging", ("log_level", "access_log")),

@@ -317,6 +317,12 @@ class Settings:
         "seconds a shared prompt counts as held, for every gateway on the Redis, by the backend"
         " it was first sent to, until the index shows it there",
     )
+    tenant_slots_ttl: float = _opt(
+        10.0,
+        "seconds a gateway's requests in flight count against its tenants' max_concurrency in"
+        " Redis after it last wrote them (it rewrites them at least every second): what the slots"
+        " of a gateway that died stay taken for",
+    )
     sticky_cookie: str = _opt(
         "", "cookie name: issue a session key as a cookie that then acts like x-session-id"
     )

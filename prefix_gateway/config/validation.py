@@ -64,6 +64,8 @@ def validated(settings: Settings) -> Settings:
         raise ConfigError(
             "redis_timeout and claim_ttl must be positive, redis_max_connections at least 2"
         )
+    if settings.tenant_slots_ttl <= 0:
+        raise ConfigError("tenant_slots_ttl must be positive")
     _check_reliability(settings)
     if settings.engine_block_size:
         return replace(settings, block_tokens=settings.engine_block_size)

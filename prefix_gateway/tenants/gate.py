@@ -4,7 +4,8 @@ request is admitted, its settlement when the answer ends, and the per-tenant ser
 Built only when the configuration names tenants: without them the proxy path does not call it.
 Every request no named tenant sent is counted as `anonymous`, so that clients cannot mint
 series. Budgets are this process's alone without Redis (with `--workers N` each worker holds an
-equal share of every limit); with Redis they are the fleet's (`SharedBudgets`, docs/tenants.md).
+equal share of every limit); with Redis they are the fleet's (`SharedBudgets`, docs/tenants.md),
+and so are the caps on requests in flight (`SharedSlots`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from prefix_gateway.prompt.parsing import RoutingInput
 from prefix_gateway.routing.types import Outcome
 from prefix_gateway.tenants.cost import estimated_cost
 from prefix_gateway.tenants.shared import SharedBudgets
+from prefix_gateway.tenants.slots import SharedSlots
 from prefix_gateway.tenants.tenant import Charge, Tenant, TenantRefused, Usage
 
 
@@ -29,6 +31,7 @@ class TenantGate:
         metrics: Metrics,
         clock: Callable[[], float] = time.monotonic,
         shared: SharedBudgets | None = None,
+        slots: SharedSlots | None = None,
     ) -> None:
         now = clock()
         share = 1.0 / settings.workers
@@ -39,6 +42,11 @@ class TenantGate:
         self._metrics = metrics
         self._clock = clock
         self._shared = shared
+        self._slots = slots
+        if slots is not None:
+            for tenant in self.tenants:
+                if tenant.spec.max_concurrency:
+                    slots.track(tenant)
         self._chars_per_token = settings.chars_per_token
         self._completion_estimate = settings.budget_max_tokens
         self._cached_cost = settings.cached_token_cost
@@ -62,9 +70,13 @@ class TenantGate:
             # In flight from here, so that requests admitted meanwhile count against the cap.
             tenant.enter(self._clock())
             try:
+                slots = self._slots
+                if slots is not None and tenant.spec.max_concurrency:
+                    await slots.enter(tenant, self._clock())
                 charge = await self._charge(tenant, estimate)
             except BaseException:
                 tenant.leave()
+                self._left(tenant)
                 raise
         except TenantRefused as refusal:
             metrics.child(metrics.tenants.refusals, tenant.name, refusal.reason).inc()
@@ -130,7 +142,14 @@ class TenantGate:
 
     def _ended(self, tenant: Tenant) -> None:
         self._metrics.tenants.in_flight.labels(tenant.name).dec()
+        self._left(tenant)
         self._publish(tenant)
+
+    def _left(self, tenant: Tenant) -> None:
+        """A request of `tenant` no longer in flight: the fleet's count follows."""
+        slots = self._slots
+        if slots is not None and tenant.spec.max_concurrency:
+            slots.publish(tenant)
 
     def _publish(self, tenant: Tenant) -> None:
         """The tenant's budgets as they stand now (the fleet's when Redis gave the last

@@ -76,14 +76,14 @@ class Tenant:
         """One more request in flight; a 429 (`rate_limit_exceeded`) if that is one too many."""
         limit = self.spec.max_concurrency
         if limit and self.in_flight >= limit:
-            raise self._refusal(
-                "max_concurrency",
-                f"tenant {self.name} has {self.in_flight} requests in flight, its limit;"
-                " retry when one has ended",
-                1.0,
-                now,
-            )
+            raise self.crowded(f"{self.in_flight} requests in flight, its limit", now)
         self.in_flight += 1
+
+    def crowded(self, count: str, now: float) -> TenantRefused:
+        """The refusal of a request beyond `max_concurrency`: `count` says how many are in
+        flight where, against what."""
+        message = f"tenant {self.name} has {count}; retry when one has ended"
+        return self._refusal("max_concurrency", message, 1.0, now)
 
     def leave(self) -> None:
         """A request `enter` counted is no longer in flight."""

@@ -1,9 +1,10 @@
-"""Prefix index, sticky sessions and tenants' budgets shared through Redis, the local stores
-answering whenever Redis cannot (docs/redis.md).
+"""Prefix index, sticky sessions, tenants' budgets and requests in flight shared through Redis,
+the local stores answering whenever Redis cannot (docs/redis.md).
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 from prefix_gateway.config import Settings
@@ -17,6 +18,7 @@ from prefix_gateway.state.redis.index import RedisPrefixIndex
 from prefix_gateway.state.redis.keys import KeySpace
 from prefix_gateway.state.redis.scripts import FORGET_SCRIPT, MATCH_SCRIPT, RECORD_SCRIPT
 from prefix_gateway.state.redis.sessions import RedisSessionStore
+from prefix_gateway.state.redis.slots import SLOTS_SCRIPT, RedisSlots
 from prefix_gateway.state.sessions import InMemorySessionStore
 
 
@@ -31,6 +33,8 @@ class SharedState:
     agreement: FallbackAgreement
     budgets: RedisBudgets
     """The tenants' budgets per minute (docs/tenants.md); the tenants' gate falls back."""
+    slots: RedisSlots
+    """The tenants' requests in flight, this process's under an id of its own."""
 
 
 def connect(
@@ -45,6 +49,7 @@ def connect(
     # Half the connections at most carry background writes: lookups always find one free.
     link = RedisLink(client, settings.redis_timeout, metrics, settings.redis_max_connections // 2)
     link.preload(MATCH_SCRIPT, RECORD_SCRIPT, FORGET_SCRIPT, AGREE_SCRIPT, BUDGET_SCRIPT)
+    link.preload(SLOTS_SCRIPT)
     keys = KeySpace(settings.redis_prefix)
     shared_index = RedisPrefixIndex(client, keys, settings.affinity_ttl)
     shared_sessions = RedisSessionStore(client, keys, settings.affinity_ttl)
@@ -61,6 +66,7 @@ def connect(
             RedisAgreement(client, keys, settings.claim_ttl, settings.recent_half_life), link
         ),
         RedisBudgets(client, keys),
+        RedisSlots(client, keys, secrets.token_hex(8), settings.tenant_slots_ttl),
     )
 
 
@@ -75,6 +81,7 @@ __all__ = [
     "RedisLink",
     "RedisPrefixIndex",
     "RedisSessionStore",
+    "RedisSlots",
     "RedisUnavailable",
     "SharedState",
     "connect",

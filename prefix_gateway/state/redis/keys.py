@@ -1,6 +1,6 @@
 """Key names in Redis (docs/redis.md): blocks, claims and prompt counts under a hash tag of model
 and first block, so a lookup's keys share one Redis Cluster slot; sessions; stored responses'
-replicas; the fleet's load hash; the tenants' budgets.
+replicas; the fleet's load hash; the tenants' budgets and requests in flight.
 """
 
 from __future__ import annotations
@@ -54,3 +54,7 @@ class KeySpace:
         name's slot, so one script charges them all. The name is the configured one (bounded,
         no braces), never its key."""
         return f"{self.namespace}:t:{{{tenant}}}:{kind}"
+
+    def slots(self, tenant: str) -> str:
+        """A tenant's requests in flight, per gateway process, in its budgets' slot."""
+        return f"{self.namespace}:t:{{{tenant}}}:in_flight"
