@@ -13,6 +13,14 @@ of requests in flight counted apart and the routing decision's p50/p99 as the ga
 
     python loadtest/redis_bench.py fleet --gateways 1,3,8 --cluster-gateways 3
     python loadtest/redis_bench.py fleet --workloads customers --gateways 8 --kill-redis 8
+
+`--rotation request` sends every request to the next gateway in turn (one counter over all
+sessions) and streams it, so a customer's consecutive requests never meet the same gateway
+twice in a row; with `--workloads customer-prompts` (96 per-customer prompts of about 1,000
+tokens, Zipf s = 0.8, 600 requests of one ~100-token question) and `--cache-blocks 2000
+--concurrency 16 --think 0`, the caches cannot hold every prompt and only a fleet that
+partitions them as one gateway does keeps them all warm. The column *new copies* counts the
+requests that put a prompt on a replica other than the first that held it, by route.
 """
 
 from __future__ import annotations
@@ -20,6 +28,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
+import json
+import random
 import shlex
 import statistics
 import time
@@ -30,7 +41,7 @@ import httpx
 
 from loadtest.benchmark import percentile
 from prefix_gateway.emulator.replicas import EmulatedReplicas
-from prefix_gateway.workloads import Session, build_workload
+from prefix_gateway.workloads import Session, build_workload, text
 from tests.redis_server import RedisClusterServers, RedisServer
 from tests.support import GatewayProcess
 
@@ -66,6 +77,8 @@ class Tally:
     """Later turns of a conversation served by another replica than the turn before."""
     moved_routes: dict[str, int] = field(default_factory=dict)
     """The moved turns by the route that moved them."""
+    new_copies: dict[str, int] = field(default_factory=dict)
+    """Requests that put a system prompt on a replica other than its first holder, by route."""
     latencies: list[float] = field(default_factory=list)
 
     def fail(self, why: str) -> None:
@@ -82,23 +95,82 @@ class Tally:
         return max(self.per_replica.values(), default=0) / mean if mean else 0.0
 
 
+def customer_prompts(seed: int, scale: float = 1.0) -> list[Session]:
+    """96 per-customer prompts of about 1,000 tokens, Zipf-popular (s = 0.8), one ~100-token
+    question per request, 600 requests at scale 1."""
+    rng = random.Random(f"customer-prompts:{seed}")
+    prompts = [text(rng, 1000) for _ in range(96)]
+    weights = [1.0 / (rank + 1) ** 0.8 for rank in range(len(prompts))]
+    chosen = rng.choices(prompts, weights=weights, k=round(600 * scale))
+    return [Session("customer-prompts", system, (text(rng, 100),), 16) for system in chosen]
+
+
+def sessions_of(workload: str, seed: int, scale: float) -> list[Session]:
+    if workload == "customer-prompts":
+        return customer_prompts(seed, scale)
+    return build_workload(workload, seed, scale)
+
+
+@dataclass
+class Sending:
+    """Where each request goes: `session` rotates a session's requests from its own number;
+    `request` sends every request to the next gateway in turn, streamed."""
+
+    urls: Sequence[str]
+    rotation: str = "session"
+    _turns: Iterator[int] = field(default_factory=itertools.count)
+
+    def url(self, number: int, turn: int) -> str:
+        if self.rotation == "request":
+            return self.urls[next(self._turns) % len(self.urls)]
+        return self.urls[(number + turn) % len(self.urls)]
+
+
+async def _post(
+    http: httpx.AsyncClient, url: str, body: dict[str, object], stream: bool
+) -> tuple[httpx.Response, str, dict[str, object]]:
+    """The response, the answer's text and its usage (streamed with usage when `stream`)."""
+    if not stream:
+        response = await http.post(url, json=body)
+        if response.status_code != 200:
+            return response, "", {}
+        reply = response.json()
+        return response, reply["choices"][0]["message"]["content"], reply["usage"]
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    parts: list[str] = []
+    usage: dict[str, object] = {}
+    async with http.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            return response, "", {}
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            for choice in chunk.get("choices") or ():
+                parts.append(choice.get("delta", {}).get("content") or "")
+            usage = chunk.get("usage") or usage
+    return response, "".join(parts), usage
+
+
 async def _session(
     http: httpx.AsyncClient,
     session: Session,
     number: int,
-    urls: Sequence[str],
+    sending: Sending,
     tally: Tally,
     think: float,
 ) -> None:
     messages: list[dict[str, str]] = [{"role": "system", "content": session.system}]
     previous = ""
+    stream = sending.rotation == "request"
     for turn, question in enumerate(session.questions):
         messages.append({"role": "user", "content": question})
         body = {"model": MODEL, "messages": messages, "max_tokens": session.max_tokens}
-        url = urls[(number + turn) % len(urls)]
+        url = sending.url(number, turn)
         began = time.perf_counter()
         try:
-            response = await http.post(url + "/v1/chat/completions", json=body)
+            response, answer, usage = await _post(http, url + "/v1/chat/completions", body, stream)
         except httpx.HTTPError as error:
             tally.fail(type(error).__name__)
             return
@@ -107,12 +179,14 @@ async def _session(
             tally.fail(f"{response.status_code} {shown}")
             return
         tally.latencies.append(time.perf_counter() - began)
-        reply = response.json()
         backend = response.headers["x-gateway-backend"]
         route = response.headers["x-gateway-route"]
         tally.per_replica[backend] = tally.per_replica.get(backend, 0) + 1
         tally.routes[route] = tally.routes.get(route, 0) + 1
-        tally.holders.setdefault(session.system, set()).add(backend)
+        holders = tally.holders.setdefault(session.system, set())
+        if holders and backend not in holders:
+            tally.new_copies[route] = tally.new_copies.get(route, 0) + 1
+        holders.add(backend)
         if turn > 0:
             tally.later_turns += 1
             if backend != previous:
@@ -120,18 +194,24 @@ async def _session(
                 tally.moved_routes[route] = tally.moved_routes.get(route, 0) + 1
         previous = backend
         tally.requests += 1
-        tally.prompt += reply["usage"]["prompt_tokens"]
-        tally.cached += reply["usage"]["prompt_tokens_details"]["cached_tokens"] or 0
-        messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
+        details = usage.get("prompt_tokens_details")
+        tally.prompt += int(usage["prompt_tokens"])  # type: ignore[call-overload]
+        tally.cached += int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+        messages.append({"role": "assistant", "content": answer})
         await asyncio.sleep(think)
 
 
 async def drive(
-    urls: Sequence[str], sessions: list[Session], concurrency: int, think: float
+    urls: Sequence[str],
+    sessions: list[Session],
+    concurrency: int,
+    think: float,
+    rotation: str = "session",
 ) -> Tally:
     """Every session once, `concurrency` at a time, their starts staggered by 50 ms, `think`
     seconds after each answer before the next request."""
     tally = Tally()
+    sending = Sending(urls, rotation)
     queue = list(enumerate(sessions))
     queue.reverse()
     limits = httpx.Limits(max_connections=concurrency * len(urls))
@@ -141,7 +221,7 @@ async def drive(
             await asyncio.sleep(position * 0.05)
             while queue:
                 number, session = queue.pop()
-                await _session(http, session, number, urls, tally, think)
+                await _session(http, session, number, sending, tally, think)
 
         await asyncio.gather(*(worker(position) for position in range(concurrency)))
     return tally
@@ -233,6 +313,7 @@ def run_row(
     concurrency: int,
     think: float,
     kill: tuple[float, float] | None,
+    rotation: str = "session",
 ) -> Row:
     with (
         redis_nodes(kind) as (url, nodes),
@@ -255,7 +336,7 @@ def run_row(
         began = time.perf_counter()
 
         async def scenario() -> Tally:
-            work = drive(urls, sessions, concurrency, think)
+            work = drive(urls, sessions, concurrency, think, rotation)
             if kill is None:
                 return await work
             tally, _ = await asyncio.gather(work, kill_and_restart(nodes[0], *kill))
@@ -289,11 +370,11 @@ def run_row(
 def print_header() -> None:
     print(
         "| workload | gateways | Redis | requests | failed | hit rate | max/mean "
-        "| replicas per system prompt | later turns moved | routes "
+        "| replicas per system prompt | new copies | later turns moved | routes "
         "| Redis calls/req | commands/req | load exchanges/s | decision p50 µs | p99 µs "
         "| fallbacks | requests/s | latency p50 ms | p99 ms |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def print_row(row: Row) -> None:
@@ -306,6 +387,7 @@ def print_row(row: Row) -> None:
     moved = f"{tally.moved} of {tally.later_turns}" if tally.later_turns else "–"
     if tally.moved_routes:
         moved += " (" + ", ".join(f"{n} {k}" for k, n in sorted(tally.moved_routes.items())) + ")"
+    copies = ", ".join(f"{name} {n}" for name, n in sorted(tally.new_copies.items())) or "0"
     failed = str(tally.failed)
     if tally.failures:
         failed += " (" + "; ".join(f"{why}: {n}" for why, n in tally.failures.items()) + ")"
@@ -313,7 +395,7 @@ def print_row(row: Row) -> None:
     print(
         f"| {row.workload} | {row.gateways} | {label} | {tally.requests} | {failed} "
         f"| {tally.cached / max(1, tally.prompt):.1%} | {tally.balance(4):.2f} "
-        f"| {tally.copies():.2f} | {moved} | {routes} "
+        f"| {tally.copies():.2f} | {copies} | {moved} | {routes} "
         f"| {row.round_trips / requests:.2f} | {commands / requests:.1f} "
         f"| {exchanges / row.seconds:.0f} | {row.decision_us[0]:.0f} | {row.decision_us[1]:.0f} "
         f"| {row.fallbacks:.0f} | {tally.requests / row.seconds:.1f} "
@@ -353,8 +435,13 @@ def fleet(args: argparse.Namespace) -> None:
     print(
         f"# 4 emulated replicas of {cache_blocks} cache blocks of 16 tokens, prefill 50 us/token,"
         f" decode 0.2 ms/token; {concurrency} sessions at once, started 50 ms apart, {think} s"
-        f" after each answer before the next request; a session's requests go to the gateways"
-        f" in rotation from its own number; scale {scale}; gateway flags:"
+        f" after each answer before the next request; "
+        + (
+            "every request to the next gateway in turn, streamed"
+            if args.rotation == "request"
+            else "a session's requests go to the gateways in rotation from its own number"
+        )
+        + f"; scale {scale}; gateway flags:"
         f" {gateway_args or '(defaults)'}"
         + (f"; Redis killed {kill[0]} s in, back {kill[1]} s later" if kill else "")
     )
@@ -362,10 +449,10 @@ def fleet(args: argparse.Namespace) -> None:
     plans = [(count, "one") for count in gateways]
     plans += [(count, "cluster") for count in numbers(args.cluster_gateways)]
     plans += [(count, "local") for count in numbers(args.local_gateways)]
-    summary: dict[tuple[str, int, str], list[tuple[float, float]]] = {}
+    summary: dict[tuple[str, int, str], list[Row]] = {}
     for workload in workloads:
         for seed in seeds:
-            sessions = build_workload(workload, seed, scale)
+            sessions = sessions_of(workload, seed, scale)
             for count, kind in plans:
                 row = run_row(
                     f"{workload} (seed {seed})",
@@ -377,17 +464,37 @@ def fleet(args: argparse.Namespace) -> None:
                     concurrency,
                     think,
                     kill if kind == "one" and count == max(gateways) else None,
+                    args.rotation,
                 )
                 print_row(row)
-                hit = row.tally.cached / max(1, row.tally.prompt)
-                summary.setdefault((workload, count, kind), []).append((hit, row.tally.balance(4)))
+                summary.setdefault((workload, count, kind), []).append(row)
     if len(seeds) > 1:
-        print("\n| workload | gateways | Redis | mean hit rate | mean max/mean | worst max/mean |")
-        print("|---|---|---|---|---|---|")
-        for (workload, count, kind), results in summary.items():
-            hits = [hit for hit, _ in results]
-            balances = [balance for _, balance in results]
-            print(
-                f"| {workload} | {count} | {kind} | {statistics.mean(hits):.1%} "
-                f"| {statistics.mean(balances):.2f} | {max(balances):.2f} |"
-            )
+        print_summary(summary)
+
+
+def hit_rate(tally: Tally) -> float:
+    return tally.cached / max(1, tally.prompt)
+
+
+def print_summary(summary: dict[tuple[str, int, str], list[Row]]) -> None:
+    """Per cell over the seeds; the gap is to one gateway on one Redis over the same seeds."""
+    print(
+        "\n| workload | gateways | Redis | seeds | failed | mean hit rate | mean gap | worst gap "
+        "| mean max/mean | worst max/mean | replicas per system prompt |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for (workload, count, kind), rows in summary.items():
+        hits = [hit_rate(row.tally) for row in rows]
+        balances = [row.tally.balance(4) for row in rows]
+        alone = summary.get((workload, 1, "one"), [])
+        gaps = [
+            100 * (hit_rate(row.tally) - hit_rate(one.tally))
+            for row, one in zip(rows, alone, strict=False)
+        ]
+        gap = f"{statistics.mean(gaps):+.1f} | {min(gaps):+.1f}" if gaps and count > 1 else "– | –"
+        print(
+            f"| {workload} | {count} | {kind} | {len(rows)} "
+            f"| {sum(row.tally.failed for row in rows)} | {statistics.mean(hits):.1%} | {gap} "
+            f"| {statistics.mean(balances):.2f} | {max(balances):.2f} "
+            f"| {statistics.mean(row.tally.copies() for row in rows):.2f} |"
+        )
