@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from loadtest.benchmark import percentile
+from loadtest.fleet_copies import print_copies
 from prefix_gateway.emulator.replicas import EmulatedReplicas
 from prefix_gateway.workloads import Session, build_workload, text
 from tests.redis_server import RedisClusterServers, RedisServer
@@ -314,6 +315,7 @@ def run_row(
     think: float,
     kill: tuple[float, float] | None,
     rotation: str = "session",
+    trace: bool = False,
 ) -> Row:
     with (
         redis_nodes(kind) as (url, nodes),
@@ -362,6 +364,8 @@ def run_row(
             for gateway in gateways
         )
         decision = decision_percentiles(gateways)
+        if trace:
+            print_copies([gateway.log() for gateway in gateways])
     return Row(
         workload, count, kind, tally, seconds, calls, decision, fallbacks, round_trips, resumed
     )
@@ -432,6 +436,8 @@ def fleet(args: argparse.Namespace) -> None:
         "0.2",
     ]
     extra = shlex.split(gateway_args)
+    if args.trace_copies:
+        extra += ["--log-level", "debug", "--log-format", "plain"]
     print(
         f"# 4 emulated replicas of {cache_blocks} cache blocks of 16 tokens, prefill 50 us/token,"
         f" decode 0.2 ms/token; {concurrency} sessions at once, started 50 ms apart, {think} s"
@@ -465,6 +471,7 @@ def fleet(args: argparse.Namespace) -> None:
                     think,
                     kill if kind == "one" and count == max(gateways) else None,
                     args.rotation,
+                    args.trace_copies,
                 )
                 print_row(row)
                 summary.setdefault((workload, count, kind), []).append(row)

@@ -375,6 +375,12 @@ def main() -> None:
         " the next gateway (streamed)",
     )
     parser.add_argument("--cache-blocks", type=int, default=1024)
+    parser.add_argument(
+        "--trace-copies",
+        action="store_true",
+        help="fleet: gateways log every decision (DEBUG); print each one that put a shared"
+        " prompt on another replica than its earlier ones, with what its gateway was shown",
+    )
     parser.add_argument("--seeds", default="1")
     parser.add_argument(
         "--kill-redis", type=float, default=0.0, help="fleet: SIGKILL Redis this many s in"
