@@ -316,6 +316,7 @@ def run_row(
     kill: tuple[float, float] | None,
     rotation: str = "session",
     trace: bool = False,
+    checkout: str | None = None,
 ) -> Row:
     with (
         redis_nodes(kind) as (url, nodes),
@@ -328,6 +329,7 @@ def run_row(
                     replicas.urls,
                     *(("--redis-url", url) if url else ()),
                     *gateway_args,
+                    checkout=checkout,
                     startup_seconds=_STARTUP_SECONDS,
                 )
             )
@@ -437,7 +439,7 @@ def fleet(args: argparse.Namespace) -> None:
     ]
     extra = shlex.split(gateway_args)
     if args.trace_copies:
-        extra += ["--log-level", "debug", "--log-format", "plain"]
+        extra += ["--log-level", "debug", "--log-format", "text"]
     print(
         f"# 4 emulated replicas of {cache_blocks} cache blocks of 16 tokens, prefill 50 us/token,"
         f" decode 0.2 ms/token; {concurrency} sessions at once, started 50 ms apart, {think} s"
@@ -472,6 +474,7 @@ def fleet(args: argparse.Namespace) -> None:
                     kill if kind == "one" and count == max(gateways) else None,
                     args.rotation,
                     args.trace_copies,
+                    args.checkout,
                 )
                 print_row(row)
                 summary.setdefault((workload, count, kind), []).append(row)

@@ -376,6 +376,9 @@ def main() -> None:
     )
     parser.add_argument("--cache-blocks", type=int, default=1024)
     parser.add_argument(
+        "--checkout", default=None, help="fleet: run the gateways of this other source tree"
+    )
+    parser.add_argument(
         "--trace-copies",
         action="store_true",
         help="fleet: gateways log every decision (DEBUG); print each one that put a shared"
