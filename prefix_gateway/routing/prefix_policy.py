@@ -36,7 +36,11 @@ The rules, the first that applies; each is the route label of its decision:
    eligible backends clockwise from the first block past the match, the first in the order.
    It becomes a holder, so a popular prefix spreads to as many backends as its traffic needs.
 5. hash — no match worth routing on: the same pick from the affinity key (the session key, or
-   the prompt's first tokens from its first user message on). A request with a session key
+   the prompt's first tokens from its first user message on), or, for a cold shared prompt,
+   from the prompt's own last block: every gateway that has not heard of it yet (a write or a
+   claim still on its way, Redis past its timeout) then meets the same two ring choices as
+   the gateway that placed it, where a key from the question would start each request
+   somewhere else. A request with a session key
    takes the first eligible backend in rules 4 and 5, so that its first requests, sent at
    once or through several gateways, agree before its binding is stored.
    adapter — the same where the model is a LoRA adapter, from the adapter's own key and
