@@ -20,7 +20,8 @@ twice in a row; with `--workloads customer-prompts` (96 per-customer prompts of 
 tokens, Zipf s = 0.8, 600 requests of one ~100-token question) and `--cache-blocks 2000
 --concurrency 16 --think 0`, the caches cannot hold every prompt and only a fleet that
 partitions them as one gateway does keeps them all warm. The column *new copies* counts the
-requests that put a prompt on a replica other than the first that held it, by route.
+requests that put a prompt on a replica other than the first that held it, by route;
+*prompt misses* the requests that found less than half their prompt cached, by where they went.
 """
 
 from __future__ import annotations
@@ -204,7 +205,7 @@ def run_row(
 def print_header() -> None:
     print(
         "| workload | gateways | Redis | requests | failed | hit rate | max/mean "
-        "| replicas per system prompt | new copies | later turns moved | routes "
+        "| replicas per system prompt | new copies; prompt misses | later turns moved | routes "
         "| Redis calls/req | commands/req | load exchanges/s | decision p50 µs | p99 µs "
         "| fallbacks | requests/s | latency p50 ms | p99 ms |"
     )
@@ -222,6 +223,7 @@ def print_row(row: Row) -> None:
     if tally.moved_routes:
         moved += " (" + ", ".join(f"{n} {k}" for k, n in sorted(tally.moved_routes.items())) + ")"
     copies = ", ".join(f"{name} {n}" for name, n in sorted(tally.new_copies.items())) or "0"
+    copies += "; misses: " + (", ".join(f"{k} {n}" for k, n in sorted(tally.misses.items())) or "0")
     failed = str(tally.failed)
     if tally.failures:
         failed += " (" + "; ".join(f"{why}: {n}" for why, n in tally.failures.items()) + ")"

@@ -37,6 +37,9 @@ class Tally:
     """The moved turns by the route that moved them."""
     new_copies: dict[str, int] = field(default_factory=dict)
     """Requests that put a system prompt on a replica other than its first holder, by route."""
+    misses: dict[str, int] = field(default_factory=dict)
+    """First turns that found less than half their prompt cached: the prompt's `first`
+    request, a `new copy`, or `at a holder` (evicted there, or still being computed)."""
     latencies: list[float] = field(default_factory=list)
 
     def fail(self, why: str) -> None:
@@ -142,7 +145,8 @@ async def _session(
         tally.per_replica[backend] = tally.per_replica.get(backend, 0) + 1
         tally.routes[route] = tally.routes.get(route, 0) + 1
         holders = tally.holders.setdefault(session.system, set())
-        if holders and backend not in holders:
+        where = "at a holder" if backend in holders else "new copy" if holders else "first"
+        if where == "new copy":
             tally.new_copies[route] = tally.new_copies.get(route, 0) + 1
         holders.add(backend)
         if turn > 0:
@@ -154,7 +158,10 @@ async def _session(
         tally.requests += 1
         details = usage.get("prompt_tokens_details")
         tally.prompt += int(usage["prompt_tokens"])  # type: ignore[call-overload]
-        tally.cached += int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+        cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+        tally.cached += cached
+        if turn == 0 and 2 * cached < int(usage["prompt_tokens"]):  # type: ignore[call-overload]
+            tally.misses[where] = tally.misses.get(where, 0) + 1
         messages.append({"role": "assistant", "content": answer})
         await asyncio.sleep(think)
 
