@@ -13,6 +13,15 @@ of requests in flight counted apart and the routing decision's p50/p99 as the ga
 
     python loadtest/redis_bench.py fleet --gateways 1,3,8 --cluster-gateways 3
     python loadtest/redis_bench.py fleet --workloads customers --gateways 8 --kill-redis 8
+
+`--rotation request` sends every request to the next gateway in turn (one counter over all
+sessions) and streams it, so a customer's consecutive requests never meet the same gateway
+twice in a row; with `--workloads customer-prompts` (96 per-customer prompts of about 1,000
+tokens, Zipf s = 0.8, 600 requests of one ~100-token question) and `--cache-blocks 2000
+--concurrency 16 --think 0`, the caches cannot hold every prompt and only a fleet that
+partitions them as one gateway does keeps them all warm. The column *new copies* counts the
+requests that put a prompt on a replica other than the first that held it, by route;
+*prompt misses* the requests that found less than half their prompt cached, by where they went.
 """
 
 from __future__ import annotations
@@ -24,17 +33,16 @@ import shlex
 import statistics
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-
-import httpx
+from dataclasses import dataclass
 
 from loadtest.benchmark import percentile
+from loadtest.fleet_clients import MODEL, Tally, drive, sessions_of
+from loadtest.fleet_copies import print_copies
 from prefix_gateway.emulator.replicas import EmulatedReplicas
-from prefix_gateway.workloads import Session, build_workload
+from prefix_gateway.workloads import Session
 from tests.redis_server import RedisClusterServers, RedisServer
 from tests.support import GatewayProcess
 
-MODEL = "bench-model"
 # Eight gateways, four replicas and Redis starting on two busy cores take their time.
 _STARTUP_SECONDS = 120.0
 # The commands of the exchange of requests in flight (`LOAD_SCRIPT`), one HSET per exchange.
@@ -47,104 +55,6 @@ class Fleet:
 
     nodes: list[RedisServer]
     gateways: list[GatewayProcess]
-
-
-@dataclass
-class Tally:
-    prompt: int = 0
-    cached: int = 0
-    requests: int = 0
-    failed: int = 0
-    failures: dict[str, int] = field(default_factory=dict)
-    """Failed requests by status code or exception."""
-    per_replica: dict[str, int] = field(default_factory=dict)
-    routes: dict[str, int] = field(default_factory=dict)
-    holders: dict[str, set[str]] = field(default_factory=dict)
-    """Per system prompt, every replica that served a request carrying it."""
-    later_turns: int = 0
-    moved: int = 0
-    """Later turns of a conversation served by another replica than the turn before."""
-    moved_routes: dict[str, int] = field(default_factory=dict)
-    """The moved turns by the route that moved them."""
-    latencies: list[float] = field(default_factory=list)
-
-    def fail(self, why: str) -> None:
-        self.failed += 1
-        self.failures[why] = self.failures.get(why, 0) + 1
-
-    def copies(self) -> float:
-        """Replicas per system prompt: how many computed each, on average."""
-        return sum(map(len, self.holders.values())) / max(1, len(self.holders))
-
-    def balance(self, replicas: int) -> float:
-        """Max over mean requests per replica (replicas that got none count in the mean)."""
-        mean = sum(self.per_replica.values()) / replicas
-        return max(self.per_replica.values(), default=0) / mean if mean else 0.0
-
-
-async def _session(
-    http: httpx.AsyncClient,
-    session: Session,
-    number: int,
-    urls: Sequence[str],
-    tally: Tally,
-    think: float,
-) -> None:
-    messages: list[dict[str, str]] = [{"role": "system", "content": session.system}]
-    previous = ""
-    for turn, question in enumerate(session.questions):
-        messages.append({"role": "user", "content": question})
-        body = {"model": MODEL, "messages": messages, "max_tokens": session.max_tokens}
-        url = urls[(number + turn) % len(urls)]
-        began = time.perf_counter()
-        try:
-            response = await http.post(url + "/v1/chat/completions", json=body)
-        except httpx.HTTPError as error:
-            tally.fail(type(error).__name__)
-            return
-        if response.status_code != 200:
-            shown = response.text[:80].replace("|", "/").replace("\n", " ")
-            tally.fail(f"{response.status_code} {shown}")
-            return
-        tally.latencies.append(time.perf_counter() - began)
-        reply = response.json()
-        backend = response.headers["x-gateway-backend"]
-        route = response.headers["x-gateway-route"]
-        tally.per_replica[backend] = tally.per_replica.get(backend, 0) + 1
-        tally.routes[route] = tally.routes.get(route, 0) + 1
-        tally.holders.setdefault(session.system, set()).add(backend)
-        if turn > 0:
-            tally.later_turns += 1
-            if backend != previous:
-                tally.moved += 1
-                tally.moved_routes[route] = tally.moved_routes.get(route, 0) + 1
-        previous = backend
-        tally.requests += 1
-        tally.prompt += reply["usage"]["prompt_tokens"]
-        tally.cached += reply["usage"]["prompt_tokens_details"]["cached_tokens"] or 0
-        messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
-        await asyncio.sleep(think)
-
-
-async def drive(
-    urls: Sequence[str], sessions: list[Session], concurrency: int, think: float
-) -> Tally:
-    """Every session once, `concurrency` at a time, their starts staggered by 50 ms, `think`
-    seconds after each answer before the next request."""
-    tally = Tally()
-    queue = list(enumerate(sessions))
-    queue.reverse()
-    limits = httpx.Limits(max_connections=concurrency * len(urls))
-    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
-
-        async def worker(position: int) -> None:
-            await asyncio.sleep(position * 0.05)
-            while queue:
-                number, session = queue.pop()
-                await _session(http, session, number, urls, tally, think)
-
-        await asyncio.gather(*(worker(position) for position in range(concurrency)))
-    return tally
 
 
 def commandstats(nodes: Sequence[RedisServer]) -> dict[str, int]:
@@ -233,6 +143,9 @@ def run_row(
     concurrency: int,
     think: float,
     kill: tuple[float, float] | None,
+    rotation: str = "session",
+    trace: bool = False,
+    checkout: str | None = None,
 ) -> Row:
     with (
         redis_nodes(kind) as (url, nodes),
@@ -245,6 +158,7 @@ def run_row(
                     replicas.urls,
                     *(("--redis-url", url) if url else ()),
                     *gateway_args,
+                    checkout=checkout,
                     startup_seconds=_STARTUP_SECONDS,
                 )
             )
@@ -255,7 +169,7 @@ def run_row(
         began = time.perf_counter()
 
         async def scenario() -> Tally:
-            work = drive(urls, sessions, concurrency, think)
+            work = drive(urls, sessions, concurrency, think, rotation)
             if kill is None:
                 return await work
             tally, _ = await asyncio.gather(work, kill_and_restart(nodes[0], *kill))
@@ -281,6 +195,8 @@ def run_row(
             for gateway in gateways
         )
         decision = decision_percentiles(gateways)
+        if trace:
+            print_copies([gateway.log() for gateway in gateways])
     return Row(
         workload, count, kind, tally, seconds, calls, decision, fallbacks, round_trips, resumed
     )
@@ -289,11 +205,11 @@ def run_row(
 def print_header() -> None:
     print(
         "| workload | gateways | Redis | requests | failed | hit rate | max/mean "
-        "| replicas per system prompt | later turns moved | routes "
+        "| replicas per system prompt | new copies; prompt misses | later turns moved | routes "
         "| Redis calls/req | commands/req | load exchanges/s | decision p50 µs | p99 µs "
         "| fallbacks | requests/s | latency p50 ms | p99 ms |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def print_row(row: Row) -> None:
@@ -306,6 +222,8 @@ def print_row(row: Row) -> None:
     moved = f"{tally.moved} of {tally.later_turns}" if tally.later_turns else "–"
     if tally.moved_routes:
         moved += " (" + ", ".join(f"{n} {k}" for k, n in sorted(tally.moved_routes.items())) + ")"
+    copies = ", ".join(f"{name} {n}" for name, n in sorted(tally.new_copies.items())) or "0"
+    copies += "; misses: " + (", ".join(f"{k} {n}" for k, n in sorted(tally.misses.items())) or "0")
     failed = str(tally.failed)
     if tally.failures:
         failed += " (" + "; ".join(f"{why}: {n}" for why, n in tally.failures.items()) + ")"
@@ -313,7 +231,7 @@ def print_row(row: Row) -> None:
     print(
         f"| {row.workload} | {row.gateways} | {label} | {tally.requests} | {failed} "
         f"| {tally.cached / max(1, tally.prompt):.1%} | {tally.balance(4):.2f} "
-        f"| {tally.copies():.2f} | {moved} | {routes} "
+        f"| {tally.copies():.2f} | {copies} | {moved} | {routes} "
         f"| {row.round_trips / requests:.2f} | {commands / requests:.1f} "
         f"| {exchanges / row.seconds:.0f} | {row.decision_us[0]:.0f} | {row.decision_us[1]:.0f} "
         f"| {row.fallbacks:.0f} | {tally.requests / row.seconds:.1f} "
@@ -350,11 +268,18 @@ def fleet(args: argparse.Namespace) -> None:
         "0.2",
     ]
     extra = shlex.split(gateway_args)
+    if args.trace_copies:
+        extra += ["--log-level", "debug", "--log-format", "text"]
     print(
         f"# 4 emulated replicas of {cache_blocks} cache blocks of 16 tokens, prefill 50 us/token,"
         f" decode 0.2 ms/token; {concurrency} sessions at once, started 50 ms apart, {think} s"
-        f" after each answer before the next request; a session's requests go to the gateways"
-        f" in rotation from its own number; scale {scale}; gateway flags:"
+        f" after each answer before the next request; "
+        + (
+            "every request to the next gateway in turn, streamed"
+            if args.rotation == "request"
+            else "a session's requests go to the gateways in rotation from its own number"
+        )
+        + f"; scale {scale}; gateway flags:"
         f" {gateway_args or '(defaults)'}"
         + (f"; Redis killed {kill[0]} s in, back {kill[1]} s later" if kill else "")
     )
@@ -362,10 +287,10 @@ def fleet(args: argparse.Namespace) -> None:
     plans = [(count, "one") for count in gateways]
     plans += [(count, "cluster") for count in numbers(args.cluster_gateways)]
     plans += [(count, "local") for count in numbers(args.local_gateways)]
-    summary: dict[tuple[str, int, str], list[tuple[float, float]]] = {}
+    summary: dict[tuple[str, int, str], list[Row]] = {}
     for workload in workloads:
         for seed in seeds:
-            sessions = build_workload(workload, seed, scale)
+            sessions = sessions_of(workload, seed, scale)
             for count, kind in plans:
                 row = run_row(
                     f"{workload} (seed {seed})",
@@ -377,17 +302,39 @@ def fleet(args: argparse.Namespace) -> None:
                     concurrency,
                     think,
                     kill if kind == "one" and count == max(gateways) else None,
+                    args.rotation,
+                    args.trace_copies,
+                    args.checkout,
                 )
                 print_row(row)
-                hit = row.tally.cached / max(1, row.tally.prompt)
-                summary.setdefault((workload, count, kind), []).append((hit, row.tally.balance(4)))
+                summary.setdefault((workload, count, kind), []).append(row)
     if len(seeds) > 1:
-        print("\n| workload | gateways | Redis | mean hit rate | mean max/mean | worst max/mean |")
-        print("|---|---|---|---|---|---|")
-        for (workload, count, kind), results in summary.items():
-            hits = [hit for hit, _ in results]
-            balances = [balance for _, balance in results]
-            print(
-                f"| {workload} | {count} | {kind} | {statistics.mean(hits):.1%} "
-                f"| {statistics.mean(balances):.2f} | {max(balances):.2f} |"
-            )
+        print_summary(summary)
+
+
+def hit_rate(tally: Tally) -> float:
+    return tally.cached / max(1, tally.prompt)
+
+
+def print_summary(summary: dict[tuple[str, int, str], list[Row]]) -> None:
+    """Per cell over the seeds; the gap is to one gateway on one Redis over the same seeds."""
+    print(
+        "\n| workload | gateways | Redis | seeds | failed | mean hit rate | mean gap | worst gap "
+        "| mean max/mean | worst max/mean | replicas per system prompt |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for (workload, count, kind), rows in summary.items():
+        hits = [hit_rate(row.tally) for row in rows]
+        balances = [row.tally.balance(4) for row in rows]
+        alone = summary.get((workload, 1, "one"), [])
+        gaps = [
+            100 * (hit_rate(row.tally) - hit_rate(one.tally))
+            for row, one in zip(rows, alone, strict=False)
+        ]
+        gap = f"{statistics.mean(gaps):+.1f} | {min(gaps):+.1f}" if gaps and count > 1 else "– | –"
+        print(
+            f"| {workload} | {count} | {kind} | {len(rows)} "
+            f"| {sum(row.tally.failed for row in rows)} | {statistics.mean(hits):.1%} | {gap} "
+            f"| {statistics.mean(balances):.2f} | {max(balances):.2f} "
+            f"| {statistics.mean(row.tally.copies() for row in rows):.2f} |"
+        )

@@ -277,9 +277,7 @@ def main() -> None:
             sequential_table(replica.url, routers, args.sequential)
             levels = [int(level) for level in args.concurrency.split(",")]
             for stream in (False, True):
-                concurrency_table(
-                    replica.url, routers, levels, args.requests, stream, args.runs
-                )
+                concurrency_table(replica.url, routers, levels, args.requests, stream, args.runs)
         finally:
             for peer in peers:
                 peer.stop()

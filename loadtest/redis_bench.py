@@ -18,6 +18,8 @@ gateway processes):
     python loadtest/redis_bench.py fleet --gateways 1,3,8 --cluster-gateways 3
     python loadtest/redis_bench.py fleet --workloads conversation --gateways 1,3 --local-gateways 3
     python loadtest/redis_bench.py fleet --gateways 8 --kill-redis 8
+    python loadtest/redis_bench.py fleet --rotation request --workloads customer-prompts \
+        --cache-blocks 2000 --concurrency 16 --think 0 --seeds 1,2,3
 """
 
 from __future__ import annotations
@@ -365,7 +367,23 @@ def main() -> None:
     parser.add_argument("--gateway-args", default="", help="extra flags for every gateway")
     parser.add_argument("--concurrency", type=int, default=6)
     parser.add_argument("--think", type=float, default=0.1, help="fleet: seconds between requests")
+    parser.add_argument(
+        "--rotation",
+        choices=["session", "request"],
+        default="session",
+        help="fleet: rotate each session's requests from its own number, or every request to"
+        " the next gateway (streamed)",
+    )
     parser.add_argument("--cache-blocks", type=int, default=1024)
+    parser.add_argument(
+        "--checkout", default=None, help="fleet: run the gateways of this other source tree"
+    )
+    parser.add_argument(
+        "--trace-copies",
+        action="store_true",
+        help="fleet: gateways log every decision (DEBUG); print each one that put a shared"
+        " prompt on another replica than its earlier ones, with what its gateway was shown",
+    )
     parser.add_argument("--seeds", default="1")
     parser.add_argument(
         "--kill-redis", type=float, default=0.0, help="fleet: SIGKILL Redis this many s in"

@@ -41,6 +41,8 @@ class Fleet:
     gateways: list[GatewayProcess]
     alone: GatewayProcess
     """A gateway without Redis: every input its own."""
+    apart: GatewayProcess
+    """Another gateway without Redis, sharing nothing with `alone`."""
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,9 @@ def fleet() -> Iterator[Fleet]:
                 started.append(gateway.start())
             alone = GatewayProcess(replicas.urls, "--admin-token", TOKEN).start()
             started.append(alone)
-            yield Fleet(redis, started[:3], alone)
+            apart = GatewayProcess(replicas.urls).start()
+            started.append(apart)
+            yield Fleet(redis, started[:3], alone, apart)
         finally:
             for gateway in started:
                 gateway.stop()
@@ -280,3 +284,25 @@ def test_redis_away_leaves_every_input_local(fleet: Fleet) -> None:
     assert response.status_code == 200
     fleet.redis.start()
     wait_for(lambda: explain(fleet.gateways[0], request)["inputs"]["claim"] == "fleet")
+
+
+def test_gateways_sharing_nothing_place_a_customer_prompt_alike(fleet: Fleet) -> None:
+    """A new cold shared prompt is placed from its own key: two gateways that know nothing of
+    each other's placements (no Redis) send it, under different questions, to one replica."""
+    pair = (fleet.alone, fleet.apart)
+    # The same other customers through both, one at a time, so that both count the same
+    # recent traffic: the prompts below are cold (each one among many).
+    for other in range(12):
+        other_prompt = body(words(80, f"w{other}"), words(10, f"x{other}"))
+        for gateway in pair:
+            assert send(gateway, other_prompt).status_code == 200
+    for customer in range(3):
+        system = words(300, f"home{customer}")
+        first, second = pair if customer % 2 == 0 else pair[::-1]
+        placed = send(first, body(system, words(40, f"y{customer}")))
+        followed = send(second, body(system, words(40, f"z{customer}")))
+        assert placed.status_code == followed.status_code == 200
+        # The second gateway has never seen the prompt: it placed it anew, by the same rule.
+        assert placed.headers["x-gateway-route"] == "hash"
+        assert followed.headers["x-gateway-route"] == "hash"
+        assert followed.headers["x-gateway-backend"] == placed.headers["x-gateway-backend"]

@@ -36,7 +36,11 @@ The rules, the first that applies; each is the route label of its decision:
    eligible backends clockwise from the first block past the match, the first in the order.
    It becomes a holder, so a popular prefix spreads to as many backends as its traffic needs.
 5. hash — no match worth routing on: the same pick from the affinity key (the session key, or
-   the prompt's first tokens from its first user message on). A request with a session key
+   the prompt's first tokens from its first user message on), or, for a cold shared prompt,
+   from the prompt's own last block: every gateway that has not heard of it yet (a write or a
+   claim still on its way, Redis past its timeout) then meets the same two ring choices as
+   the gateway that placed it, where a key from the question would start each request
+   somewhere else. A request with a session key
    takes the first eligible backend in rules 4 and 5, so that its first requests, sent at
    once or through several gateways, agree before its binding is stored.
    adapter — the same where the model is a LoRA adapter, from the adapter's own key and
@@ -133,6 +137,9 @@ class PrefixPolicy:
                 return Decision(picked, Route.OVERFLOW, depth_of.get(picked, 0), bound)
         else:
             key = state.affinity_key if adapter_key is None else adapter_key
+            home = self._home(state, count)
+            if home is not None:
+                key = home
             picked = self._ring_pick(state, ring, key, plain, choices)
             if picked is not None:
                 route = Route.HASH if adapter_key is None else Route.ADAPTER
@@ -142,6 +149,18 @@ class PrefixPolicy:
             candidates, key=lambda name: state.loads.get(name, 0)
         )
         return Decision(chosen, Route.FALLBACK, depth_of.get(chosen, 0), bound)
+
+    def _home(self, state: RoutingState, count: int) -> int | None:
+        """The ring key of a new cold shared prompt (a customer's own system prompt, at most
+        c / n of recent requests): its last block. Placed from there, every request carrying
+        it, at any gateway and whatever the index or a claim has told that gateway yet, meets
+        the same two ring choices; placed from its own words, each would start elsewhere."""
+        if state.keyed or state.adapter_key is not None:
+            return None
+        if not 0.0 < state.shared_share <= self._factor / count:
+            return None
+        shared_end = min(state.private_from, len(state.hashes))
+        return state.hashes[shared_end - 1] if shared_end >= self._min_match else None
 
     def _recent_caps(self, state: RoutingState, count: int) -> tuple[float, float]:
         """The hot cap and the owner's busy cap on a backend's recent requests."""

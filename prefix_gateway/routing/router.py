@@ -6,6 +6,7 @@ counts, by the `RoutingObserver`; the policy only chooses. No HTTP here.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -30,6 +31,10 @@ from prefix_gateway.routing.stored_responses import not_found
 from prefix_gateway.routing.traffic import cold_prompt
 from prefix_gateway.routing.types import Decision, Policy, Route, RoutingState
 from prefix_gateway.state.agreement import FleetView
+
+# Every decision with a shared prompt and what it was shown, at DEBUG (loadtest/fleet_bench.py
+# reads it to tell which input moved a prompt).
+trace = logging.getLogger("prefix_gateway.routing.decisions")
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +207,25 @@ class Router:
             adapter_key=serving.adapter_key,
         )
         decision = self.policy.choose(state)
+        if prompt_key is not None and trace.isEnabledFor(logging.DEBUG):
+            trace.debug(
+                "decision %s",
+                {
+                    "t": time.time(),
+                    "prompt": prompt_key,
+                    "count": count,
+                    "route": decision.route.value,
+                    "backend": decision.backend,
+                    "matched": matched,
+                    "claimed": claimed,
+                    "fleet": fleet is not None,
+                    "share": round(share, 4),
+                    "loads": {name: state.loads.get(name, 0) for name in serving.names},
+                    "recent": {name: round(recent.get(name), 2) for name in serving.names},
+                    "pending": dict(state.pending_prefill),
+                    "bound": decision.load_bound,
+                },
+            )
         return Placement(
             request,
             chain,
