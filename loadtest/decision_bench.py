@@ -29,7 +29,8 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prefix_gateway.backends.pool import Backend, BackendPool
+from prefix_gateway.backends.backend import Backend
+from prefix_gateway.backends.pool import BackendPool
 from prefix_gateway.config import Settings
 from prefix_gateway.metrics import Metrics
 from prefix_gateway.prompt.hashing import chain_hashes

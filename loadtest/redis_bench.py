@@ -41,7 +41,8 @@ import uvloop
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loadtest.fleet_bench import fleet, numbers
-from prefix_gateway.backends.pool import Backend, BackendPool
+from prefix_gateway.backends.backend import Backend
+from prefix_gateway.backends.pool import BackendPool
 from prefix_gateway.clock import ManualClock
 from prefix_gateway.config import Settings
 from prefix_gateway.metrics import Metrics

@@ -26,7 +26,8 @@ sys.path.insert(0, CHECKOUT)
 
 import orjson  # noqa: E402
 
-from prefix_gateway.backends.pool import Backend, BackendPool  # noqa: E402
+from prefix_gateway.backends.backend import Backend  # noqa: E402
+from prefix_gateway.backends.pool import BackendPool  # noqa: E402
 from prefix_gateway.config import Settings  # noqa: E402
 from prefix_gateway.metrics import Metrics  # noqa: E402
 from prefix_gateway.prompt.parsing import Endpoint, parse_request  # noqa: E402

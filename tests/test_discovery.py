@@ -28,11 +28,12 @@ import orjson
 import pytest
 from aiohttp import web
 
+from prefix_gateway.backends.backend import Backend
 from prefix_gateway.backends.discovery import Discovery
 from prefix_gateway.backends.dns import DnsSource
 from prefix_gateway.backends.kubernetes import KubernetesSource
 from prefix_gateway.backends.membership import Membership, ServiceSpec
-from prefix_gateway.backends.pool import Backend, BackendPool
+from prefix_gateway.backends.pool import BackendPool
 from prefix_gateway.config import ConfigError, Settings
 from prefix_gateway.emulator.process import EmulatorProcess
 from prefix_gateway.processes import free_port

@@ -5,13 +5,14 @@ import asyncio
 import httpx
 import openai
 
+from prefix_gateway.backends.backend import Backend
 from prefix_gateway.backends.engine_load import (
     EngineLoad,
     EngineLoadScraper,
     others_load,
     parse_engine_load,
 )
-from prefix_gateway.backends.pool import Backend, BackendPool
+from prefix_gateway.backends.pool import BackendPool
 from prefix_gateway.emulator import EmulatorProcess
 from tests.support import eventually, stall
 

@@ -20,7 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from prefix_gateway.backends.pool import Backend, BackendPool
+from prefix_gateway.backends.backend import Backend
+from prefix_gateway.backends.pool import BackendPool
 from prefix_gateway.backends.shared_load import FleetLoad, own_counts
 from prefix_gateway.clock import ManualClock
 from prefix_gateway.config import Settings

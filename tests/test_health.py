@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from prefix_gateway.backends.backend import Backend
 from prefix_gateway.backends.health import CONNECT, Health
-from prefix_gateway.backends.pool import Backend, BackendPool
+from prefix_gateway.backends.pool import BackendPool
 
 MODEL = "m"
 

@@ -17,7 +17,7 @@ import yaml
 
 import prefix_gateway
 from engines.fleet import gateway_flags, parse_options
-from prefix_gateway.backends.pool import Backend
+from prefix_gateway.backends.backend import Backend
 from prefix_gateway.config import Settings
 from prefix_gateway.config.effective import REDACTED
 from prefix_gateway.emulator.replicas import EmulatedReplicas

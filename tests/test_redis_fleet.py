@@ -16,7 +16,8 @@ import httpx
 import openai
 import pytest
 
-from prefix_gateway.backends.pool import Backend, BackendPool
+from prefix_gateway.backends.backend import Backend
+from prefix_gateway.backends.pool import BackendPool
 from prefix_gateway.config import Settings
 from prefix_gateway.emulator.replicas import EmulatedReplicas
 from prefix_gateway.metrics import Metrics

@@ -14,8 +14,9 @@ import httpx
 import pytest
 from redis.crc import key_slot
 
+from prefix_gateway.backends.backend import Backend
 from prefix_gateway.backends.engine_load import EngineLoadScraper
-from prefix_gateway.backends.pool import Backend, BackendPool
+from prefix_gateway.backends.pool import BackendPool
 from prefix_gateway.backends.shared_load import SharedLoad
 from prefix_gateway.clock import ManualClock
 from prefix_gateway.metrics import Metrics

@@ -11,8 +11,9 @@ import httpx
 import orjson
 import pytest
 
+from prefix_gateway.backends.backend import Work
 from prefix_gateway.backends.health import Health
-from prefix_gateway.backends.pool import BackendPool, Work
+from prefix_gateway.backends.pool import BackendPool
 from prefix_gateway.backends.prefill_speed import PrefillSpeed
 from prefix_gateway.backends.stalls import StallRule, StallWatch
 from prefix_gateway.emulator.replicas import EmulatedReplicas

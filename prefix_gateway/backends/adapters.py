@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 
 import httpx
 
-from prefix_gateway.backends.pool import Backend, BackendPool, ModelPool
+from prefix_gateway.backends.backend import Backend, ModelPool
+from prefix_gateway.backends.pool import BackendPool
 from prefix_gateway.clock import Clock, monotonic
 from prefix_gateway.config.adapters import AdapterSpec
 from prefix_gateway.metrics import Metrics

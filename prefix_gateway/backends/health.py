@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 
-from prefix_gateway.backends.pool import Backend, BackendPool
+from prefix_gateway.backends.backend import Backend
+from prefix_gateway.backends.pool import BackendPool
 
 log = logging.getLogger("prefix_gateway.backends.health")
 

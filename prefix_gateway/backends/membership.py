@@ -10,7 +10,8 @@ from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from prefix_gateway.backends.pool import Backend, BackendPool, parse_backend_spec
+from prefix_gateway.backends.backend import Backend
+from prefix_gateway.backends.pool import BackendPool, parse_backend_spec
 from prefix_gateway.config import ConfigError
 
 log = logging.getLogger("prefix_gateway.backends.discovery")

@@ -9,7 +9,8 @@ from contextlib import suppress
 
 import httpx
 
-from prefix_gateway.backends.pool import Backend, BackendPool
+from prefix_gateway.backends.backend import Backend
+from prefix_gateway.backends.pool import BackendPool
 
 log = logging.getLogger("prefix_gateway.backends.monitor")
 

@@ -24,8 +24,9 @@ import time
 from contextlib import suppress
 from dataclasses import dataclass
 
+from prefix_gateway.backends.backend import Backend, Work
 from prefix_gateway.backends.health import Health
-from prefix_gateway.backends.pool import Backend, BackendPool, Work
+from prefix_gateway.backends.pool import BackendPool
 from prefix_gateway.backends.prefill_speed import PrefillSpeed
 from prefix_gateway.metrics import Metrics
 

@@ -15,8 +15,9 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
+from prefix_gateway.backends.backend import Backend
 from prefix_gateway.backends.kv_events import FeedState
-from prefix_gateway.backends.pool import Backend, parse_backend_spec
+from prefix_gateway.backends.pool import parse_backend_spec
 from prefix_gateway.components import Components
 from prefix_gateway.config import ConfigError
 from prefix_gateway.control.access import AdminRoute, Guard

@@ -10,9 +10,10 @@ import sys
 from typing import TextIO
 
 from prefix_gateway import config as gateway_config
+from prefix_gateway.backends.backend import Backend
 from prefix_gateway.backends.discovery import Discovery
 from prefix_gateway.backends.kv_events import KVEventFeeds
-from prefix_gateway.backends.pool import Backend, BackendPool
+from prefix_gateway.backends.pool import BackendPool
 from prefix_gateway.components import probe_client
 from prefix_gateway.config import Settings
 from prefix_gateway.doctor.examination import Doctor

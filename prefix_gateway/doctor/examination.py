@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import orjson
 
+from prefix_gateway.backends.backend import Backend
 from prefix_gateway.backends.engine_load import missing_engine_series
 from prefix_gateway.backends.kv_events import KVEventFeeds
-from prefix_gateway.backends.pool import Backend
 from prefix_gateway.config import Settings
 from prefix_gateway.doctor.agreement import token_agreement
 from prefix_gateway.doctor.probe import (

@@ -9,7 +9,8 @@ import time
 from collections.abc import Sequence
 from types import TracebackType
 
-from prefix_gateway.backends.pool import Backend, Lease
+from prefix_gateway.backends.backend import Backend
+from prefix_gateway.backends.pool import Lease
 from prefix_gateway.backends.prefill_speed import PrefillSpeed
 from prefix_gateway.proxy.deadlines import Exchange, Why
 from prefix_gateway.proxy.prefills import Computing, Prefills

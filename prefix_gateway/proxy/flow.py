@@ -27,7 +27,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from prefix_gateway.backends.pool import Backend, BackendPool
+from prefix_gateway.backends.backend import Backend
+from prefix_gateway.backends.pool import BackendPool
 from prefix_gateway.config import Settings
 from prefix_gateway.config.tenants import ANONYMOUS
 from prefix_gateway.errors import GatewayError

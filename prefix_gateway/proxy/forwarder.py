@@ -11,8 +11,8 @@ import random
 import time
 from email.utils import parsedate_to_datetime
 
+from prefix_gateway.backends.backend import Backend
 from prefix_gateway.backends.health import Health
-from prefix_gateway.backends.pool import Backend
 from prefix_gateway.backends.prefill_speed import PrefillSpeed
 from prefix_gateway.config import Settings
 from prefix_gateway.metrics import Metrics

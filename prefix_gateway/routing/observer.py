@@ -4,7 +4,7 @@ when its outcome is settled (`settled`). Reads placements and outcomes; writes n
 
 from __future__ import annotations
 
-from prefix_gateway.backends.pool import ModelPool
+from prefix_gateway.backends.backend import ModelPool
 from prefix_gateway.config import Settings
 from prefix_gateway.metrics import Metrics
 from prefix_gateway.routing.conversations import AffinityMiss

@@ -12,7 +12,7 @@ from collections.abc import Collection
 from dataclasses import replace
 from typing import Protocol
 
-from prefix_gateway.backends.pool import Backend, ModelPool
+from prefix_gateway.backends.backend import Backend, ModelPool
 from prefix_gateway.prompt.parsing import Endpoint, RoutingInput
 from prefix_gateway.routing.conversations import Turn
 from prefix_gateway.routing.types import Decision, Outcome, Policy, Route, RoutingState

@@ -12,7 +12,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from prefix_gateway.backends.pool import Backend, BackendPool, ModelPool
+from prefix_gateway.backends.backend import Backend, ModelPool
+from prefix_gateway.backends.pool import BackendPool
 from prefix_gateway.clock import Clock, monotonic
 from prefix_gateway.config import Settings
 from prefix_gateway.errors import NotFound

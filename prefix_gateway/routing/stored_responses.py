@@ -6,7 +6,8 @@ kind of store (memory, and Redis when shared). No HTTP here.
 
 from __future__ import annotations
 
-from prefix_gateway.backends.pool import Backend, BackendPool
+from prefix_gateway.backends.backend import Backend
+from prefix_gateway.backends.pool import BackendPool
 from prefix_gateway.errors import NotFound
 from prefix_gateway.prompt.responses_api import response_key
 from prefix_gateway.state.sessions import SessionStore
