@@ -12,6 +12,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from prefix_gateway.adapter_metrics import AdapterSeries
 from prefix_gateway.metric_registry import (
     MULTIPROCESS_DIR_VARIABLE,
     Registry,
@@ -327,27 +328,7 @@ class Metrics:
         )
 
         # --- LoRA adapters (label values: the adapters replicas list or `lora_adapters` names)
-        self.adapter_replicas = Gauge(
-            "gateway_lora_adapter_replicas",
-            "Replicas serving each LoRA adapter now (healthy and not draining).",
-            ["adapter"],
-            multiprocess_mode="livemax",
-            registry=r,
-        )
-        self.adapter_loads = Counter(
-            "gateway_lora_adapter_loads",
-            "On-demand loads of a `lora_adapters` adapter on a replica, by outcome (`loaded`,"
-            " `failed`).",
-            ["adapter", "outcome"],
-            registry=r,
-        )
-        self.adapter_unloads = Counter(
-            "gateway_lora_adapter_unloads",
-            "Adapters of `lora_adapters` unloaded from a replica that had not served them for"
-            " --lora-idle-unload seconds, by outcome (`unloaded`, `failed`).",
-            ["adapter", "outcome"],
-            registry=r,
-        )
+        self.adapters = AdapterSeries(r)
 
         # --- Tenants (only with `tenants:`; `anonymous` for every other client) -------------
         self.tenants = TenantSeries(r, _LATENCY_BUCKETS)

@@ -105,7 +105,7 @@ class AdapterLoader:
             why = await self._loads_on(backend, spec)
             loaded = not why
             self._metrics.child(
-                self._metrics.adapter_loads, spec.name, "loaded" if loaded else "failed"
+                self._metrics.adapters.loads, spec.name, "loaded" if loaded else "failed"
             ).inc()
             if loaded:
                 log.info("LoRA adapter %s loaded on %s", spec.name, backend.name)
@@ -150,7 +150,7 @@ class AdapterLoader:
         except httpx.HTTPError:
             unloaded = False
         outcome = "unloaded" if unloaded else "failed"
-        self._metrics.child(self._metrics.adapter_unloads, name, outcome).inc()
+        self._metrics.child(self._metrics.adapters.unloads, name, outcome).inc()
         if unloaded:
             log.info("LoRA adapter %s unloaded from %s: idle", name, backend.name)
             self._last_sent.pop((backend.name, name), None)

@@ -24,7 +24,7 @@ def publish_scrape_gauges(components: Components) -> None:
         metrics.pending_prefill, {backend.name: backend.pending_prefill for backend in backends}
     )
     metrics.set_per_label(metrics.load_bound, components.router.load_bounds())
-    metrics.set_per_label(metrics.adapter_replicas, _adapter_replicas(components))
+    metrics.set_per_label(metrics.adapters.replicas, _adapter_replicas(components))
     metrics.process.refresh()
     metrics.conversations.set(len(components.router.memory.conversations))
     size = getattr(components.index, "__len__", None)
