@@ -105,14 +105,13 @@ class GatewayProcess(ChildProcess):
                 "0.5",
                 "--log-level",
                 "warning",
-                # The doctor's probes are requests at the replicas: tests that count what a
-                # replica served, or fill its cache, turn them on only where they look at them.
-                "--doctor-interval",
-                "0",
                 *(part for backend in backends for part in ("--backend", backend)),
                 *args,
             ),
-            env=env,
+            # The doctor's probes are requests at the replicas: tests that count what a replica
+            # served, or fill its cache, turn them on (`--doctor-interval`) only where they look
+            # at them. A variable, not a flag: another checkout's gateway may not know it.
+            env={"GATEWAY_DOCTOR_INTERVAL": "0", **(env or {})},
             cwd=checkout,
             startup_seconds=startup_seconds,
         )
