@@ -21,7 +21,10 @@ tokens, Zipf s = 0.8, 600 requests of one ~100-token question) and `--cache-bloc
 --concurrency 16 --think 0`, the caches cannot hold every prompt and only a fleet that
 partitions them as one gateway does keeps them all warm. The column *new copies* counts the
 requests that put a prompt on a replica other than the first that held it, by route;
-*prompt misses* the requests that found less than half their prompt cached, by where they went.
+*prompt misses* the requests that found less than half their prompt cached, by where they went,
+then how many reached a replica while another request there was still computing their prompt
+(the replicas' own count) and the replicas' mean time to first token. *fallbacks* are the
+gateways' Redis operations answered locally or writes dropped, by operation.
 """
 
 from __future__ import annotations
@@ -32,13 +35,18 @@ import contextlib
 import shlex
 import statistics
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.benchmark import percentile
 from loadtest.fleet_clients import MODEL, Tally, drive, sessions_of
 from loadtest.fleet_copies import print_copies
 from prefix_gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.processes import metric_value
 from prefix_gateway.workloads import Session
 from tests.redis_server import RedisClusterServers, RedisServer
 from tests.support import GatewayProcess
@@ -128,8 +136,14 @@ class Row:
     seconds: float
     calls: dict[str, int]
     decision_us: tuple[float, float]
-    fallbacks: float
+    fallbacks: Counter[str]
+    """Operations that fell back to local state (or dropped a write), by operation."""
     round_trips: float
+    in_flight_misses: float
+    """Requests that reached a replica while another request there was computing their
+    prompt, as the replicas counted them."""
+    replica_ttft: float
+    """The replicas' mean time to first token, from arrival there (queue and prefill)."""
     resumed: str = ""
 
 
@@ -177,6 +191,14 @@ def run_row(
 
         tally = asyncio.run(scenario())
         seconds = time.perf_counter() - began
+        scraped = [httpx.get(f"{url}/metrics").text for url in replicas.urls]
+        in_flight = sum(
+            metric_value(text, "emulator_prefix_misses_in_flight_total") for text in scraped
+        )
+        first_tokens = [
+            sum(metric_value(text, f"vllm:time_to_first_token_seconds_{part}") for text in scraped)
+            for part in ("sum", "count")
+        ]
         after = commandstats(nodes)
         resumed = ""
         if kill is not None:
@@ -187,7 +209,9 @@ def run_row(
             resumed = f"{up:.0f} of {count} gateways up; {keys} keys, {lookups} lookups+writes"
             before = {}
         calls = {name: after.get(name, 0) - before.get(name, 0) for name in after}
-        fallbacks = sum(gateway.metric("gateway_redis_fallbacks_total") for gateway in gateways)
+        fallbacks: Counter[str] = Counter()
+        for gateway in gateways:
+            fallbacks.update(by_label(gateway.metrics_text(), "gateway_redis_fallbacks_total"))
         # Round trips per request as the gateways counted them, the exchange apart.
         round_trips = sum(
             gateway.metric("gateway_redis_operation_seconds_count")
@@ -197,9 +221,40 @@ def run_row(
         decision = decision_percentiles(gateways)
         if trace:
             print_copies([gateway.log() for gateway in gateways])
+        if tally.failed:
+            print_warnings([gateway.log() for gateway in gateways])
     return Row(
-        workload, count, kind, tally, seconds, calls, decision, fallbacks, round_trips, resumed
+        workload,
+        count,
+        kind,
+        tally,
+        seconds,
+        calls,
+        decision,
+        fallbacks,
+        round_trips,
+        in_flight,
+        first_tokens[0] / max(1.0, first_tokens[1]),
+        resumed,
     )
+
+
+def by_label(text: str, name: str, label: str = "operation") -> Counter[str]:
+    """The samples named `name` in Prometheus text `text`, summed by `label`."""
+    found: Counter[str] = Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.value:
+                found[sample.labels.get(label, "")] += round(sample.value)
+    return found
+
+
+def print_warnings(logs: Sequence[str]) -> None:
+    """The gateways' warnings and errors, when a request failed: what the client cannot see."""
+    for number, text in enumerate(logs):
+        for line in text.splitlines():
+            if "WARNING" in line or "ERROR" in line or "Traceback" in line:
+                print(f"#   gateway {number}: {line[:300]}", flush=True)
 
 
 def print_header() -> None:
@@ -224,6 +279,11 @@ def print_row(row: Row) -> None:
         moved += " (" + ", ".join(f"{n} {k}" for k, n in sorted(tally.moved_routes.items())) + ")"
     copies = ", ".join(f"{name} {n}" for name, n in sorted(tally.new_copies.items())) or "0"
     copies += "; misses: " + (", ".join(f"{k} {n}" for k, n in sorted(tally.misses.items())) or "0")
+    copies += (
+        f" ({row.in_flight_misses:.0f} while another computed it;"
+        f" replica TTFT {1000 * row.replica_ttft:.0f} ms)"
+    )
+    fallbacks = ", ".join(f"{k} {n:.0f}" for k, n in sorted(row.fallbacks.items())) or "0"
     failed = str(tally.failed)
     if tally.failures:
         failed += " (" + "; ".join(f"{why}: {n}" for why, n in tally.failures.items()) + ")"
@@ -234,7 +294,7 @@ def print_row(row: Row) -> None:
         f"| {tally.copies():.2f} | {copies} | {moved} | {routes} "
         f"| {row.round_trips / requests:.2f} | {commands / requests:.1f} "
         f"| {exchanges / row.seconds:.0f} | {row.decision_us[0]:.0f} | {row.decision_us[1]:.0f} "
-        f"| {row.fallbacks:.0f} | {tally.requests / row.seconds:.1f} "
+        f"| {fallbacks} | {tally.requests / row.seconds:.1f} "
         f"| {1000 * percentile(tally.latencies, 0.5):.0f} "
         f"| {1000 * percentile(tally.latencies, 0.99):.0f} |",
         flush=True,

@@ -164,6 +164,24 @@ def test_blocks_computed_twice_at_once_are_cached_once() -> None:
     assert serve(cache, prompt) == 48
 
 
+def test_a_request_arriving_while_its_prefix_is_computed_counts_as_an_in_flight_miss() -> None:
+    cache = PrefixCache(capacity_blocks=64, block_size=BLOCK)
+    shared = tokens(64)
+    first_hashes = block_hashes(shared + tokens(16, 500), BLOCK)
+    second_hashes = block_hashes(shared + tokens(16, 900), BLOCK)
+    first = cache.admit(first_hashes, 80, 1)
+    assert first is not None
+    second = cache.admit(second_hashes, 80, 1)  # the shared blocks are still being computed
+    assert second is not None and second.cached_tokens == 0
+    assert cache.in_flight_misses == 1
+    cache.publish(first, first_hashes)
+    cache.release(second)
+    assert serve(cache, shared + tokens(16, 700)) == 64  # computed: a hit, not a miss
+    assert serve(cache, tokens(32, 5000)) == 0  # nobody computes it: a plain miss
+    assert cache.in_flight_misses == 1
+    cache.release(first)
+
+
 def test_six_turn_conversation_computes_1640_of_12600_prompt_tokens() -> None:
     cache = PrefixCache(8192, BLOCK)
     sampler = Sampler(0)

@@ -89,6 +89,12 @@ class _EngineCollector(Collector):
             cache.hits,
         )
         yield self._counter(
+            "emulator_prefix_misses_in_flight",
+            "Requests whose first uncached prompt block another running request was computing"
+            " (not a vLLM metric).",
+            cache.in_flight_misses,
+        )
+        yield self._counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens
         )
         yield self._counter(

@@ -51,6 +51,8 @@ class CacheLease:
     pinned: list[int] = field(default_factory=list)
     anonymous_blocks: int = 0
     covered_blocks: int = 0
+    computing: list[int] = field(default_factory=list)
+    """The prompt's blocks this sequence computes, until its prefill publishes them."""
 
 
 class PrefixCache:
@@ -61,6 +63,10 @@ class PrefixCache:
         self.block_size = block_size
         self.queries = 0
         self.hits = 0
+        self.in_flight_misses = 0
+        """Admissions whose first uncached block another running sequence was computing:
+        computed twice, where arriving after that prefill would have hit."""
+        self._computing: dict[int, int] = {}
         self._refs: dict[int, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._anonymous = 0
@@ -129,16 +135,24 @@ class PrefixCache:
         cached_tokens = hit_blocks * self.block_size
         self.queries += prompt_tokens
         self.hits += cached_tokens
+        computing = self._computing
+        uncached = [block for block in hashes[hit_blocks:] if block not in refs]
+        if uncached and uncached[0] in computing:
+            self.in_flight_misses += 1
+        for block in uncached:
+            computing[block] = computing.get(block, 0) + 1
         return CacheLease(
             cached_tokens=cached_tokens,
             pinned=list(hashes[:hit_blocks]),
             anonymous_blocks=new_blocks,
             covered_blocks=hit_blocks,
+            computing=uncached,
         )
 
     def publish(self, lease: CacheLease, hashes: Sequence[int]) -> None:
         """Make a sequence's computed full blocks reusable; one already cached (computed twice
         at once) stays private to the sequence and is freed with it."""
+        self._computed(lease)
         refs = self._refs
         for index in range(lease.covered_blocks, len(hashes)):
             if lease.anonymous_blocks == 0:
@@ -154,6 +168,7 @@ class PrefixCache:
 
     def release(self, lease: CacheLease) -> None:
         """Unpin a finished sequence's blocks; its cached ones become evictable."""
+        self._computed(lease)
         refs = self._refs
         for block in reversed(lease.pinned):
             count = refs[block] - 1
@@ -163,3 +178,15 @@ class PrefixCache:
         self._anonymous -= lease.anonymous_blocks
         lease.pinned = []
         lease.anonymous_blocks = 0
+
+    def _computed(self, lease: CacheLease) -> None:
+        """The lease's prefill is over (published, or given up): none of its blocks is
+        being computed for it any more."""
+        computing = self._computing
+        for block in lease.computing:
+            left = computing[block] - 1
+            if left:
+                computing[block] = left
+            else:
+                del computing[block]
+        lease.computing = []
