@@ -138,7 +138,10 @@ class Components:
             tls=tls,
             on_resend=lambda reason: metrics.child(metrics.upstream_resends, reason).inc(),
         )
-        prefills = Prefills(settings.prefill_wait, metrics)
+        fleet_prefills = None
+        if shared is not None and "prefills" in settings.fleet_share:
+            fleet_prefills = shared.agreement
+        prefills = Prefills(settings.prefill_wait, metrics, fleet_prefills)
         forwarder = Forwarder(settings, upstream, health, metrics, prefills, stalls.speed)
         engine_load = EngineLoadScraper(pool, probes, settings.scrape_interval)
         pool.removed.append(engine_load.forget)

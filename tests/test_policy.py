@@ -418,6 +418,31 @@ def test_a_busy_owner_of_a_cold_shared_prompt_shares_it() -> None:
     assert policy.choose(busy).backend != A
 
 
+def test_holders_of_a_cold_shared_prompt_take_its_requests_in_its_own_ring_order() -> None:
+    # Two replicas hold a customer's prompt in whole (an earlier overflow made the copy). Every
+    # request, whatever its question or the replicas' loads, goes to the same one of them while
+    # it may take it, as every gateway of a fleet would: the other copy is left to age out.
+    traffic = Traffic(ManualClock(), SETTINGS)
+    for other in range(200):  # the prompt stays cold through the requests below
+        shared_prompt_state(traffic, dict.fromkeys(FOUR, 1), {}, prompt=other % 50 + 100)
+    home = 7 * 1000 + 35  # the prompt's last block
+    first, second = (name for name in HashRing(FOUR).walk(home) if name in (B, C))
+    chosen = set()
+    for question in range(20):
+        given = shared_prompt_state(traffic, {A: 1, B: 1, C: 1, D: 1}, {B: 36, C: 36}, 7)
+        given = dataclasses.replace(
+            given,
+            hashes=[*given.hashes[:36], key_hash(f"question {question}"), *given.hashes[37:]],
+            pending_prefill={first: 80 * (question % 2)},
+        )
+        decision = policy.choose(given)
+        assert decision.route is Route.PREFIX
+        chosen.add(decision.backend)
+    assert chosen == {first}
+    full = shared_prompt_state(traffic, {A: 0, B: 0, C: 0, D: 0} | {first: 5}, {B: 36, C: 36}, 7)
+    assert policy.choose(full).backend == second
+
+
 def test_a_conversation_owner_is_not_capped_by_its_recent_requests() -> None:
     # A's 30 blocks past the first user message are this request's own history: A keeps it
     # however busy it has been lately; a shared prompt's owner would yield (test above).

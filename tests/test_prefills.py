@@ -55,20 +55,42 @@ def streamed_cached_tokens(client: openai.OpenAI, system: str, question: str) ->
 
 
 def two_requests_in_one_prefill(
-    gateway: GatewayProcess, fleet: EmulatedReplicas, second_arrived: Callable[[], bool]
+    gateway: GatewayProcess,
+    fleet: EmulatedReplicas,
+    second_arrived: Callable[[], bool],
+    second_gateway: GatewayProcess | None = None,
+    first_announced: Callable[[], bool] = lambda: True,
 ) -> tuple[int, int]:
     """Cached tokens of a first request and of a second with the same system prompt, sent
-    while the first is still in prefill (its replica holds its first token until
-    `second_arrived()`)."""
-    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
-    streamed_cached_tokens(client, words(10, "warm"), "up")  # connections open, client loaded
+    (through `second_gateway`, if given) once the first is on the replica and
+    `first_announced()`, while the first is still in prefill (its replica holds its first
+    token until `second_arrived()`)."""
+    clients = {
+        name: openai.OpenAI(base_url=through.url + "/v1", api_key="unused", max_retries=0)
+        for name, through in (("first", gateway), ("second", second_gateway or gateway))
+    }
+    try:
+        return _in_one_prefill(clients, fleet, second_arrived, first_announced)
+    finally:
+        for client in clients.values():
+            client.close()
+
+
+def _in_one_prefill(
+    clients: dict[str, openai.OpenAI],
+    fleet: EmulatedReplicas,
+    second_arrived: Callable[[], bool],
+    first_announced: Callable[[], bool],
+) -> tuple[int, int]:
+    for client in clients.values():  # connections open, client loaded
+        streamed_cached_tokens(client, words(10, "warm"), "up")
     replica = fleet.replicas[0]
     system = words(SYSTEM_TOKENS, "sys")
     results: dict[str, int] = {}
 
     def ask(name: str) -> threading.Thread:
         def run() -> None:
-            results[name] = streamed_cached_tokens(client, system, words(20, name))
+            results[name] = streamed_cached_tokens(clients[name], system, words(20, name))
 
         thread = threading.Thread(target=run)
         thread.start()
@@ -80,6 +102,7 @@ def two_requests_in_one_prefill(
         wait_until(
             lambda: replica.metric("vllm:num_requests_running") == 1, "the first on the replica"
         )
+        wait_until(first_announced, "the first request's prefill announced")
         second = ask("second")
         wait_until(second_arrived, "the second request where it waits")
     finally:

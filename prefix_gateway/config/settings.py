@@ -306,11 +306,13 @@ class Settings:
     redis_timeout: float = _opt(0.05, "seconds a Redis call may take before local state answers")
     redis_max_connections: int = _opt(32, "Redis connections per gateway process at most")
     fleet_share: tuple[str, ...] = _opt(
-        ("claims", "traffic", "prompts"),
+        ("claims", "traffic", "prompts", "prefills"),
         "what gateways on one Redis tell each other besides the index, the sessions and their"
         " requests in flight: `claims` (where a shared prompt was sent first), `traffic` (pending"
         " prefill and recent requests per replica), `prompts` (each shared prompt's recent"
-        " requests); `none` for none of them; repeat for several",
+        " requests), `prefills` (where a stream is computing a shared prompt now, so that"
+        " `--prefill-wait` holds a request for it at any gateway); `none` for none of them;"
+        " repeat for several",
     )
     claim_ttl: float = _opt(
         10.0,

@@ -54,11 +54,11 @@ def validated(settings: Settings) -> Settings:
         raise ConfigError("doctor_interval must not be negative (0: off)")
     if settings.discovery_interval <= 0 or settings.drain_timeout < 0:
         raise ConfigError("discovery_interval must be positive, drain_timeout not negative")
-    unknown = set(settings.fleet_share) - {"claims", "traffic", "prompts", "none"}
+    unknown = set(settings.fleet_share) - {"claims", "traffic", "prompts", "prefills", "none"}
     if unknown:
         raise ConfigError(
             f"fleet_share: unknown {', '.join(sorted(unknown))}; choose claims, traffic,"
-            " prompts or none"
+            " prompts, prefills or none"
         )
     if settings.redis_timeout <= 0 or settings.redis_max_connections < 2 or settings.claim_ttl <= 0:
         raise ConfigError(

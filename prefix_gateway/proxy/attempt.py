@@ -15,15 +15,18 @@ from prefix_gateway.backends.prefill_speed import PrefillSpeed
 from prefix_gateway.proxy.deadlines import Exchange, Why
 from prefix_gateway.proxy.prefills import Computing, Prefills
 from prefix_gateway.routing.types import Decision
+from prefix_gateway.state.agreement import SharedPrompt
 
 
 class Attempt:
     __slots__ = (
         "_computing",
         "_exchange",
+        "_fleet_computing",
         "_lease",
         "_pending",
         "_prefills",
+        "_shared",
         "_speed",
         "_streamed",
         "backend",
@@ -45,7 +48,11 @@ class Attempt:
         streamed: bool,
         exchange: Exchange,
         speed: PrefillSpeed,
+        shared: SharedPrompt | None = None,
+        fleet_computing: frozenset[str] = frozenset(),
     ) -> None:
+        """`shared`: the request's shared prompt as the fleet names it; `fleet_computing`: the
+        backends where, as the fleet said when it was routed, a stream computes it."""
         self.backend = backend
         self.decision = decision
         self.chain = chain
@@ -65,6 +72,8 @@ class Attempt:
         self._prefills = prefills
         """Prefills in progress, where this attempt may wait (None: prefill waits are off)."""
         self._streamed = streamed
+        self._shared = shared
+        self._fleet_computing = backend.name in fleet_computing
         self._computing: Computing | None = None
 
     def __enter__(self) -> Attempt:
@@ -83,17 +92,22 @@ class Attempt:
         self._lease.__exit__(kind, error, trace)
 
     async def take_turn(self) -> None:
-        """Wait for a stream computing this prompt's matched prefix here; then, if streamed,
-        announce this attempt's own prefill."""
+        """Wait for a stream computing this prompt's matched prefix here (of this gateway, or
+        of another computing its shared prompt); then, if streamed, announce this attempt's
+        own prefill (to the fleet too, when it computes part of the shared prompt)."""
         prefills = self._prefills
         if prefills is None:
             return
         name, depth = self.backend.name, self.decision.matched_blocks
+        shared = self._shared
         earlier = prefills.earlier(name, self.chain, depth)
         if earlier is not None:
             await prefills.wait(earlier)
+        elif shared is not None and self._fleet_computing:
+            await prefills.wait_for_fleet(shared, name)
+            depth = max(depth, shared.blocks)  # computed there by the other stream
         if self._streamed and depth < len(self.chain):
-            self._computing = prefills.begin(name, self.chain, depth)
+            self._computing = prefills.begin(name, self.chain, depth, shared)
 
     def sent(self) -> None:
         backend = self.backend

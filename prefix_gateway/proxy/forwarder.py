@@ -117,6 +117,7 @@ class Forwarder:
         forwarding = tries.forwarding
         placement, exchange = forwarding.placement, forwarding.exchange
         backend = placement.backend
+        fleet = placement.fleet
         pause = 0.0
         while True:
             if pause > 0:
@@ -129,6 +130,8 @@ class Forwarder:
                 placement.request.stream,
                 exchange,
                 self._speed,
+                placement.shared,
+                fleet.computing if fleet is not None else frozenset(),
             ) as attempt:
                 await attempt.take_turn()
                 exchange.expect(Why.FIRST_BYTE, self._limits.first_byte)

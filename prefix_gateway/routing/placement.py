@@ -16,7 +16,7 @@ from prefix_gateway.backends.backend import Backend, ModelPool
 from prefix_gateway.prompt.parsing import Endpoint, RoutingInput
 from prefix_gateway.routing.conversations import Turn
 from prefix_gateway.routing.types import Decision, Outcome, Policy, Route, RoutingState
-from prefix_gateway.state.agreement import FleetView
+from prefix_gateway.state.agreement import FleetView, SharedPrompt
 
 CONVERSATIONS = frozenset({Endpoint.CHAT, Endpoint.RESPONSES, Endpoint.MESSAGES})
 """Endpoints whose prompts are messages, each turn extending the last with its answer."""
@@ -59,6 +59,7 @@ class Placement:
         "pinned",
         "request",
         "serving",
+        "shared",
         "state",
         "sticky",
         "turn",
@@ -76,6 +77,7 @@ class Placement:
         sticky: str | None = None,
         fleet: FleetView | None = None,
         claim_key: int | None = None,
+        shared: SharedPrompt | None = None,
         pinned: bool = False,
     ) -> None:
         self.request = request
@@ -92,6 +94,8 @@ class Placement:
         """What the fleet answered for it through Redis (None: nothing, or no fleet)."""
         self.claim_key = claim_key
         """The key its shared prompt is claimed under (None: no shared prompt, or no claims)."""
+        self.shared = shared
+        """Its shared prompt as the fleet names it (None: none, or no fleet consulted)."""
         self.pinned = pinned
         """Only `backend` can answer (it holds the response the request names): no failover."""
         self.turn: Turn | None = None

@@ -14,8 +14,9 @@ Over the n candidates (healthy backends serving the model), with c the load fact
 - Where a rule picks among several backends, it takes the first in one order: the least
   pending prefill (prompt blocks sent there whose first byte has not come back), then the
   least load counted from the floor (loads the floor admits anyway compare equal), then the
-  fewest recent requests, then the ring's clockwise order from the rule's key, which every
-  gateway computes alike and which spreads ties instead of piling them on "the first".
+  fewest recent requests (in whole requests), then the ring's clockwise order from the rule's
+  key, which every gateway computes alike and which spreads ties instead of piling them on
+  "the first".
 
 The rules, the first that applies; each is the route label of its decision:
 
@@ -31,7 +32,11 @@ The rules, the first that applies; each is the route label of its decision:
    say) and under the busy cap `max(c · mean, mean + recent_slack)`; a hot shared prompt
    spreads by the next rules.
 3. prefix — the deepest eligible holder of a match of at least `min_match_blocks`, ties in the
-   order above from the first block past the tied depth (a per-conversation key).
+   order above from the first block past the tied depth (a per-conversation key). Holders
+   tied on a cold shared prompt (no deeper than it) go by the ring alone, clockwise from the
+   prompt's own last block: every request carrying it, at any gateway, takes the same copy
+   while that copy may take it, and the others age out of their caches instead of being kept
+   warm by alternate requests.
 4. overflow — holders of such a match exist but none is eligible: of the first `ring_choices`
    eligible backends clockwise from the first block past the match, the first in the order.
    It becomes a holder, so a popular prefix spreads to as many backends as its traffic needs.
@@ -62,12 +67,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 
 from prefix_gateway.config import Settings
 from prefix_gateway.routing.ring import HashRing, RingCache, load_bound, within_bound
 from prefix_gateway.routing.types import Decision, Route, RoutingState
 
-_Order = Callable[[str], tuple[int, int, float, int]]
+_Order = Callable[[str], tuple[int, int, int, int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +135,11 @@ class PrefixPolicy:
             if holders:
                 depth = max(depth_of[name] for name in holders)
                 tied = [name for name in holders if depth_of[name] == depth]
-                chosen = min(tied, key=self._order(state, ring, _key_after(state, depth)))
+                home = self._home(state, count)
+                if home is not None and depth <= state.private_from:
+                    chosen = min(tied, key=partial(ring.distance, home))
+                else:
+                    chosen = min(tied, key=self._order(state, ring, _key_after(state, depth)))
                 return Decision(chosen, Route.PREFIX, depth, bound)
             key = _key_after(state, deepest) if adapter_key is None else adapter_key
             picked = self._ring_pick(state, ring, key, plain, choices)
@@ -218,11 +228,13 @@ class PrefixPolicy:
         recent = state.recent
         free = self._floor - 1
 
-        def rank(name: str) -> tuple[int, int, float, int]:
+        def rank(name: str) -> tuple[int, int, int, int]:
+            # Recent requests in whole requests: counts a fraction apart (decayed from moments
+            # a few milliseconds apart, at two gateways) fall to the ring, alike everywhere.
             return (
                 pending.get(name, 0),
                 max(loads.get(name, 0), free),
-                recent.get(name, 0.0),
+                round(recent.get(name, 0.0)),
                 ring.distance(key, name),
             )
 

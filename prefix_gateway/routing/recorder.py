@@ -67,7 +67,8 @@ class Recorder:
         self.count_prompts = "prompts" in share
         self.index = stores.index
         self.sessions = stores.sessions
-        self.agreement = stores.agreement if self._claims or self.count_prompts else None
+        consulted = self._claims or self.count_prompts or "prefills" in share
+        self.agreement = stores.agreement if consulted else None
         responses = stores.responses
         if responses is None:
             responses = InMemorySessionStore(settings.affinity_ttl, settings.session_max, clock)

@@ -31,7 +31,7 @@ from prefix_gateway.routing.ring import load_bound
 from prefix_gateway.routing.stored_responses import not_found
 from prefix_gateway.routing.traffic import cold_prompt
 from prefix_gateway.routing.types import Decision, Policy, Route, RoutingState
-from prefix_gateway.state.agreement import FleetView
+from prefix_gateway.state.agreement import FleetView, SharedPrompt
 
 # Every decision with a shared prompt and what it was shown, at DEBUG (loadtest/fleet_bench.py
 # reads it to tell which input moved a prompt).
@@ -237,6 +237,11 @@ class Router:
             sticky=sticky,
             fleet=fleet,
             claim_key=claim_key if memory.claims else None,
+            shared=(
+                SharedPrompt(request.model, chain[0], prompt_key, end)
+                if agreement is not None and prompt_key is not None
+                else None
+            ),
         )
 
     def _adapter_home(self, hosts: ModelPool) -> Backend:

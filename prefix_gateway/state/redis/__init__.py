@@ -10,7 +10,13 @@ from dataclasses import dataclass
 from prefix_gateway.config import Settings
 from prefix_gateway.metrics import Metrics
 from prefix_gateway.state.index import InMemoryPrefixIndex
-from prefix_gateway.state.redis.agreement import AGREE_SCRIPT, FallbackAgreement, RedisAgreement
+from prefix_gateway.state.redis.agreement import (
+    AGREE_SCRIPT,
+    COMPUTING_SCRIPT,
+    PREFILL_SCRIPT,
+    FallbackAgreement,
+    RedisAgreement,
+)
 from prefix_gateway.state.redis.budgets import BUDGET_SCRIPT, BudgetAmount, RedisBudgets
 from prefix_gateway.state.redis.connection import RedisLink, RedisUnavailable, open_client
 from prefix_gateway.state.redis.fallback import FallbackPrefixIndex, FallbackSessionStore
@@ -49,7 +55,7 @@ def connect(
     # Half the connections at most carry background writes: lookups always find one free.
     link = RedisLink(client, settings.redis_timeout, metrics, settings.redis_max_connections // 2)
     link.preload(MATCH_SCRIPT, RECORD_SCRIPT, FORGET_SCRIPT, AGREE_SCRIPT, BUDGET_SCRIPT)
-    link.preload(SLOTS_SCRIPT)
+    link.preload(SLOTS_SCRIPT, PREFILL_SCRIPT, COMPUTING_SCRIPT)
     keys = KeySpace(settings.redis_prefix)
     shared_index = RedisPrefixIndex(client, keys, settings.affinity_ttl)
     shared_sessions = RedisSessionStore(client, keys, settings.affinity_ttl)
@@ -63,7 +69,14 @@ def connect(
         FallbackSessionStore(responses, shared_responses, link, "response", patient=True),
         keys,
         FallbackAgreement(
-            RedisAgreement(client, keys, settings.claim_ttl, settings.recent_half_life), link
+            RedisAgreement(
+                client,
+                keys,
+                settings.claim_ttl,
+                settings.recent_half_life,
+                prefill_wait=settings.prefill_wait if "prefills" in settings.fleet_share else 0.0,
+            ),
+            link,
         ),
         RedisBudgets(client, keys),
         RedisSlots(client, keys, secrets.token_hex(8), settings.tenant_slots_ttl),

@@ -39,6 +39,10 @@ class KeySpace:
         """A shared prompt's count of recent requests, in its first block's slot."""
         return prefix + b"n" + prompt_key.to_bytes(HASH_BYTES, "big")
 
+    def prefills(self, prefix: bytes, prompt_key: int) -> bytes:
+        """The backends computing a shared prompt now, in its first block's slot."""
+        return prefix + b"p" + prompt_key.to_bytes(HASH_BYTES, "big")
+
     def session(self, key: str) -> str:
         return f"{self.namespace}:s:{key_hash(key):016x}"
 
