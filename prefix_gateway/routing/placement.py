@@ -53,7 +53,6 @@ class Placement:
         "_recorder",
         "backend",
         "chain",
-        "claim_key",
         "decision",
         "fleet",
         "pinned",
@@ -76,7 +75,6 @@ class Placement:
         *,
         sticky: str | None = None,
         fleet: FleetView | None = None,
-        claim_key: int | None = None,
         shared: SharedPrompt | None = None,
         pinned: bool = False,
     ) -> None:
@@ -92,8 +90,6 @@ class Placement:
         """The backend the request's session was bound to, if any."""
         self.fleet = fleet
         """What the fleet answered for it through Redis (None: nothing, or no fleet)."""
-        self.claim_key = claim_key
-        """The key its shared prompt is claimed under (None: no shared prompt, or no claims)."""
         self.shared = shared
         """Its shared prompt as the fleet names it (None: none, or no fleet consulted)."""
         self.pinned = pinned

@@ -102,18 +102,19 @@ class Recorder:
         turn = self._follow(placement)
         self.traffic.recent.add(backend)
         await self._record(request, backend, placement.chain)
-        fleet, claim_key, state = placement.fleet, placement.claim_key, placement.state
+        fleet, shared, state = placement.fleet, placement.shared, placement.state
         if (
-            fleet is not None
+            self.claims
+            and fleet is not None
             and fleet.claimed is None
-            and claim_key is not None
+            and shared is not None
             and placement.decision.matched_blocks < min(state.private_from, len(state.hashes))
             and cold_prompt(state.shared_share, len(placement.serving.names), self._load_factor)
         ):
             # This backend computes the shared prompt now: the other gateways count it as
             # held there until the index says so (it is shared once the replica accepts it).
             assert self.agreement is not None
-            self.agreement.claim(request.model, placement.chain[0], claim_key, backend)
+            self.agreement.claim(shared.model, shared.first_block, shared.key, backend)
         return turn
 
     async def response_stored(self, response_id: str, tenant: str | None, backend: str) -> None:

@@ -153,7 +153,6 @@ class Router:
         affinity_key = self._affinity_key(request)
         traffic = memory.traffic
         prompt_key = traffic.shared_prompt(chain, private_from)
-        claim_key = prompt_key if memory.claims else None
         fleet_prompt = prompt_key if memory.count_prompts else None
         agreement = memory.agreement
         if prompt_key is None or request.endpoint is Endpoint.EMBEDDINGS:
@@ -236,7 +235,6 @@ class Router:
             self.policy,
             sticky=sticky,
             fleet=fleet,
-            claim_key=claim_key if memory.claims else None,
             shared=(
                 SharedPrompt(request.model, chain[0], prompt_key, end)
                 if agreement is not None and prompt_key is not None
