@@ -185,6 +185,17 @@ def queued(replica: VLLMReplica, waiting: int, running: int = 1) -> bool:
     )
 
 
+def health_seen_by(gateway: GatewayProcess) -> str:
+    """The gateway's series on its replica's health and refusals, for a failure's message."""
+    text = httpx.get(gateway.url + "/metrics", timeout=ENGINE_PATIENCE).text
+    kept = ("healthy", "eject", "stall", "refus", "unavailable", "probe")
+    return "\n".join(
+        line
+        for line in text.splitlines()
+        if not line.startswith("#") and any(k in line for k in kept)
+    )
+
+
 def warm_up(gateway: GatewayProcess) -> None:
     """A short answer of each kind for each tenant: a first request's setup (seen to take as
     long as the holder in front of a busy engine) falls outside the attempts."""
@@ -230,7 +241,7 @@ def attempt_order(
     holder.close()
     batch.join()
     interactive.join()
-    assert [batch.status, interactive.status] == [200, 200]
+    assert [batch.status, interactive.status] == [200, 200], health_seen_by(gateway)
     assert holder.status == (200 if holder.ended else 0)
     wait_until(lambda: queued(replica, 0, running=0), "the engine idle", ENGINE_PATIENCE)
     return order if decided else None
