@@ -24,7 +24,6 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -32,7 +31,7 @@ import pytest
 import yaml
 
 from engines.fleet import model_folder
-from engines.replica import VLLMReplica
+from engines.replica import MIB, VLLMReplica
 from engines.tiny_model import ensure_model
 from engines.venv import VLLMVenv
 from tests.support import GatewayProcess, wait_until
@@ -71,7 +70,7 @@ def replica() -> Iterator[VLLMReplica]:
         served_model_names=(MODEL,),
         cpu_cores="0",
         max_model_len=CONTEXT,
-        kv_cache_bytes=128 * 1024 * 1024,
+        kv_cache_bytes=128 * MIB,
         env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"},
         extra_args=policy,
     ) as started:
@@ -110,8 +109,7 @@ class Holder:
     def __init__(self, gateway: GatewayProcess) -> None:
         self.status = 0  # known only if the answer came, that is if it `ended`
         self.ended = False
-        address = urlsplit(gateway.url)
-        host, port = address.hostname or "127.0.0.1", address.port or 80
+        host, port = gateway.host, gateway.port
         body = json.dumps(chat("holder", LONG, stream=False)).encode()
         head = (
             "POST /v1/chat/completions HTTP/1.1\r\n"
@@ -187,11 +185,10 @@ def queued(replica: VLLMReplica, waiting: int, running: int = 1) -> bool:
 
 def health_seen_by(gateway: GatewayProcess) -> str:
     """The gateway's series on its replica's health and refusals, for a failure's message."""
-    text = httpx.get(gateway.url + "/metrics", timeout=ENGINE_PATIENCE).text
     kept = ("healthy", "eject", "stall", "refus", "unavailable", "probe")
     return "\n".join(
         line
-        for line in text.splitlines()
+        for line in gateway.metrics_text().splitlines()
         if not line.startswith("#") and any(k in line for k in kept)
     )
 
