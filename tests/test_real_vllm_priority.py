@@ -54,9 +54,18 @@ SHORT = 16
 ENGINE_PATIENCE = 300.0
 ATTEMPTS = 4
 # The engine holds the queued requests by design, for longer than a stall on a busy machine
-# (where it may also produce nothing, or answer /health slowly, for seconds): neither is
-# evidence against it here.
-NOT_STALLS = ("--stall-seconds", "3600", "--health-timeout", "10", "--unhealthy-threshold", "5")
+# (where it may also produce nothing, or answer /health and accept connections slowly, for
+# seconds): none of it is evidence against it here.
+NOT_STALLS = (
+    "--stall-seconds",
+    "3600",
+    "--health-timeout",
+    "30",
+    "--unhealthy-threshold",
+    "10",
+    "--connect-timeout",
+    "30",
+)
 
 
 @pytest.fixture(scope="module")
@@ -183,14 +192,17 @@ def queued(replica: VLLMReplica, waiting: int, running: int = 1) -> bool:
     )
 
 
-def health_seen_by(gateway: GatewayProcess) -> str:
-    """The gateway's series on its replica's health and refusals, for a failure's message."""
-    kept = ("healthy", "eject", "stall", "refus", "unavailable", "probe")
-    return "\n".join(
+def health_seen_by(gateway: GatewayProcess, replica: VLLMReplica) -> str:
+    """What the gateway saw of its replica (health, ejections, upstream errors and retries, its
+    last warnings) and the end of the replica's log, for a failure's message."""
+    kept = ("healthy", "eject", "stall", "probe", "upstream_errors", "upstream_retries")
+    series = [
         line
         for line in gateway.metrics_text().splitlines()
         if not line.startswith("#") and any(k in line for k in kept)
-    )
+    ]
+    warnings = [line for line in gateway.log().splitlines() if "WARNING" in line]
+    return "\n".join([*series, *warnings[-20:], replica.log_tail(3000)])
 
 
 def warm_up(gateway: GatewayProcess) -> None:
@@ -238,7 +250,7 @@ def attempt_order(
     holder.close()
     batch.join()
     interactive.join()
-    assert [batch.status, interactive.status] == [200, 200], health_seen_by(gateway)
+    assert [batch.status, interactive.status] == [200, 200], health_seen_by(gateway, replica)
     assert holder.status == (200 if holder.ended else 0)
     wait_until(lambda: queued(replica, 0, running=0), "the engine idle", ENGINE_PATIENCE)
     return order if decided else None
