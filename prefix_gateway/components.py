@@ -25,10 +25,8 @@ from prefix_gateway.doctor.watch import DoctorWatch
 from prefix_gateway.metrics import Metrics
 from prefix_gateway.prompt.tokens import EngineTokenizer
 from prefix_gateway.proxy.access_log import configure_access_logger
-from prefix_gateway.proxy.admission import Admission
-from prefix_gateway.proxy.flow import Flow
 from prefix_gateway.proxy.forwarder import Forwarder
-from prefix_gateway.proxy.handler import ProxyHandler
+from prefix_gateway.proxy.handler import ProxyHandler, TenantFleet
 from prefix_gateway.proxy.http1 import client_tls
 from prefix_gateway.proxy.prefills import Prefills
 from prefix_gateway.proxy.upstream import Upstream
@@ -39,9 +37,6 @@ from prefix_gateway.state import redis as redis_store
 from prefix_gateway.state.engine_blocks import EventFedIndex
 from prefix_gateway.state.index import InMemoryPrefixIndex, PrefixIndex
 from prefix_gateway.state.sessions import InMemorySessionStore, SessionStore
-from prefix_gateway.tenants.gate import TenantGate
-from prefix_gateway.tenants.shared import SharedBudgets
-from prefix_gateway.tenants.slots import SharedSlots
 
 
 @dataclass
@@ -61,8 +56,6 @@ class Components:
     redis: redis_store.RedisLink | None = None
     kv_events: KVEventFeeds | None = None
     shared_load: SharedLoad | None = None
-    tenants: TenantGate | None = None
-    flow: Flow | None = None
     doctor: DoctorWatch | None = None
     adapters: AdapterLoader | None = None
 
@@ -146,8 +139,7 @@ class Components:
         engine_load = EngineLoadScraper(pool, probes, settings.scrape_interval)
         pool.removed.append(engine_load.forget)
         shared_load = None
-        shared_budgets = None
-        slots = None
+        tenant_fleet = None
         if shared is not None:
             link = shared.link
             link.preload(LOAD_SCRIPT)
@@ -155,19 +147,8 @@ class Components:
             shared_load = SharedLoad(link.client, link, shared.keys, pool, engine_load, traffic)
             link.run_while_open(shared_load.start, shared_load.stop)
             fleet = shared_load
-            shared_budgets = SharedBudgets(
-                shared.budgets, link, lambda: fleet.gateways, settings.workers
-            )
-            slots = SharedSlots(shared.slots, link, shared_budgets.share, settings.tenant_slots_ttl)
-            link.run_while_open(slots.start, slots.stop)
-        admission = Admission(settings.max_concurrency, settings.max_queue, settings.queue_timeout)
-        tenants = None
-        if settings.tenants:
-            tenants = TenantGate(settings, metrics, shared=shared_budgets, slots=slots)
-        flow = None
-        if settings.max_inflight_per_replica:
-            flow = Flow(settings, router, pool, metrics)
-        proxy = ProxyHandler(settings, router, forwarder, admission, metrics, tenants, flow)
+            tenant_fleet = TenantFleet(shared, lambda: fleet.gateways)
+        proxy = ProxyHandler(settings, router, forwarder, metrics, pool, tenant_fleet)
         discovery = Discovery.build(settings, pool, monitor.refresh)
         # The doctor's probes go to the replicas directly: no routing state hears of them.
         doctor = DoctorWatch(
@@ -190,8 +171,6 @@ class Components:
             shared.link if shared is not None else None,
             feeds,
             shared_load,
-            tenants,
-            flow,
             doctor,
             adapters,
         )

@@ -138,6 +138,8 @@ REFUSALS: dict[str, Refusal] = {
     "stream_idle_timeout": Refusal(UpstreamTimeout, "upstream sent nothing for {0:g} s"),
     "request_timeout": Refusal(UpstreamTimeout, "the request took longer than {0:g} s"),
     "upstream_stalled": Refusal(UpstreamFailed, "the replica stopped producing output"),
+    # A fault of the gateway's own (logged with its traceback): the request is ended cleanly.
+    "internal_error": Refusal(GatewayError, "the gateway failed while handling the request"),
 }
 
 

@@ -27,7 +27,7 @@ from prefix_gateway.listeners import Listeners, bind_listeners
 if TYPE_CHECKING:
     from prometheus_client import Counter
 
-    from prefix_gateway.process_series import ProcessSeries
+    from prefix_gateway.metrics.process import ProcessSeries
 
 log = logging.getLogger("prefix_gateway.workers")
 
@@ -73,8 +73,8 @@ def run_workers(settings: Settings, directory: MetricsDirectory) -> int:
     """Serve with `settings.workers` processes until a signal has stopped them all; blocks."""
     from prometheus_client import CollectorRegistry, values
 
-    from prefix_gateway.metric_registry import worker_restarts_counter
-    from prefix_gateway.process_series import ProcessSeries
+    from prefix_gateway.metrics.process import ProcessSeries
+    from prefix_gateway.metrics.registry import worker_restarts_counter
 
     if values.ValueClass is values.MutexValue:
         # Imported before the variable was set (the command line's parsers import the

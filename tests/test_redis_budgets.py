@@ -110,8 +110,8 @@ def test_a_charge_falls_back_to_the_share_and_returns_to_the_fleet(server: Redis
         shared = SharedBudgets(RedisBudgets(client, keys), link, lambda: 3, workers=1)
         tenant = Tenant(spec, time.monotonic(), fleet_wide=True)
         await link.start()
-        charge = await shared.take(tenant, 500)
-        assert charge.shared and charge.charged == 500
+        held = await shared.take(tenant, 500)
+        assert held.shared and held.reserved == 500
         assert tenant.tokens is not None and tenant.requests is not None
         assert tenant.requests.shared and tenant.requests.remaining(time.monotonic()) == 5
         # Settled in Redis, in the background: 400 of the 500 back.

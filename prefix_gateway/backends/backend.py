@@ -49,6 +49,9 @@ class Backend:
     parents: Mapping[str, str] = field(default_factory=dict)
     """The LoRA adapters among `models`, each with the base model its `/v1/models` names as
     `parent`."""
+    context_lengths: Mapping[str, int] = field(default_factory=dict)
+    """Each model's longest prompt and answer together (`max_model_len`), as `/v1/models`
+    says where the engine reports it."""
     healthy: bool = False
     source: str = "static"
     """Who added it: `static`, `admin`, or the discovery source that found it."""

@@ -67,7 +67,12 @@ class BackendMonitor:
                 parents = {
                     str(item["id"]): str(item["parent"]) for item in cards if item.get("parent")
                 }
-                self._pool.models_listed(backend, models, parents)
+                lengths = {
+                    str(item["id"]): item["max_model_len"]
+                    for item in cards
+                    if isinstance(item.get("max_model_len"), int) and item["max_model_len"] > 0
+                }
+                self._pool.models_listed(backend, models, parents, lengths)
         except (httpx.HTTPError, httpx.InvalidURL, ValueError, KeyError, TypeError) as exc:
             error = _reason(exc)
         if error:

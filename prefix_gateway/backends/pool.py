@@ -104,6 +104,19 @@ class BackendPool:
                 backend.groups.append(group)
         self._by_model = by_model
 
+    def context_length(self, model: str) -> int | None:
+        """The longest context a replica serving `model` reports (an adapter's, its base
+        model's); None where none does."""
+        serving = self._by_model.get(model)
+        if serving is None:
+            return None
+        found = [
+            length
+            for backend in serving.backends
+            if (length := backend.context_lengths.get(backend.parents.get(model, model)))
+        ]
+        return max(found, default=None)
+
     def serving(self, model: str) -> ModelPool | None:
         """The candidates of `model` with their load tally; None when no backend serves it."""
         return self._by_model.get(model)
@@ -130,10 +143,16 @@ class BackendPool:
         }
 
     def models_listed(
-        self, backend: Backend, models: frozenset[str], parents: Mapping[str, str] | None = None
+        self,
+        backend: Backend,
+        models: frozenset[str],
+        parents: Mapping[str, str] | None = None,
+        context_lengths: Mapping[str, int] | None = None,
     ) -> None:
         """Its `/v1/models` lists `models`, the adapters among them with their `parents` (a
-        backend given as `MODEL=URL` keeps its own)."""
+        backend given as `MODEL=URL` keeps its own), and the context lengths it reports."""
+        if context_lengths is not None:
+            backend.context_lengths = context_lengths
         parents = parents or {}
         if models != backend.models or parents != backend.parents:
             backend.models = models
@@ -169,20 +188,33 @@ class BackendPool:
 
 
 class Lease:
-    """`with pool.lease(backend):` — a class, not a generator: it is entered on every request."""
+    """One request in flight to `backend`, counted from `take` (or `with`) until `release`,
+    which gives it back once however often it is called: a placement takes it, the attempt
+    that reaches the backend adopts it, and whichever ends the request releases it. A class,
+    not a generator: it is taken on every request."""
 
-    __slots__ = ("backend",)
+    __slots__ = ("backend", "held")
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
+        self.held = False
+
+    def take(self) -> Lease:
+        self.backend.leased()
+        self.held = True
+        return self
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.backend.released()
 
     def __enter__(self) -> Backend:
-        backend = self.backend
-        backend.leased()
-        return backend
+        self.take()
+        return self.backend
 
     def __exit__(self, *exc_info: object) -> None:
-        self.backend.released()
+        self.release()
 
 
 def parse_backend_spec(spec: str, source: str = "static") -> Backend:

@@ -8,7 +8,7 @@ take no body: they are answered without reading one (and the connection closed, 
 from __future__ import annotations
 
 from prefix_gateway.errors import GatewayError
-from prefix_gateway.proxy.admission import PendingBodies
+from prefix_gateway.proxy.admission import BodyBytes
 from prefix_gateway.proxy.asgi import (
     ASGIApp,
     Message,
@@ -30,7 +30,7 @@ class BoundedBodies:
     def __init__(self, app: ASGIApp, max_body_bytes: int, max_pending_body_bytes: int) -> None:
         self._app = app
         self._limit = max_body_bytes
-        self._pending = PendingBodies(max_pending_body_bytes)
+        self._bodies = BodyBytes(max_pending_body_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
@@ -44,17 +44,18 @@ class BoundedBodies:
             declared = int(header(scope["headers"], b"content-length") or 0)
         except ValueError:
             declared = 0  # the HTTP parser has refused such a head already
+        lease = self._bodies.lease()
         try:
-            if declared > self._limit:
-                raise refused("body_too_large", self._limit)
-            body = await read_body(receive, self._limit, self._pending)
-        except GatewayError as error:
-            await send_error(send, error)
-            return
-        try:
+            try:
+                if declared > self._limit:
+                    raise refused("body_too_large", self._limit)
+                body = await read_body(receive, self._limit, lease)
+            except GatewayError as error:
+                await send_error(send, error)
+                return
             await self._app(scope, _replay(body, receive), send)
         finally:
-            self._pending.release(len(body))
+            lease.release()
 
 
 def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:

@@ -24,12 +24,27 @@ def publish_scrape_gauges(components: Components) -> None:
         metrics.pending_prefill, {backend.name: backend.pending_prefill for backend in backends}
     )
     metrics.set_per_label(metrics.load_bound, components.router.load_bounds())
+    _publish_leases(components)
     metrics.set_per_label(metrics.adapters.replicas, _adapter_replicas(components))
     metrics.process.refresh()
     metrics.conversations.set(len(components.router.memory.conversations))
     size = getattr(components.index, "__len__", None)
     if size is not None:
         metrics.index_blocks.set(size())
+
+
+def _publish_leases(components: Components) -> None:
+    """What the requests in progress hold."""
+    proxy, leases = components.proxy, components.metrics.leases
+    leases.admitted.set(proxy.admission.active)
+    flow = proxy.flow
+    leases.waiting.labels("admission").set(proxy.admission.waiting)
+    leases.waiting.labels("flow").set(0 if flow is None else flow.waiting)
+    leases.body_bytes.set(proxy.bodies.held)
+    leases.open_placements.set(proxy.open_placements)
+    reserved = proxy.reserved_tokens()
+    if reserved:
+        components.metrics.set_per_label(components.metrics.tenants.reserved_tokens, reserved)
 
 
 def _adapter_replicas(components: Components) -> dict[str, int]:

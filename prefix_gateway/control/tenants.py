@@ -1,53 +1,12 @@
-"""`/admin/tenants`: each named tenant's limits, what it has in flight, what remains of its
-budgets (the fleet's when they are shared through Redis) and what it used, as this gateway
-process counts them (docs/tenants.md)."""
+"""`/admin/tenants`: each named tenant as this gateway process counts it (docs/tenants.md)."""
 
 from __future__ import annotations
-
-import time
-from typing import Any
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from prefix_gateway.components import Components
 from prefix_gateway.control.access import AdminRoute, Guard
-from prefix_gateway.tenants.tenant import Tenant
-
-
-def tenant_view(tenant: Tenant, now: float, waiting: int) -> dict[str, Any]:
-    spec = tenant.spec
-    budgets = {
-        kind: {
-            "remaining": allowance.remaining(now),
-            "reset_seconds": round(allowance.reset_seconds(now), 3),
-            # Whether the figures are the fleet's, as Redis last gave them, or this process's
-            # share of the limit scaled up.
-            "shared": allowance.shared,
-            "share": round(allowance.share, 4),
-        }
-        for kind, allowance in tenant.allowances
-    }
-    return {
-        "name": tenant.name,
-        "priority": spec.priority,
-        "weight": spec.weight,
-        "limits": {
-            "requests_per_minute": spec.requests_per_minute,
-            "tokens_per_minute": spec.tokens_per_minute,
-            "max_concurrency": spec.max_concurrency,
-        },
-        "in_flight": tenant.in_flight,
-        "waiting": waiting,
-        "budgets": budgets,
-        "requests": {str(status): count for status, count in sorted(tenant.statuses.items())},
-        "refusals": dict(sorted(tenant.refusals.items())),
-        "tokens": {
-            "prompt": tenant.used.prompt,
-            "cached": tenant.used.cached,
-            "completion": tenant.used.completion,
-        },
-    }
 
 
 def build_tenants_router(components: Components, guard: Guard) -> APIRouter:
@@ -61,13 +20,6 @@ def build_tenants_router(components: Components, guard: Guard) -> APIRouter:
     @router.get("")
     async def list_tenants() -> JSONResponse:
         """Every named tenant (none without a `tenants:` configuration)."""
-        gate, flow = components.tenants, components.flow
-        now = time.monotonic()
-        tenants = [] if gate is None else gate.tenants
-        data = [
-            tenant_view(tenant, now, 0 if flow is None else flow.waiting_of(tenant.name))
-            for tenant in tenants
-        ]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": components.proxy.tenant_views()})
 
     return router

@@ -143,7 +143,10 @@ class RoutingInput:
     response_id: str | None = None
     """The stored response a `GET`, `DELETE` or `cancel` is about (it has no body to parse)."""
     max_tokens: int | None = None
-    """The most tokens the answer may have, if the request says (charged ahead to budgets)."""
+    """The most tokens each answer may have, if the request says: the largest of its limits
+    (reserved ahead against budgets)."""
+    choices: int = 1
+    """Answers generated for it (`n`, or `best_of` where larger)."""
 
     def estimated_tokens(self, chars_per_token: float) -> float:
         """The prompt's tokens: counted with the engine's tokenizer, else estimated."""
@@ -220,15 +223,39 @@ def parse_request(
         tokens=None if tokenizer is None else _tokens(endpoint, payload, tokenizer),
         cache_salt=tenant if tenant is not None else _client_salt(endpoint, payload),
         first_turn=first_turn,
-        max_tokens=_max_tokens(payload),
+        max_tokens=_largest(payload, _COMPLETION_LIMITS),
+        choices=_largest(payload, _CHOICES) or 1,
     )
 
 
-def _max_tokens(payload: dict[str, Any]) -> int | None:
-    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
-        value = payload.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
+_COMPLETION_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+"""vLLM obeys `max_completion_tokens` over `max_tokens`: a budget reserves the larger."""
+_CHOICES = ("n", "best_of")
+
+
+def _largest(payload: dict[str, Any], names: tuple[str, ...]) -> int | None:
+    """The largest positive count among the fields `names`, read as leniently as the engine
+    reads them: `2000`, `2000.0` and `"2000"` alike."""
+    found = [count for name in names if (count := _count(payload.get(name))) is not None]
+    return max(found) if found else None
+
+
+def _count(value: object) -> int | None:
+    """A positive whole number as pydantic's lax mode takes one (vLLM's requests are pydantic
+    models): an int, a float without a fraction, or a string of one."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            return None
+    if isinstance(value, float):
+        if not value.is_integer():
+            return None
+        value = int(value)
+    if isinstance(value, int) and value > 0:
+        return value
     return None
 
 

@@ -14,7 +14,6 @@ from typing import Any, BinaryIO, TextIO
 import orjson
 
 from prefix_gateway.config import Settings
-from prefix_gateway.errors import GatewayError
 from prefix_gateway.logs import formatter
 from prefix_gateway.routing.placement import Placement
 from prefix_gateway.routing.types import Outcome
@@ -108,17 +107,11 @@ class AccessLog:
             }
         )
 
-    def rejected(self, request_id: str, path: str, error: GatewayError) -> None:
+    def rejected(self, request_id: str, path: str, status: int, code: str) -> None:
+        """A request no replica answered: refused, failed or left before it was sent."""
         if not (self._enabled and self._logger.isEnabledFor(logging.INFO)):
             return
-        self._write(
-            {
-                "request_id": request_id,
-                "endpoint": path,
-                "status": error.status,
-                "error": error.code,
-            }
-        )
+        self._write({"request_id": request_id, "endpoint": path, "status": status, "error": code})
 
     def _write(self, fields: dict[str, Any]) -> None:
         logger = self._logger

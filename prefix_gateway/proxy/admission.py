@@ -2,8 +2,9 @@
 most `queue_timeout` s); beyond that, refused at once. A finished request hands its slot to
 the oldest waiter. The fast path is one comparison and one increment.
 
-A request is admitted once its body is in, so that a slow client holds no slot; until then its
-body counts against `PendingBodies`, one budget for every request not yet admitted.
+A request is admitted once its body is in, so that a slow client holds no slot. Its body counts
+against `BodyBytes`, one budget for the bodies of every request the gateway holds, from the
+first byte read until the request ends (queued or not): a `BodyLease` of its own.
 """
 
 from __future__ import annotations
@@ -78,8 +79,8 @@ class Admission:
             self._waiters.remove(waiter)
 
 
-class PendingBodies:
-    """The bytes of request bodies held by requests not yet admitted, all of them together."""
+class BodyBytes:
+    """The bytes of request bodies held at once, all of them together, and their limit."""
 
     __slots__ = ("held", "limit")
 
@@ -91,13 +92,34 @@ class PendingBodies:
         """Whether `size` more bytes would stay within the budget now."""
         return self.held + size <= self.limit
 
+    def lease(self) -> BodyLease:
+        """A lease for one body's bytes, taken as they are read."""
+        return BodyLease(self)
+
+
+class BodyLease:
+    """One body's bytes in the budget: taken chunk by chunk, given back once."""
+
+    __slots__ = ("_budget", "held")
+
+    def __init__(self, budget: BodyBytes) -> None:
+        self._budget = budget
+        self.held = 0
+
+    def fits(self, size: int) -> bool:
+        """Whether `size` more bytes would stay within the budget now."""
+        return self._budget.fits(size)
+
     def take(self, size: int) -> bool:
-        """Count `size` bytes against the budget, unless they would pass it."""
-        held = self.held + size
-        if held > self.limit:
+        """Count `size` more bytes, unless they would pass the budget."""
+        budget = self._budget
+        held = budget.held + size
+        if held > budget.limit:
             return False
-        self.held = held
+        budget.held = held
+        self.held += size
         return True
 
-    def release(self, size: int) -> None:
-        self.held -= size
+    def release(self) -> None:
+        self._budget.held -= self.held
+        self.held = 0

@@ -6,7 +6,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from prefix_gateway.errors import OPENAI, ErrorShape, GatewayError
-from prefix_gateway.proxy.admission import PendingBodies
+from prefix_gateway.proxy.admission import BodyLease
 from prefix_gateway.refusals import answer_head, refused
 
 Scope = MutableMapping[str, Any]
@@ -25,31 +25,24 @@ def header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
     return None
 
 
-async def read_body(receive: Receive, limit: int, pending: PendingBodies) -> bytes:
-    """The whole body, at most `limit` bytes, each chunk counted against `pending` as it comes.
-
-    On success the body's bytes stay counted (the caller releases them once the request is
-    admitted); on any failure they are released here.
-    """
+async def read_body(receive: Receive, limit: int, lease: BodyLease) -> bytes:
+    """The whole body, at most `limit` bytes, each chunk counted in `lease` as it comes (and
+    counted there until its holder releases it, whatever became of the read)."""
     chunks: list[bytes] = []
     size = 0
-    try:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise refused("disconnected")
-            chunk = message.get("body", b"")
-            if size + len(chunk) > limit:
-                raise refused("body_too_large", limit)
-            if not pending.take(len(chunk)):
-                raise too_many_pending_bodies()
-            size += len(chunk)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    except BaseException:
-        pending.release(size)
-        raise
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise refused("disconnected")
+        chunk = message.get("body", b"")
+        if size + len(chunk) > limit:
+            raise refused("body_too_large", limit)
+        if not lease.take(len(chunk)):
+            raise too_many_pending_bodies()
+        size += len(chunk)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def too_many_pending_bodies() -> GatewayError:

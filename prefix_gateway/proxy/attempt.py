@@ -1,6 +1,7 @@
-"""One try at one replica, and what it holds while it runs: its backend's lease until it ends,
-its pending prefill until its first byte and, for a stream, a place among the prefills in
-progress. Leaving gives back whatever is left, however the attempt ended.
+"""One try at one replica, and what it holds while it runs: its backend's slot until it ends
+(the placement's, for the first attempt; its own, for a retry elsewhere), its pending prefill
+until its first byte and, for a stream, a place among the prefills in progress. Leaving gives
+back whatever is left, however the attempt ended.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ import time
 from collections.abc import Sequence
 from types import TracebackType
 
-from prefix_gateway.backends.backend import Backend
 from prefix_gateway.backends.pool import Lease
 from prefix_gateway.backends.prefill_speed import PrefillSpeed
 from prefix_gateway.proxy.deadlines import Exchange, Why
@@ -41,7 +41,7 @@ class Attempt:
 
     def __init__(
         self,
-        backend: Backend,
+        lease: Lease,
         decision: Decision,
         chain: Sequence[int],
         prefills: Prefills | None,
@@ -53,6 +53,7 @@ class Attempt:
     ) -> None:
         """`shared`: the request's shared prompt as the fleet names it; `fleet_computing`: the
         backends where, as the fleet said when it was routed, a stream computes it."""
+        backend = lease.backend
         self.backend = backend
         self.decision = decision
         self.chain = chain
@@ -67,7 +68,7 @@ class Attempt:
         self.blocks_ahead = 0
         self._exchange = exchange
         self._speed = speed
-        self._lease = Lease(backend)
+        self._lease = lease
         self._pending = max(0, len(chain) - decision.matched_blocks)
         self._prefills = prefills
         """Prefills in progress, where this attempt may wait (None: prefill waits are off)."""
@@ -77,7 +78,8 @@ class Attempt:
         self._computing: Computing | None = None
 
     def __enter__(self) -> Attempt:
-        self._lease.__enter__()
+        if not self._lease.held:
+            self._lease.take()
         self.backend.prefill_queued(self._pending)
         return self
 
@@ -89,7 +91,7 @@ class Attempt:
     ) -> None:
         self._prefilled()
         self.backend.attempt_ended(self)
-        self._lease.__exit__(kind, error, trace)
+        self._lease.release()
 
     async def take_turn(self) -> None:
         """Wait for a stream computing this prompt's matched prefix here (of this gateway, or

@@ -1,21 +1,30 @@
 """Flow control (`--max-inflight-per-replica N`): at most N requests of this gateway in flight
 on one replica — fewer where the engine reports requests this gateway did not send — and the
 others waiting here, where their order can be chosen, instead of in the engines' first-come
-queues.
+queues. While it is on, this queue is the only way to a replica: a request naming a stored
+response waits in it too, for a slot on the replica that holds that response.
 
 Whenever a slot may have freed (a request ended, a request arrived, or at least every
-`_RECHECK` s, for health and engine-load changes), the dispatcher picks the next waiting request:
-the highest priority first; among tenants of that priority, the one that received the least
-service for its weight (tokens: its requests' estimates when dispatched, corrected to the
-engine's usage when they end, cached prompt tokens at `--cached-token-cost`); within a tenant,
-the oldest. Only a request whose model has a replica with a free slot is picked. The routing
-policy then places it among the replicas with a free slot, so that affinity is decided with
-the loads of the moment it leaves, not those of its arrival.
+`_RECHECK` s while requests wait, for health and engine-load changes), the dispatcher gives
+the next waiting request its turn: the highest priority first; among tenants of that priority,
+the one that received the least service for its weight (tokens: what its requests reserved
+while they run, what they were charged once they end); within a tenant, the oldest. Only a
+request whose replica can take it gets its turn: one with a free slot serving its model, its
+stored response's replica, or the replica holding its prefix (for at most `_AFFINITY_WAIT` s:
+sent elsewhere, it would compute its prefix anew there).
 
-One task routes every waiting request, one after another: a slot counted free is taken before
-the next request is looked at. A tenant that had nothing waiting starts level with the least
-served tenant waiting (it gains no credit for its idle time). A request waits at most
-`--queue-timeout` s, and at most `--max-queue` wait at once: beyond, a 429 that says so.
+The dispatcher never waits: it reads the replicas' counts and what each waiting request said
+it waits for, and hands out turns. Each request then places itself, in its own task, with the
+routing policy among the replicas with a free slot at that moment (so that affinity is decided
+with the loads of the moment it leaves, not those of its arrival), and takes its slot there —
+the backend's own count of requests in flight, the only one. Until it has, its turn counts
+against its model's free slots, so that no more turns are given than there are slots; a request
+that finds every slot taken after all goes back to the head of its tenant's line.
+
+A tenant that had nothing waiting starts level with the least served tenant waiting (it gains
+no credit for its idle time). A request waits at most `--queue-timeout` s, and at most
+`--max-queue` wait at once: beyond, a 429 that says so. Whatever ends a request, its place
+here is given back once, by `release`.
 """
 
 from __future__ import annotations
@@ -25,21 +34,15 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from enum import Enum
 
 from prefix_gateway.backends.backend import Backend
 from prefix_gateway.backends.pool import BackendPool
 from prefix_gateway.config import Settings
-from prefix_gateway.config.tenants import ANONYMOUS
-from prefix_gateway.errors import GatewayError
 from prefix_gateway.metrics import Metrics
-from prefix_gateway.prompt.parsing import RoutingInput
 from prefix_gateway.refusals import refused
-from prefix_gateway.routing.placement import Placement
-from prefix_gateway.routing.router import Router
-from prefix_gateway.routing.types import Route
-from prefix_gateway.tenants.cost import estimated_cost, used_cost
-from prefix_gateway.tenants.tenant import Tenant, Usage
 
 log = logging.getLogger("prefix_gateway.flow")
 
@@ -48,32 +51,34 @@ _RECHECK = 0.05
 _AFFINITY_WAIT = 3.0
 """Seconds a request whose prefix a full replica holds may wait for a slot there rather than be
 placed on another replica with a free one."""
-_AFFINE = frozenset({Route.SESSION, Route.OWNER, Route.PREFIX})
 _ACTIVE = 10.0
 """Seconds after its last request during which a tenant counts as active."""
 _MOST_KEPT = 0.25
 """The largest part of a model's slots kept free for quiet tenants."""
 
+Holder = Callable[[], Awaitable[Backend | None]]
+"""Looks up the replica a request waits for (`Placing.holder`); called only when it matters."""
 
-@dataclass(eq=False)
-class _Waiter:
-    request: RoutingInput
-    cost: float
-    since: float
-    placed: asyncio.Future[Placement] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
+
+class Stage(Enum):
+    WAITING = "waiting"
+    TURN = "turn"
+    """Given its turn: placing itself."""
+    PLACED = "placed"
+    """Holding a replica's slot."""
+    GONE = "gone"
+    """Released."""
 
 
 @dataclass(eq=False)
 class _Lane:
     """One tenant's waiting requests and the service it received, per unit of weight: what
-    its ended requests used, and the estimates of those still in flight."""
+    its ended requests were charged, and the reservations of those given their turn."""
 
     name: str
     priority: int
     weight: float
-    waiting: deque[_Waiter] = field(default_factory=deque)
+    waiting: deque[Ticket] = field(default_factory=deque)
     settled: float = 0.0
     outstanding: float = 0.0
     in_flight: int = 0
@@ -85,37 +90,59 @@ class _Lane:
         return self.settled + self.outstanding
 
 
+@dataclass(eq=False)
+class Ticket:
+    """One request's place in the flow: in its tenant's line, then holding its turn, then its
+    replica's slot, until `Flow.release`."""
+
+    lane: _Lane
+    cost: float
+    """The tokens it reserves (its service while it runs)."""
+    model: str
+    since: float
+    holder: Backend | None = None
+    """The replica it waits for, if only one will do (or one is worth waiting for)."""
+    pinned: bool = False
+    """Only `holder` can answer it (it names a stored response held there)."""
+    looked_up: bool = False
+    stage: Stage = Stage.WAITING
+    turn: asyncio.Future[None] | None = None
+
+
 class Flow:
-    def __init__(
-        self, settings: Settings, router: Router, pool: BackendPool, metrics: Metrics
-    ) -> None:
+    def __init__(self, settings: Settings, pool: BackendPool, metrics: Metrics) -> None:
         self.capacity = settings.max_inflight_per_replica
-        self._router = router
         self._pool = pool
         self._metrics = metrics
         self._queue_limit = settings.max_queue
         self._queue_timeout = settings.queue_timeout
-        self._chars_per_token = settings.chars_per_token
-        self._completion_estimate = settings.budget_max_tokens
-        self._cached_cost = settings.cached_token_cost
         self._lanes: dict[str, _Lane] = {}
-        self._held: dict[str, int] = {}
-        """Requests dispatched to each backend by this gateway that have not ended."""
+        self._turns: dict[str, int] = {}
+        """Per model, the requests given their turn that have not placed themselves yet."""
+        self._turns_at: dict[str, int] = {}
+        """The same per backend, for requests that can go to one backend only."""
         self.waiting = 0
+        self._closed = False
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._dispatch_forever())
+        self._task = asyncio.create_task(self._dispatch_forever(), name="flow-dispatch")
 
     async def stop(self) -> None:
+        """No more turns: every request still waiting is refused (`shutting_down`) at once."""
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        for lane in self._lanes.values():
+            for ticket in lane.waiting:
+                if ticket.turn is not None and not ticket.turn.done():
+                    ticket.turn.set_exception(refused("shutting_down"))
 
     def waiting_of(self, name: str) -> int:
-        """Requests of tenant `name` (or `anonymous`) waiting now."""
+        """Requests of tenant `name` waiting now."""
         lane = self._lanes.get(name)
         return 0 if lane is None else len(lane.waiting)
 
@@ -124,76 +151,122 @@ class Flow:
         reports beyond them below the capacity."""
         return self._free_slots(backend) > 0
 
-    async def place(self, tenant: Tenant | None, request: RoutingInput) -> Placement:
-        """Wait for a free slot for `request` and its placement there; a 429 past the queue's
-        bounds, or routing's own refusal."""
+    def enter(self, name: str, priority: int, weight: float, cost: float, model: str) -> Ticket:
+        """A request of tenant `name` (of `priority` and `weight`) reserving `cost` tokens
+        joins the flow; it waits for nothing yet (`turn`)."""
+        lane = self._lanes.get(name)
+        if lane is None:
+            lane = self._lanes[name] = _Lane(name, priority, weight)
+        now = time.monotonic()
+        lane.seen = now
+        return Ticket(lane, cost, model, now)
+
+    async def turn(self, ticket: Ticket, holder: Holder) -> None:
+        """Wait for `ticket`'s turn (again, after a placement found no room); a 429 past the
+        queue's bounds. `holder` is asked which replica it waits for once, and only when a
+        replica of its model is full (or it names a stored response)."""
+        if self._closed:
+            raise refused("shutting_down")
+        front = ticket.stage is Stage.TURN
+        if front:
+            self._return_turn(ticket)  # it found no room after all: it waits again, first
+        if not ticket.looked_up and (ticket.pinned or self._some_full(ticket.model)):
+            ticket.holder = await holder()
+            ticket.looked_up = True
+        if not front and not self.waiting and self._fits(ticket, time.monotonic()):
+            self._give_turn(ticket)
+            return
         if self.waiting >= self._queue_limit:
             raise refused("overloaded")
-        lane = self._lane(tenant)
-        waiter = _Waiter(request, self._cost(request), time.monotonic())
+        await self._wait(ticket, front)
+
+    async def _wait(self, ticket: Ticket, front: bool) -> None:
+        lane = ticket.lane
         if not lane.waiting:
             lane.settled = max(lane.settled, self._least_settled(lane.priority))
-        lane.waiting.append(waiter)
-        lane.seen = waiter.since
+        ticket.turn = asyncio.get_running_loop().create_future()
+        if front:
+            lane.waiting.appendleft(ticket)
+        else:
+            lane.waiting.append(ticket)
         self.waiting += 1
         self._wake.set()
         try:
-            async with asyncio.timeout(self._queue_timeout):
-                placement = await asyncio.shield(waiter.placed)
+            left = ticket.since + self._queue_timeout - time.monotonic()
+            async with asyncio.timeout(max(0.0, left)):
+                await asyncio.shield(ticket.turn)
         except TimeoutError:
-            if waiter.placed.done() and not waiter.placed.cancelled():
-                return waiter.placed.result()  # placed (or refused) just as the wait ran out
-            self._leave(lane, waiter)
+            if ticket.stage is Stage.TURN:
+                return  # given its turn just as the wait ran out
             raise refused("queue_timeout") from None
-        except GatewayError:
-            raise  # routing refused it: it holds no slot
-        except BaseException:
-            placed = waiter.placed
-            if placed.done() and not placed.cancelled() and placed.exception() is None:
-                self.ended(tenant, placed.result(), None)  # placed, then the client left
-            else:
-                self._leave(lane, waiter)
-            raise
         finally:
-            waited = time.monotonic() - waiter.since
-            self._metrics.child(self._metrics.tenants.wait_seconds, lane.name).observe(waited)
-        return placement
+            if ticket.stage is Stage.WAITING:
+                self._leave_line(ticket)
+            waited = time.monotonic() - ticket.since
+            metrics = self._metrics
+            metrics.child(metrics.tenants.wait_seconds, lane.name).observe(waited)
 
-    def ended(self, tenant: Tenant | None, placement: Placement, usage: Usage | None) -> None:
-        """The request placed with `placement` ended: its slot is free, and its tenant's service
-        counts what it used as the engine reported it (None, unknown: its estimate)."""
-        self._free(placement.backend.name)
-        lane = self._lanes.get(ANONYMOUS if tenant is None else tenant.name)
-        if lane is None:
+    def room_for(self, ticket: Ticket) -> Callable[[Backend], bool]:
+        """Which replicas may take `ticket`'s request as it places itself: those with a free
+        slot, its own turn not counted against the one it can only go to."""
+        holder = ticket.holder
+        if not ticket.pinned or holder is None:
+            return self.room
+        return lambda backend: self._free_slots(backend) + (backend is holder) > 0
+
+    def placed(self, ticket: Ticket) -> None:
+        """The request took its replica's slot: its turn is used."""
+        if ticket.stage is Stage.TURN:
+            self._return_turn(ticket)
+        ticket.stage = Stage.PLACED
+        lane = ticket.lane
+        lane.in_flight += 1
+        lane.outstanding += ticket.cost / lane.weight
+
+    def release(self, ticket: Ticket, charged: float) -> None:
+        """The request ended, `charged` tokens for what it used: whatever it held here is given
+        back, once, and its tenant's service counts the charge."""
+        stage = ticket.stage
+        if stage is Stage.GONE:
             return
-        estimate = self._cost(placement.request)
-        used = estimate
-        if usage is not None:
-            used = used_cost(usage.prompt, usage.cached, usage.completion, self._cached_cost)
-        lane.outstanding = max(0.0, lane.outstanding - estimate / lane.weight)
-        lane.in_flight -= 1
-        lane.settled += used / lane.weight
-
-    def _free(self, name: str) -> None:
-        left = self._held.get(name, 0) - 1
-        if left > 0:
-            self._held[name] = left
+        lane = ticket.lane
+        if stage is Stage.WAITING:
+            self._leave_line(ticket)
+        elif stage is Stage.TURN:
+            self._return_turn(ticket)
         else:
-            self._held.pop(name, None)
+            lane.in_flight -= 1
+            lane.outstanding = max(0.0, lane.outstanding - ticket.cost / lane.weight)
+        ticket.stage = Stage.GONE
+        lane.settled += charged / lane.weight
         self._wake.set()
 
-    def _cost(self, request: RoutingInput) -> float:
-        return estimated_cost(request, self._chars_per_token, self._completion_estimate)
+    def _give_turn(self, ticket: Ticket) -> None:
+        ticket.stage = Stage.TURN
+        if ticket.pinned and ticket.holder is not None:
+            name = ticket.holder.name
+            self._turns_at[name] = self._turns_at.get(name, 0) + 1
+        else:
+            self._turns[ticket.model] = self._turns.get(ticket.model, 0) + 1
+        if ticket.turn is not None and not ticket.turn.done():
+            ticket.turn.set_result(None)
 
-    def _lane(self, tenant: Tenant | None) -> _Lane:
-        name = ANONYMOUS if tenant is None else tenant.name
-        lane = self._lanes.get(name)
-        if lane is None:
-            priority, weight = (
-                (0, 1.0) if tenant is None else (tenant.spec.priority, tenant.spec.weight)
-            )
-            lane = self._lanes[name] = _Lane(name, priority, weight)
-        return lane
+    def _return_turn(self, ticket: Ticket) -> None:
+        """The turn given to `ticket` no longer counts against its replicas' free slots."""
+        if ticket.pinned and ticket.holder is not None:
+            _drop_one(self._turns_at, ticket.holder.name)
+        else:
+            _drop_one(self._turns, ticket.model)
+        ticket.stage = Stage.WAITING
+        self._wake.set()
+
+    def _leave_line(self, ticket: Ticket) -> None:
+        with contextlib.suppress(ValueError):
+            ticket.lane.waiting.remove(ticket)
+            self.waiting -= 1
+        turn = ticket.turn
+        if turn is not None and not turn.done():
+            turn.cancel()
 
     def _least_settled(self, priority: int) -> float:
         """Where a tenant that had nothing waiting starts: level with the least served tenant
@@ -205,39 +278,31 @@ class Flow:
         ]
         return min(busy, default=0.0)
 
-    def _leave(self, lane: _Lane, waiter: _Waiter) -> None:
-        with contextlib.suppress(ValueError):
-            lane.waiting.remove(waiter)
-            self.waiting -= 1
-        if not waiter.placed.done():
-            waiter.placed.cancel()
-
-    def _next(self, passed: set[_Waiter]) -> tuple[_Lane, _Waiter] | None:
-        """The next request to dispatch: by priority, then least service for the weight, then
-        age; only one whose model has a free slot beyond those kept for quiet tenants (and not
-        one `passed` over this round)."""
-        lanes = sorted(
-            (
-                lane
-                for lane in self._lanes.values()
-                if lane.waiting and lane.waiting[0] not in passed
-            ),
-            key=lambda lane: (-lane.priority, lane.service, lane.waiting[0].since),
-        )
-        now = time.monotonic()
-        for lane in lanes:
-            head = lane.waiting[0]
-            serving = self._pool.serving(head.request.model)
-            if serving is None:
-                return lane, head  # no replica at all: routing answers why
-            free = sum(self._free_slots(backend) for backend in serving.backends)
-            most_kept = int(self.capacity * len(serving.backends) * _MOST_KEPT)
-            if free > min(self._quiet(lane, now), most_kept):
-                return lane, head
-        return None
-
     def _free_slots(self, backend: Backend) -> int:
-        return max(0, self.capacity - self._held.get(backend.name, 0) - backend.queued)
+        taken = backend.in_flight + backend.queued + self._turns_at.get(backend.name, 0)
+        return max(0, self.capacity - taken)
+
+    def _some_full(self, model: str) -> bool:
+        serving = self._pool.serving(model)
+        return serving is not None and any(
+            self._free_slots(backend) <= 0 for backend in serving.backends
+        )
+
+    def _fits(self, ticket: Ticket, now: float) -> bool:
+        """Whether `ticket` may have its turn now: its replica (or one of its model's) has a
+        free slot beyond those kept for quiet tenants and the turns already given."""
+        holder = ticket.holder
+        if ticket.pinned:
+            return holder is None or self._free_slots(holder) > 0
+        if holder is not None and now - ticket.since < _AFFINITY_WAIT and not self.room(holder):
+            return False
+        serving = self._pool.serving(ticket.model)
+        if serving is None:
+            return True  # no replica at all: placing it says why
+        free = sum(self._free_slots(backend) for backend in serving.backends)
+        free -= self._turns.get(ticket.model, 0)
+        most_kept = int(self.capacity * len(serving.backends) * _MOST_KEPT)
+        return free > min(self._quiet(ticket.lane, now), most_kept)
 
     def _quiet(self, lane: _Lane, now: float) -> int:
         """Tenants of `lane`'s priority or above, active lately, with nothing waiting or in
@@ -253,55 +318,42 @@ class Flow:
             and now - other.seen < _ACTIVE
         )
 
+    def _next(self, now: float) -> Ticket | None:
+        """The next request to give its turn: by priority, then least service for the weight,
+        then age; the head of a tenant's line only, and only one that fits now."""
+        heads = sorted(
+            (lane for lane in self._lanes.values() if lane.waiting),
+            key=lambda lane: (-lane.priority, lane.service, lane.waiting[0].since),
+        )
+        for lane in heads:
+            head = lane.waiting[0]
+            if self._fits(head, now):
+                return head
+        return None
+
+    def _dispatch(self) -> None:
+        """Give every turn that fits now."""
+        now = time.monotonic()
+        while (ticket := self._next(now)) is not None:
+            ticket.lane.waiting.popleft()
+            self.waiting -= 1
+            self._give_turn(ticket)
+
     async def _dispatch_forever(self) -> None:
         while True:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(_RECHECK if self.waiting else None):
                     await self._wake.wait()
             self._wake.clear()
-            passed: set[_Waiter] = set()
-            while (found := self._next(passed)) is not None:
-                lane, waiter = found
-                if await self._holder_is_full(waiter):
-                    passed.add(waiter)
-                    continue
-                if not lane.waiting or lane.waiting[0] is not waiter:
-                    continue  # it gave up while its holder was looked up
-                lane.waiting.popleft()
-                self.waiting -= 1
-                await self._dispatch(lane, waiter)
+            try:
+                self._dispatch()
+            except Exception:  # the queue must go on whatever one request did
+                log.exception("giving waiting requests their turn failed")
 
-    async def _holder_is_full(self, waiter: _Waiter) -> bool:
-        """Whether `waiter` should wait on: the replica that holds its prefix (or its session)
-        has no free slot, and it has waited less than `_AFFINITY_WAIT`. Sent elsewhere, it
-        would compute its prefix anew there; the holder frees a slot soon."""
-        if time.monotonic() - waiter.since >= _AFFINITY_WAIT:
-            return False
-        try:
-            preview = await self._router.decide(waiter.request)
-        except Exception:
-            return False  # routing will say why when it is dispatched
-        decision = preview.decision
-        if decision.route not in _AFFINE or not decision.matched_blocks:
-            return False
-        holder = self._pool.get(decision.backend)
-        return holder is not None and not self.room(holder)
 
-    async def _dispatch(self, lane: _Lane, waiter: _Waiter) -> None:
-        if waiter.placed.done():
-            return  # it gave up meanwhile
-        try:
-            placement = await self._router.route(waiter.request, self.room)
-        except Exception as error:  # the request's to answer; the dispatcher goes on
-            if not isinstance(error, GatewayError):
-                log.exception("routing a waiting request failed")
-            if not waiter.placed.done():
-                waiter.placed.set_exception(error)
-            return
-        name = placement.backend.name
-        if waiter.placed.done():  # it gave up while it was routed
-            return
-        self._held[name] = self._held.get(name, 0) + 1
-        lane.outstanding += waiter.cost / lane.weight
-        lane.in_flight += 1
-        waiter.placed.set_result(placement)
+def _drop_one(counts: dict[str, int], key: str) -> None:
+    left = counts.get(key, 0) - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)

@@ -13,6 +13,7 @@ from email.utils import parsedate_to_datetime
 
 from prefix_gateway.backends.backend import Backend
 from prefix_gateway.backends.health import Health
+from prefix_gateway.backends.pool import Lease
 from prefix_gateway.backends.prefill_speed import PrefillSpeed
 from prefix_gateway.config import Settings
 from prefix_gateway.metrics import Metrics
@@ -74,7 +75,7 @@ class Forwarder:
         failure before the first byte; what came of it, whatever happened."""
         request = forwarding.placement.request
         if (
-            self._observe_usage
+            (self._observe_usage or forwarding.needs_usage)
             and request.stream
             and not request.wants_usage
             and request.endpoint in _USAGE_ASKED
@@ -99,7 +100,7 @@ class Forwarder:
             relayed = Relayed(await self._cut_short(None, tries))
         finally:
             exchange.finish()
-        seen = relayed.seen
+        seen = forwarding.seen  # the relay's, also when the request was cut short
         return Outcome(
             relayed.status,
             tries.decision,
@@ -111,19 +112,23 @@ class Forwarder:
             tries.first_byte_at,
             seen.completion_tokens,
             tuple(tries.accepted),
+            seen.answered,
+            seen.relayed_tokens,
         )
 
     async def _attempts(self, tries: _Tries) -> Relayed:
         forwarding = tries.forwarding
         placement, exchange = forwarding.placement, forwarding.exchange
         backend = placement.backend
+        # The first attempt adopts the slot its placement took; a retry takes its own.
+        slot = placement.slot if placement.slot is not None else Lease(backend)
         fleet = placement.fleet
         pause = 0.0
         while True:
             if pause > 0:
                 await asyncio.sleep(pause)
             with Attempt(
-                backend,
+                slot,
                 tries.decision,
                 placement.chain,
                 self._prefills,
@@ -181,6 +186,7 @@ class Forwarder:
                 await forwarding.reply.fail(error, headers)
                 return Relayed(error.status, failure=failed)
             backend, pause = moved
+            slot = Lease(backend)
 
     async def _answer(
         self, attempt: Attempt, tries: _Tries, response: Response

@@ -5,10 +5,11 @@ forwarder and the relay share of it. Its placement is the only routing object on
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prefix_gateway.proxy.deadlines import Exchange
 from prefix_gateway.proxy.reply import Headers, Reply
+from prefix_gateway.proxy.usage import Observation
 from prefix_gateway.routing.placement import Placement
 from prefix_gateway.routing.types import Decision
 
@@ -33,3 +34,8 @@ class Forwarding:
     """The stream's usage was asked for by the gateway, not the client: it is held back."""
     tenant_priority: int = 0
     """The priority of the request's tenant (higher is served first; anonymous: 0)."""
+    needs_usage: bool = False
+    """Its tenant's token budget is charged what it used: a stream asks for its usage."""
+    seen: Observation = field(default_factory=Observation)
+    """What the response relayed to the client carried, as far as it went (kept here, so that
+    an answer the client cut short still says how far it got)."""

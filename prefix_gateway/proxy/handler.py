@@ -1,109 +1,108 @@
-"""The proxy path: one lean ASGI handler for the OpenAI inference endpoints and the Responses
-API's stored responses, which takes a request one way through (docs/architecture.md). The body
-is read before admission, so that a slow client holds no slot; a client's `x-request-id` is
-used only if it is a short token.
+"""The proxy path: every inference request, whatever its endpoint, lives one life here
+(docs/architecture.md, "A request's life"), in this order:
+
+1. admission: its body read within its limits, its bytes counted from the first one
+   (`--max-pending-body-bytes`); one of the slots for requests proxied at once
+   (`--max-concurrency`); its tenant's place among that tenant's requests in flight and its
+   reservation of tokens against the tenant's budgets; its turn in the fair queue (flow
+   control, `--max-inflight-per-replica`);
+2. placement: routing entered once (`Placing`): the replica, its slot there (the backend's own
+   count), and what the decision recorded;
+3. attempts: the body forwarded byte for byte, failing over before the first byte;
+4. settlement: the placement settled with how the request ended (what it recorded withdrawn if
+   it never reached its replica), the tenant charged for what it used, and everything it took
+   given back.
+
+`RequestLife` holds what a request takes, and `_end` gives it all back in one place, whatever
+ended the request: an answer, a refusal, a deadline, a failure, the client's hang-up (noticed
+wherever it waits from the end of its body on), or the server's shutdown. Tenants are reached
+from here alone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import itertools
-import os
-import re
+import logging
 import time
-import uuid
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from prefix_gateway.auth import KEY_POSITION, TENANT
+from prefix_gateway.backends.pool import BackendPool
 from prefix_gateway.config import Settings
+from prefix_gateway.config.tenants import ANONYMOUS
 from prefix_gateway.errors import GatewayError, error_shape
 from prefix_gateway.metrics import Metrics
-from prefix_gateway.prompt.parsing import (
-    ENDPOINTS,
-    BodyLimits,
-    RoutingInput,
-    parse_request,
-    session_hash,
-    stored_response_request,
-)
-from prefix_gateway.prompt.responses_api import response_target
+from prefix_gateway.prompt.parsing import RoutingInput
 from prefix_gateway.proxy.access_log import AccessLog
-from prefix_gateway.proxy.admission import Admission, PendingBodies
-from prefix_gateway.proxy.asgi import (
-    Receive,
-    Scope,
-    Send,
-    header,
-    read_body,
-    too_many_pending_bodies,
-)
+from prefix_gateway.proxy.admission import Admission, BodyBytes
+from prefix_gateway.proxy.asgi import Receive, Scope, Send
 from prefix_gateway.proxy.deadlines import (
     CLIENT_CONNECTION,
-    ClientConnection,
     DeadlineWatch,
     Exchange,
     Interrupted,
-    Why,
     client_error,
 )
-from prefix_gateway.proxy.flow import Flow
+from prefix_gateway.proxy.flow import Flow, Ticket
 from prefix_gateway.proxy.forwarder import Forwarder
 from prefix_gateway.proxy.forwarding import Forwarding
+from prefix_gateway.proxy.intake import Intake
 from prefix_gateway.proxy.reply import Headers, Reply
 from prefix_gateway.refusals import refused
 from prefix_gateway.routing.placement import Placement
-from prefix_gateway.routing.router import Router
+from prefix_gateway.routing.router import NoRoom, Placing, Router
 from prefix_gateway.routing.types import Decision, Outcome
+from prefix_gateway.state.redis import SharedState
+from prefix_gateway.tenants.cost import reservation, usage_of, used_cost
 from prefix_gateway.tenants.gate import TenantGate
-from prefix_gateway.tenants.tenant import Charge, Tenant
+from prefix_gateway.tenants.shared import SharedBudgets
+from prefix_gateway.tenants.slots import SharedSlots
+from prefix_gateway.tenants.tenant import Reservation, Tenant
+from prefix_gateway.tenants.view import tenant_view
 
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-_TOKENIZED_BESIDE_THE_LOOP = 4096
-"""Body bytes from which, with `--tokenizer`, a request is parsed on the tokenizing thread: a
-prompt never seen before costs about a millisecond per thousand tokens to encode, which the
-event loop would otherwise spend not relaying anything else (the hop costs tens of µs)."""
+log = logging.getLogger("prefix_gateway.proxy")
 
 
-class RequestIds:
-    """Request ids unique across processes and restarts: a random prefix and a counter."""
+@dataclass(frozen=True)
+class TenantFleet:
+    """What the gateways of a fleet share of their tenants through Redis."""
 
-    def __init__(self) -> None:
-        self._prefix = os.urandom(8).hex()
-        self._count = itertools.count()
-
-    def next(self) -> str:
-        return f"{self._prefix}{next(self._count):016x}"
+    state: SharedState
+    gateways: Callable[[], int | None]
+    """The gateway processes of the fleet last seen (None: not known yet)."""
 
 
 class ProxyHandler:
+    """What every request's life shares, built once per process; the ASGI entry of the proxy
+    path."""
+
     def __init__(
         self,
         settings: Settings,
         router: Router,
         forwarder: Forwarder,
-        admission: Admission,
         metrics: Metrics,
-        tenants: TenantGate | None = None,
-        flow: Flow | None = None,
+        pool: BackendPool,
+        tenant_fleet: TenantFleet | None = None,
     ) -> None:
-        self._settings = settings
-        self._tenants = tenants
-        self._flow = flow
-        self._router = router
-        self._forwarder = forwarder
-        self._admission = admission
-        self._metrics = metrics
-        self._access_log = AccessLog(settings)
-        self._request_ids = RequestIds()
-        self._limits = BodyLimits.of(settings)
-        self._pending = PendingBodies(settings.max_pending_body_bytes)
-        self._tokenizing = (
-            None
-            if router.tokenizer is None
-            else ThreadPoolExecutor(1, thread_name_prefix="gateway-tokenize")
+        self.settings = settings
+        self.router = router
+        self.forwarder = forwarder
+        self.metrics = metrics
+        self.pool = pool
+        self.intake = Intake(settings, router.tokenizer)
+        self.admission = Admission(
+            settings.max_concurrency, settings.max_queue, settings.queue_timeout
         )
+        self.bodies = BodyBytes(settings.max_pending_body_bytes)
+        self.flow = Flow(settings, pool, metrics) if settings.max_inflight_per_replica else None
+        self.tenants = _tenant_gate(settings, metrics, tenant_fleet)
+        self.access_log = AccessLog(settings)
+        self.open_placements = 0
+        """Requests placed whose placement is not settled yet."""
         self.deadlines = DeadlineWatch(
             min(
                 settings.body_timeout,
@@ -116,266 +115,293 @@ class ProxyHandler:
 
     def start(self) -> None:
         self.deadlines.start()
-        if self._flow is not None:
-            self._flow.start()
+        if self.flow is not None:
+            self.flow.start()
 
     async def stop(self) -> None:
-        if self._flow is not None:
-            await self._flow.stop()
+        if self.flow is not None:
+            await self.flow.stop()
         await self.deadlines.stop()
-        if self._tokenizing is not None:
-            self._tokenizing.shutdown(wait=False, cancel_futures=True)
+        self.intake.stop()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers: list[tuple[bytes, bytes]] = scope["headers"]
-        request_id = _client_request_id(headers) or self._request_ids.next()
+        await RequestLife(self, scope, receive, send).run()
+
+    def tenant_views(self) -> list[dict[str, Any]]:
+        """Every named tenant as `/admin/tenants` shows it."""
+        gate, flow = self.tenants, self.flow
+        if gate is None:
+            return []
+        now = time.monotonic()
+        return [
+            tenant_view(tenant, now, 0 if flow is None else flow.waiting_of(tenant.name))
+            for tenant in gate.tenants
+        ]
+
+    def reserved_tokens(self) -> dict[str, float]:
+        """Tokens each named tenant's requests reserved and have not settled."""
+        gate = self.tenants
+        return {} if gate is None else {tenant.name: tenant.reserved for tenant in gate.tenants}
+
+
+class RequestLife:
+    __slots__ = (
+        "_admitted",
+        "_began",
+        "_body",
+        "_error",
+        "_issued",
+        "_outcome",
+        "_parts",
+        "_placing",
+        "_receive",
+        "_request",
+        "_reservation",
+        "_reserved",
+        "_scope",
+        "_tenant",
+        "_ticket",
+        "_watcher",
+        "exchange",
+        "reply",
+        "request_id",
+    )
+
+    def __init__(self, parts: ProxyHandler, scope: Scope, receive: Receive, send: Send) -> None:
+        self._parts = parts
+        self._scope = scope
+        self._receive = receive
+        self.request_id = parts.intake.request_id(scope["headers"])
         connection = scope.get(CLIENT_CONNECTION)
-        reply = Reply(send, self._metrics, connection, error_shape(scope["path"]))
+        self.reply = Reply(send, parts.metrics, connection, error_shape(scope["path"]))
         task = asyncio.current_task()
         assert task is not None
-        exchange = Exchange(task, time.monotonic(), self._settings.request_timeout)
-        self.deadlines.add(exchange)
-        pending = 0  # bytes of this request's body still counted against the pending budget
-        admission = self._admission
-        admitted = False
+        self.exchange = Exchange(task, time.monotonic(), parts.settings.request_timeout)
+        gate = parts.tenants
+        self._tenant: Tenant | None = (
+            None if gate is None else gate.of_key(scope.get(KEY_POSITION, -1))
+        )
+        # What it takes, each given back once by `_end`.
+        self._body = parts.bodies.lease()
+        self._admitted = False
+        self._reservation: Reservation | None = None
+        self._ticket: Ticket | None = None
+        self._placing: Placing | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        # What it came to.
+        self._request: RoutingInput | None = None
+        self._reserved = 0.0
+        self._issued: str | None = None
+        self._outcome: Outcome | None = None
+        self._error: GatewayError | None = None
+        self._began = 0.0
+
+    async def run(self) -> None:
+        exchange = self.exchange
+        self._parts.deadlines.add(exchange)
         try:
             with exchange.guard():
-                try:
-                    body = await self._read_body(headers, receive, exchange)
-                except GatewayError as unread:
-                    await self._reject(scope, request_id, unread, reply)
-                    return
-                pending = len(body)
-                if not admission.try_enter():
-                    cause = await admission.enter()
-                    if cause is not None:
-                        await self._reject(scope, request_id, refused(cause), reply)
-                        return
-                admitted = True
-                self._pending.release(pending)
-                pending = 0
-                await self._handle(scope, receive, headers, body, request_id, exchange, reply)
-        except Interrupted as stop:  # its time ran out before it was forwarded
-            late = client_error(stop.why, self._settings.request_timeout)
-            if late is not None:
-                await self._reject(scope, request_id, late, reply)
-        except asyncio.CancelledError:
-            # The server cancels what still runs when its shutdown grace ends. The task is
-            # ending anyway: answer what can be answered and end it without an error.
-            if not reply.begun:
-                ending = refused("shutting_down")
-                with contextlib.suppress(Exception):
-                    await reply.fail(ending, [(b"x-request-id", request_id.encode())])
-        finally:
-            exchange.finish()
-            self.deadlines.discard(exchange)
-            if admitted:
-                admission.leave()
-            self._pending.release(pending)
-
-    async def _read_body(
-        self, headers: list[tuple[bytes, bytes]], receive: Receive, exchange: Exchange
-    ) -> bytes:
-        """The whole body within `--body-timeout`; one declared too large is refused unread."""
-        settings = self._settings
-        declared = header(headers, b"content-length")
-        if declared is not None:
-            try:
-                length = int(declared)
-            except ValueError:
-                raise refused("invalid_http", message="invalid content-length") from None
-            if length > settings.max_body_bytes:
-                raise refused("body_too_large", settings.max_body_bytes)
-            if not self._pending.fits(length):
-                raise too_many_pending_bodies()
-        exchange.expect(Why.BODY, settings.body_timeout)
-        try:
-            with exchange.guard():
-                body = await read_body(receive, settings.max_body_bytes, self._pending)
-        except Interrupted as stop:
-            late = client_error(stop.why, settings.body_timeout)
-            if stop.why is not Why.BODY or late is None:
-                raise
-            raise late from None
-        exchange.due = exchange.deadline
-        return body
-
-    async def _handle(
-        self,
-        scope: Scope,
-        receive: Receive,
-        headers: list[tuple[bytes, bytes]],
-        body: bytes,
-        request_id: str,
-        exchange: Exchange,
-        reply: Reply,
-    ) -> None:
-        path: str = scope["path"]
-        tenant = scope.get(TENANT)
-        issued = None
-        gate = self._tenants
-        named = None if gate is None else gate.of_key(scope.get(KEY_POSITION, -1))
-        charge: Charge | None = None
-        try:
-            target = response_target(path)
-            if target is not None:
-                query: bytes = scope.get("query_string", b"")
-                request = stored_response_request(target[0], query, tenant, body, self._limits)
-                path += "?" + query.decode("latin-1") if query else ""
-            elif self._tokenizing is not None and len(body) >= _TOKENIZED_BESIDE_THE_LOOP:
-                # The encode releases the GIL: other streams go on while it runs.
-                request, issued = await asyncio.get_running_loop().run_in_executor(
-                    self._tokenizing, self._parse, path, headers, body, tenant
-                )
-            else:
-                request, issued = self._parse(path, headers, body, tenant)
-            if gate is not None:
-                charge = await gate.admit(named, request)
-            if self._flow is None:
-                placement = await self._router.route(request)
-            else:
-                placement = await self._place(self._flow, named, request)
+                await self._live()
         except GatewayError as error:
-            if gate is not None:
-                gate.release(charge, error.status)
-            await self._reject(scope, request_id, error, reply)
-            return
+            self._error = error
+        except Interrupted as stop:  # its time ran out, or its client left, before it was sent
+            self._error = client_error(stop.why, self._parts.settings.request_timeout)
+        except asyncio.CancelledError:
+            # The server cancels what still runs when its shutdown grace ends: the request is
+            # answered if it still can be, and ends without an error.
+            exchange.task.uncancel()
+            self._error = refused("shutting_down")
+        except Exception:
+            log.exception("request %s failed in the gateway", self.request_id)
+            self._error = refused("internal_error")
+        finally:
+            await self._end()
+
+    async def _live(self) -> None:
+        parts, scope = self._parts, self._scope
+        body = await parts.intake.body(scope["headers"], self._receive, self.exchange, self._body)
+        self._watch_client()
+        admission = parts.admission
+        if not admission.try_enter():
+            cause = await admission.enter()
+            if cause is not None:
+                raise refused(cause)
+        self._admitted = True
+        request, path, self._issued = await parts.intake.parse(scope, body, scope.get(TENANT))
+        self._request = request
+        await self._admit(request)
+        placement = await self._place(request)
+        self._outcome = await self._forward(placement, body, path)
+
+    def _watch_client(self) -> None:
+        """From here, the client's hang-up interrupts the request wherever it waits."""
+        connection = self._scope.get(CLIENT_CONNECTION)
+        if connection is not None:
+            connection.watch(self.exchange)
+        else:
+            self._watcher = asyncio.create_task(self.exchange.watch_client(self._receive))
+
+    async def _admit(self, request: RoutingInput) -> None:
+        """Its tenant's place among its requests in flight and its reservation of tokens
+        (reserved for the fair queue's count of service too)."""
+        parts = self._parts
+        gate = parts.tenants
+        if gate is None and parts.flow is None:
+            return  # nothing counts tokens: none is estimated
+        settings = parts.settings
+        self._reserved = reservation(
+            request,
+            settings.chars_per_token,
+            parts.pool.context_length(request.model),
+            settings.budget_max_tokens,
+        )
+        if gate is not None and self._tenant is not None:
+            self._reservation = await gate.admit(self._tenant, self._reserved)
+
+    async def _place(self, request: RoutingInput) -> Placement:
+        """Routing entered once: at once, or under flow control when its turn comes, among
+        the replicas with a free slot then."""
+        parts = self._parts
+        placing = self._placing = parts.router.placing(request)
+        try:
+            return await self._placed(placing)
+        finally:
+            if placing.placement is not None:
+                parts.open_placements += 1
+
+    async def _placed(self, placing: Placing) -> Placement:
+        flow = self._parts.flow
+        if flow is None:
+            return await placing.place()
+        tenant = self._tenant
+        spec = None if tenant is None else tenant.spec
+        ticket = self._ticket = flow.enter(
+            ANONYMOUS if spec is None else spec.name,
+            0 if spec is None else spec.priority,
+            1.0 if spec is None else spec.weight,
+            self._reserved,
+            placing.request.model,
+        )
+        ticket.pinned = placing.pinned
+        while True:
+            await flow.turn(ticket, placing.holder)
+            try:
+                placement = await placing.place(flow.room_for(ticket))
+            except NoRoom:
+                continue  # another request took the room it was given its turn for
+            flow.placed(ticket)
+            return placement
+
+    async def _forward(self, placement: Placement, body: bytes, path: str) -> Outcome:
+        parts, scope = self._parts, self._scope
         connection = scope.get(CLIENT_CONNECTION)
         client = scope.get("client")
         peer = connection.peer if connection is not None else client[0] if client else None
-        outgoing = self._forwarder.upstream.headers_for(
-            headers, request_id.encode(), peer, scope.get("scheme", "http")
+        outgoing = parts.forwarder.upstream.headers_for(
+            scope["headers"], self.request_id.encode(), peer, scope.get("scheme", "http")
         )
+        held = self._reservation
         forwarding = Forwarding(
             placement,
             body,
             outgoing,
-            exchange,
-            reply,
-            lambda decision: self._gateway_headers(decision, request_id, issued, charge),
+            self.exchange,
+            self.reply,
+            self._gateway_headers,
             scope["method"].encode(),
             path,
-            tenant_priority=0 if charge is None else charge.tenant.spec.priority,
+            tenant_priority=0 if held is None else held.tenant.spec.priority,
+            needs_usage=held is not None and held.tenant.tokens is not None,
         )
-        began = time.perf_counter()
-        if gate is None and self._flow is None:
-            outcome = await self._forward(connection, receive, exchange, forwarding)
+        self._began = time.perf_counter()
+        return await parts.forwarder.forward(forwarding)
+
+    async def _end(self) -> None:
+        """Everything the request took, given back once, whatever ended it; then its
+        placement settled."""
+        parts, exchange = self._parts, self.exchange
+        exchange.finish()
+        parts.deadlines.discard(exchange)
+        if self._watcher is not None:
+            self._watcher.cancel()
+        error, outcome = self._error, self._outcome
+        if error is not None and not self.reply.begun:
+            with contextlib.suppress(Exception):  # the connection may be gone already
+                await self.reply.fail(error, [(b"x-request-id", self.request_id.encode())])
+        status = (
+            outcome.status if outcome is not None else error.status if error is not None else 499
+        )
+        charged = self._charge(status, outcome)
+        if self._ticket is not None:
+            assert parts.flow is not None
+            parts.flow.release(self._ticket, charged)
+        if self._admitted:
+            parts.admission.leave()
+        self._body.release()
+        placing = self._placing
+        placement = None if placing is None else placing.placement
+        path = self._scope["path"]
+        if outcome is not None and placement is not None:
+            parts.access_log.answered(placement, outcome, self.request_id, self._began)
         else:
+            parts.access_log.rejected(self.request_id, path, status, _code(error))
+        if placement is not None:
+            parts.open_placements -= 1
             try:
-                outcome = await self._forward(connection, receive, exchange, forwarding)
-            except BaseException:
-                self._ended(named, placement, charge, None)
-                raise
-            self._ended(named, placement, charge, outcome)
-        self._access_log.answered(placement, outcome, request_id, began)
-        await placement.settle(outcome)
+                await placement.settle(outcome or placement.unsent(status))
+            except Exception:  # what it recorded may stay; the request is over all the same
+                log.exception("settling request %s failed", self.request_id)
 
-    async def _place(self, flow: Flow, tenant: Tenant | None, request: RoutingInput) -> Placement:
-        """Its placement under flow control, once a replica has a free slot for it (a request
-        about a stored response goes to the replica that holds it at once)."""
-        if request.response_id or request.previous_response_id:
-            return await self._router.route(request)
-        return await flow.place(tenant, request)
-
-    def _ended(
-        self,
-        tenant: Tenant | None,
-        placement: Placement,
-        charge: Charge | None,
-        outcome: Outcome | None,
-    ) -> None:
-        """What a forwarded request held is given back and charged as it used it."""
-        usage = None if self._tenants is None else self._tenants.settle(charge, outcome)
-        flow = self._flow
-        if flow is not None and not placement.pinned:
-            flow.ended(tenant, placement, usage)
-
-    async def _forward(
-        self,
-        connection: ClientConnection | None,
-        receive: Receive,
-        exchange: Exchange,
-        forwarding: Forwarding,
-    ) -> Outcome:
-        if connection is not None:
-            connection.watch(exchange)
-            return await self._forwarder.forward(forwarding)
-        watcher = asyncio.create_task(exchange.watch_client(receive))
-        try:
-            return await self._forwarder.forward(forwarding)
-        finally:
-            watcher.cancel()
-
-    def _parse(
-        self, path: str, headers: list[tuple[bytes, bytes]], body: bytes, tenant: str | None
-    ) -> tuple[RoutingInput, str | None]:
-        """The request as routing sees it, and the session key minted for it, if one was."""
-        settings = self._settings
-        cookie = settings.sticky_cookie
-        session_header = header(headers, b"x-session-id")
-        if cookie and session_header is None:
-            session_header = _cookie_value(headers, cookie)
-        request = parse_request(
-            ENDPOINTS[path],
-            body,
-            session_header,
-            settings.default_model,
-            settings.session_from_user,
-            self._limits,
-            tenant,
-            self._router.tokenizer,
-        )
-        issued = None
-        if cookie and request.session_key is None:
-            issued = uuid.uuid4().hex
-            request = dataclasses.replace(request, session_key=session_hash(issued, tenant))
-        return request, issued
-
-    async def _reject(
-        self,
-        scope: Scope,
-        request_id: str,
-        error: GatewayError,
-        reply: Reply,
-    ) -> None:
-        self._access_log.rejected(request_id, scope["path"], error)
-        gate = self._tenants
+    def _charge(self, status: int, outcome: Outcome | None) -> float:
+        """Its tenant settled, charged for what it used, and counted: the tokens charged."""
+        parts = self._parts
+        gate = parts.tenants
+        request = self._request
+        if (gate is None and parts.flow is None) or request is None:
+            if gate is not None:
+                gate.refused(self._tenant, status)
+            return 0.0
+        prompt = request.estimated_tokens(parts.settings.chars_per_token)
+        usage = usage_of(outcome, request.stream, self._reserved, prompt)
         if gate is not None:
-            gate.refused(gate.of_key(scope.get(KEY_POSITION, -1)), error.status)
-        await reply.fail(error, [(b"x-request-id", request_id.encode())])
+            if self._reservation is not None or (self._tenant is None and outcome is not None):
+                gate.settle(self._reservation, status, usage)
+            else:
+                gate.refused(self._tenant, status)
+        return 0.0 if usage is None else used_cost(usage, parts.settings.cached_token_cost)
 
-    def _gateway_headers(
-        self, decision: Decision, request_id: str, issued: str | None, charge: Charge | None
-    ) -> Headers:
+    def _gateway_headers(self, decision: Decision) -> Headers:
         headers = [
             (b"x-gateway-backend", decision.backend.encode()),
             (b"x-gateway-route", decision.route.value.encode()),
-            (b"x-request-id", request_id.encode()),
+            (b"x-request-id", self.request_id.encode()),
         ]
-        if issued is not None:
+        if self._issued is not None:
             # No Max-Age: the binding itself expires after the TTL of inactivity; a key sent
             # back after that simply binds again.
-            cookie = f"{self._settings.sticky_cookie}={issued}"
+            cookie = f"{self._parts.settings.sticky_cookie}={self._issued}"
             headers.append((b"set-cookie", f"{cookie}; Path=/; HttpOnly; SameSite=Lax".encode()))
-        if charge is not None:
-            headers += charge.tenant.headers(time.monotonic())
+        if self._reservation is not None:
+            headers += self._reservation.tenant.headers(time.monotonic())
         return headers
 
 
-def _client_request_id(headers: list[tuple[bytes, bytes]]) -> str | None:
-    """The client's `x-request-id` if it is a short token safe to log and forward, else None."""
-    given = header(headers, b"x-request-id")
-    if given is not None and _REQUEST_ID.fullmatch(given):
-        return given
-    return None
+def _code(error: GatewayError | None) -> str:
+    """The access log's `error` of a request that was not answered by a replica."""
+    return "client_disconnected" if error is None else error.code
 
 
-def _cookie_value(headers: list[tuple[bytes, bytes]], name: str) -> str | None:
-    """The value of cookie `name` in the request's Cookie headers."""
-    for key, value in headers:
-        if key == b"cookie":
-            for pair in value.decode("latin-1").split(";"):
-                cookie, _, content = pair.strip().partition("=")
-                if cookie == name and content:
-                    return content
-    return None
+def _tenant_gate(
+    settings: Settings, metrics: Metrics, fleet: TenantFleet | None
+) -> TenantGate | None:
+    """The tenants' gate where tenants are named: budgets and caps on requests in flight kept
+    by this process, or by the fleet through Redis."""
+    if not settings.tenants:
+        return None
+    budgets = slots = None
+    if fleet is not None:
+        link = fleet.state.link
+        budgets = SharedBudgets(fleet.state.budgets, link, fleet.gateways, settings.workers)
+        slots = SharedSlots(fleet.state.slots, link, budgets.share, settings.tenant_slots_ttl)
+        link.run_while_open(slots.start, slots.stop)
+    return TenantGate(settings, metrics, shared=budgets, slots=slots)

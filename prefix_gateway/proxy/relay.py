@@ -123,12 +123,17 @@ class Relay:
                 await placement.answer_complete(name, seen.answer, seen.completion_tokens)
         # Interrupted here, a client that stopped reading ends the request as a stream's does.
         exchange.expect(Why.CLIENT_STALLED, self._limits.client_write)
-        await forwarding.reply.whole(status, headers, payload)
+        try:
+            await forwarding.reply.whole(status, headers, payload)
+        finally:
+            # Read once it is on its way (the client waits for no parse), whatever became of it.
+            if seen is None:
+                seen = observe_body(payload, answer_limit) if status == 200 else Observation()
+            seen.sent_at = attempt.started
+            seen.answered = status < 300
+            forwarding.seen = seen
         exchange.finish()
         self._ended(attempt)
-        if seen is None:
-            seen = observe_body(payload, answer_limit) if status == 200 else Observation()
-        seen.sent_at = attempt.started
         return Relayed(status, seen, _malformed() if seen.malformed else None)
 
     async def _pass_on(
@@ -146,7 +151,8 @@ class Relay:
         self._first_byte(attempt)
         status = response.status
         opening = b"".join(held[:8])[:_OPENING]
-        seen = Observation(sent_at=attempt.started)
+        seen = Observation(sent_at=attempt.started, answered=status < 300)
+        forwarding.seen = seen
         if status == 200:
             seen.malformed = not opening.lstrip().startswith(b"{")
             seen.response_id = opening_id(opening)
@@ -216,6 +222,8 @@ class Relay:
         observer = StreamObserver(strip_usage, self._replies.answer_chars)
         seen = observer.seen
         seen.sent_at = attempt.started
+        seen.answered = True
+        forwarding.seen = seen
         await reply.start_stream(headers)
         placement = forwarding.placement
         stored, hears_answer = placement.hears_response_id, placement.hears_answer

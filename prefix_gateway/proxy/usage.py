@@ -42,6 +42,11 @@ class Observation:
     """The answer ran past `answer_limit`: it is dropped, never recorded in part."""
     malformed: bool = False
     """A non-streamed 200 whose body is not the endpoint's JSON object."""
+    answered: bool = False
+    """The client was sent the first bytes of a successful answer."""
+    relayed_tokens: int = 0
+    """Generated tokens in the stream's events: one per choice an event carries a delta of
+    (vLLM sends a token an event, more with `--stream-interval`)."""
     _answer_chars: int = field(default=0, init=False, repr=False)
 
     @property
@@ -202,6 +207,10 @@ class StreamObserver:
                 continue
             kind = message.get("type")
             if isinstance(kind, str):
+                if kind == "content_block_delta" or (
+                    kind.startswith("response.") and kind.endswith(".delta")
+                ):
+                    self.seen.relayed_tokens += 1  # generated text, in Messages or Responses
                 if kind.startswith("response."):
                     self._response_event(kind, message)
                     continue
@@ -215,6 +224,8 @@ class StreamObserver:
                 self.seen.take_usage(message["usage"])
                 # OpenAI's usage chunk has `choices: []`; some servers leave the key out.
                 usage_only = choices is None or choices == []
+            if isinstance(choices, list):
+                self.seen.relayed_tokens += sum(map(_generated, choices))
             if (
                 isinstance(choices, list)
                 and choices
@@ -243,6 +254,19 @@ class StreamObserver:
             if isinstance(response, dict):
                 seen.take_usage(response.get("usage"))
             seen.complete = True
+
+
+def _generated(choice: object) -> bool:
+    """Whether a streamed choice carries generated text: a chat delta's content, reasoning or
+    tool call, or a completion's text."""
+    if not isinstance(choice, dict):
+        return False
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return bool(
+            delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
+        )
+    return bool(choice.get("text"))
 
 
 _RESPONSE_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})

@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from prefix_gateway.backends.backend import Backend, ModelPool
+from prefix_gateway.backends.pool import Lease
 from prefix_gateway.prompt.parsing import Endpoint, RoutingInput
 from prefix_gateway.routing.conversations import Turn
 from prefix_gateway.routing.types import Decision, Outcome, Policy, Route, RoutingState
@@ -59,6 +60,7 @@ class Placement:
         "request",
         "serving",
         "shared",
+        "slot",
         "state",
         "sticky",
         "turn",
@@ -96,6 +98,9 @@ class Placement:
         """Only `backend` can answer (it holds the response the request names): no failover."""
         self.turn: Turn | None = None
         """The request's place in its conversation (chat, or any request with a session key)."""
+        self.slot: Lease | None = None
+        """The request in `backend`'s count of requests in flight, from the moment it was
+        placed: its first attempt adopts it; settling gives it back if no attempt did."""
         self._policy = policy
         self._recorder: Recorder | None = None
         self._observer: Observer | None = None
@@ -166,8 +171,17 @@ class Placement:
         """The chain of prompt and answer once `answer_complete` recorded it (else None)."""
         return self._answered
 
+    def unsent(self, status: int) -> Outcome:
+        """The outcome of the request when it never reached its backend (`status`: what its
+        client was told, 499 when nobody was left to tell)."""
+        return Outcome(status, self.decision, (self.backend.name,))
+
     async def settle(self, outcome: Outcome) -> None:
-        """Take in how the request ended: counted once, and recorded for the requests after."""
+        """Take in how the request ended, once: its slot given back if no attempt took it,
+        counted, and recorded for the requests after (what it recorded when it was placed is
+        withdrawn where it never arrived)."""
+        if self.slot is not None:
+            self.slot.release()
         assert self._recorder is not None and self._observer is not None
         self._observer.settled(self, outcome)
         await self._recorder.settled(self, outcome)

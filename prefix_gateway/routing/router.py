@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from prefix_gateway.backends.backend import Backend, ModelPool
-from prefix_gateway.backends.pool import BackendPool
+from prefix_gateway.backends.pool import BackendPool, Lease
 from prefix_gateway.clock import Clock, monotonic
 from prefix_gateway.config import Settings
 from prefix_gateway.errors import NotFound
@@ -33,9 +33,21 @@ from prefix_gateway.routing.traffic import cold_prompt
 from prefix_gateway.routing.types import Decision, Policy, Route, RoutingState
 from prefix_gateway.state.agreement import FleetView, SharedPrompt
 
+Room = Callable[[Backend], bool]
+"""Which backends may take a request now (flow control: those with a free slot)."""
+
 # Every decision with a shared prompt and what it was shown, at DEBUG (loadtest/fleet_bench.py
 # reads it to tell which input moved a prompt).
 trace = logging.getLogger("prefix_gateway.routing.decisions")
+
+
+class NoRoom(Exception):
+    """No backend serving the request's model has room for it any more: it was given its turn
+    while one had, and another request took that room first."""
+
+
+_AFFINE = frozenset({Route.SESSION, Route.OWNER, Route.PREFIX})
+"""Routes that follow what a backend holds: a request they choose is worth waiting for there."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,38 +99,71 @@ class Router:
         self._affinity_chars = round(settings.affinity_tokens * settings.chars_per_token)
         self._routed = 0
 
-    async def route(
-        self, request: RoutingInput, room: Callable[[Backend], bool] | None = None
-    ) -> Placement:
+    def placing(self, request: RoutingInput) -> Placing:
+        """`request` on its way to its placement: the one routing object a request's life holds
+        until it is placed."""
+        return Placing(self, request)
+
+    async def route(self, request: RoutingInput, room: Room | None = None) -> Placement:
         """Decide where `request` goes, record it there, and hand back its placement; with
-        `room`, among the backends it admits (flow control: those with a free slot)."""
-        began = time.perf_counter()
+        `room`, among the backends it admits. No slot is taken (`Placing.place` takes one)."""
+        placing = Placing(self, request)
+        await placing.place(room, slot=False)
+        assert placing.placement is not None
+        return placing.placement
+
+    async def _holder_of(self, request: RoutingInput) -> Backend | None:
+        """See `Placing.holder`."""
         named = request.response_id or request.previous_response_id
         if named is not None:
-            param = "response_id" if request.response_id is not None else "previous_response_id"
-            placement = await self._to_holder(request, named, param)
-        else:
-            adapters = self.adapters
-            if adapters is not None:
-                if self.pool.serving(request.model) is None:
-                    await adapters.place(request.model, self._adapter_home)
-                placement = await self.decide(request, count=True, room=room)
-                adapters.sent(request.model, placement.backend.name)
-            else:
-                placement = await self.decide(request, count=True, room=room)
-            self._routed += 1
-        await placement.commit(self.memory, self._observer, time.perf_counter() - began)
-        return placement
+            return await self._stored_at(request, named)
+        serving = self.pool.serving(request.model)
+        if serving is None or not request.endpoint.by_prefix:
+            return None
+        decision = (await self.decide(request)).decision
+        if decision.route not in _AFFINE or not decision.matched_blocks:
+            return None
+        return serving.by_name.get(decision.backend)
 
-    async def _to_holder(self, request: RoutingInput, response_id: str, param: str) -> Placement:
-        """`request` (naming a stored response in `param`) to the replica holding
-        `response_id`, whatever its load: a 404 when no gateway saw it produced for this
-        tenant (no replica is tried: one might hold another tenant's), or its replica is gone.
-        The prompt it computes starts with the stored conversation, which the gateway never
-        saw whole: nothing of it is indexed."""
+    async def _decided(self, placing: Placing, room: Room | None) -> Placement:
+        """The placement of `placing`'s request, by the policy among the backends `room`
+        admits (looked at again once decided: a decision that waited on Redis may find its
+        backend taken meanwhile); `NoRoom` when none does."""
+        request = placing.request
+        if request.response_id or request.previous_response_id:
+            holder = await placing.holder()
+            assert holder is not None
+            if room is not None and not room(holder):
+                raise NoRoom
+            return self._pinned(request, holder)
+        adapters = self.adapters
+        if adapters is not None and self.pool.serving(request.model) is None:
+            await adapters.place(request.model, self._adapter_home)
+        for _ in range(len(self.pool.backends) + 1):
+            placement = await self.decide(request, count=True, room=room)
+            if room is None or room(placement.backend):
+                if adapters is not None:
+                    adapters.sent(request.model, placement.backend.name)
+                self._routed += 1
+                return placement
+        raise NoRoom
+
+    async def _commit(self, placement: Placement, began: float) -> None:
+        await placement.commit(self.memory, self._observer, time.perf_counter() - began)
+
+    async def _stored_at(self, request: RoutingInput, response_id: str) -> Backend:
+        """The replica holding `response_id`: a 404 when no gateway saw it produced for this
+        tenant (no replica is tried: one might hold another tenant's), or its replica is gone."""
+        param = "response_id" if request.response_id is not None else "previous_response_id"
         holder = await self.memory.responses.holder(response_id, request.tenant, param)
         if holder is None:
             raise not_found(response_id, param)
+        return holder
+
+    def _pinned(self, request: RoutingInput, holder: Backend) -> Placement:
+        """`request` (naming a stored response) to the replica `holder` that holds it, whatever
+        its load. The prompt it computes starts with the stored conversation, which the gateway
+        never saw whole: nothing of it is indexed."""
         serving = ModelPool([holder])
         state = RoutingState(candidates=serving.names, loads=serving.loads)
         decision = Decision(holder.name, Route.PREVIOUS_RESPONSE)
@@ -128,7 +173,7 @@ class Router:
         self,
         request: RoutingInput,
         count: bool = False,
-        room: Callable[[Backend], bool] | None = None,
+        room: Room | None = None,
     ) -> Placement:
         """The policy's placement for `request` now, not recorded. With `count` (`route`),
         the request is counted in its shared prompt's recent traffic, here and, in the same
@@ -137,6 +182,8 @@ class Router:
         serving = self.serving(request.model)
         if room is not None:
             serving = serving.having(room)
+            if not serving.backends:
+                raise NoRoom
         if not request.endpoint.by_prefix:
             state = RoutingState(
                 candidates=serving.names, loads=serving.loads, sequence=self._routed
@@ -259,7 +306,7 @@ class Router:
         """The placement `route` would make for `request` now, recording nothing."""
         previous = request.previous_response_id
         if previous is not None:
-            placement = await self._to_holder(request, previous, "previous_response_id")
+            placement = self._pinned(request, await self._stored_at(request, previous))
         else:
             placement = await self.decide(request)
         prompt = fingerprint(request.canonical) if request.endpoint in CONVERSATIONS else None
@@ -298,3 +345,47 @@ class Router:
 
 async def _nothing() -> None:
     return None
+
+
+class Placing:
+    """A request on its way to its placement. `holder` names the replica it should wait for,
+    looked up once; `place` decides, takes that backend's slot (its count of requests in
+    flight) and records the placement, once. `placement` is set from the moment a backend was
+    chosen and its slot taken, so that whoever ends the request settles it even when
+    recording it broke off."""
+
+    __slots__ = ("_holder", "_looked_up", "_router", "placement", "request")
+
+    def __init__(self, router: Router, request: RoutingInput) -> None:
+        self._router = router
+        self.request = request
+        self.placement: Placement | None = None
+        self._holder: Backend | None = None
+        self._looked_up = False
+
+    @property
+    def pinned(self) -> bool:
+        """It names a stored response: only the replica that holds it can answer."""
+        request = self.request
+        return request.response_id is not None or request.previous_response_id is not None
+
+    async def holder(self) -> Backend | None:
+        """The replica the request should wait for when every slot is taken: the one that
+        stored the response it names (a 404 when none did), else the one its prefix or
+        session would bring it to, by a preview that records nothing; None: any will do."""
+        if not self._looked_up:
+            self._holder = await self._router._holder_of(self.request)
+            self._looked_up = True
+        return self._holder
+
+    async def place(self, room: Room | None = None, slot: bool = True) -> Placement:
+        """Decide, among the backends `room` admits (`NoRoom` when none does now), take the
+        chosen backend's slot (with `slot`), and record the placement."""
+        router = self._router
+        began = time.perf_counter()
+        placement = await router._decided(self, room)
+        if slot:
+            placement.slot = Lease(placement.backend).take()
+        self.placement = placement
+        await router._commit(placement, began)
+        return placement

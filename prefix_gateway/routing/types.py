@@ -112,3 +112,7 @@ class Outcome:
     completion_tokens: int | None = None
     accepted: tuple[str, ...] = ()
     """The backends tried that accepted the request (answered 2xx): its prompt is theirs."""
+    answered: bool = False
+    """The client was sent the first bytes of a successful answer."""
+    relayed_tokens: int = 0
+    """Generated tokens relayed to the client, as counted in a stream's events."""

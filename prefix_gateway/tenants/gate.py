@@ -1,7 +1,9 @@
-"""The tenants' gate on the proxy path: which tenant a client key is, its charge when its
-request is admitted, its settlement when the answer ends, and the per-tenant series.
+"""The tenants' gate, which a request's life passes through: which tenant a client key is,
+its reservation when its request is admitted, its settlement once it ends, and the per-tenant
+series.
 
-Built only when the configuration names tenants: without them the proxy path does not call it.
+Built only when the configuration names tenants: without them a request's life does not call
+it.
 Every request no named tenant sent is counted as `anonymous`, so that clients cannot mint
 series. Budgets are this process's alone without Redis (with `--workers N` each worker holds an
 equal share of every limit); with Redis they are the fleet's (`SharedBudgets`, docs/tenants.md),
@@ -16,12 +18,10 @@ from collections.abc import Callable
 from prefix_gateway.config import Settings
 from prefix_gateway.config.tenants import ANONYMOUS
 from prefix_gateway.metrics import Metrics
-from prefix_gateway.prompt.parsing import RoutingInput
-from prefix_gateway.routing.types import Outcome
-from prefix_gateway.tenants.cost import estimated_cost
+from prefix_gateway.tenants.cost import Usage
 from prefix_gateway.tenants.shared import SharedBudgets
 from prefix_gateway.tenants.slots import SharedSlots
-from prefix_gateway.tenants.tenant import Charge, Tenant, TenantRefused, Usage
+from prefix_gateway.tenants.tenant import Reservation, Tenant, TenantRefused
 
 
 class TenantGate:
@@ -47,8 +47,6 @@ class TenantGate:
             for tenant in self.tenants:
                 if tenant.spec.max_concurrency:
                     slots.track(tenant)
-        self._chars_per_token = settings.chars_per_token
-        self._completion_estimate = settings.budget_max_tokens
         self._cached_cost = settings.cached_token_cost
         for tenant in self.tenants:
             self._publish(tenant)
@@ -59,12 +57,10 @@ class TenantGate:
         index = position - self._first_key
         return self.tenants[index] if index >= 0 else None
 
-    async def admit(self, tenant: Tenant | None, request: RoutingInput) -> Charge | None:
-        """Charge `request` to `tenant` (None: anonymous, not charged); the 429 that refuses
-        it, its limit counted, if it does not fit."""
-        if tenant is None:
-            return None
-        estimate = estimated_cost(request, self._chars_per_token, self._completion_estimate)
+    async def admit(self, tenant: Tenant, reserved: float) -> Reservation:
+        """Admit a request of `tenant` reserving `reserved` tokens: in flight (within its
+        `max_concurrency`, the fleet's with Redis) and its reservation taken from its budgets;
+        the 429 that refuses it, its limit counted, if it does not fit."""
         metrics = self._metrics
         try:
             # In flight from here, so that requests admitted meanwhile count against the cap.
@@ -73,7 +69,7 @@ class TenantGate:
                 slots = self._slots
                 if slots is not None and tenant.spec.max_concurrency:
                     await slots.enter(tenant, self._clock())
-                charge = await self._charge(tenant, estimate)
+                reservation = await self._reserve(tenant, reserved)
             except BaseException:
                 tenant.leave()
                 self._left(tenant)
@@ -84,66 +80,52 @@ class TenantGate:
             raise refusal.error from None
         metrics.tenants.in_flight.labels(tenant.name).inc()
         self._publish(tenant)
-        return charge
+        return reservation
 
     def refused(self, tenant: Tenant | None, status: int) -> None:
-        """A request of `tenant` answered by the gateway itself: refused or failed before any
-        replica was asked."""
+        """A request of `tenant` (None: anonymous) answered by the gateway before it was
+        admitted."""
         name = ANONYMOUS if tenant is None else tenant.name
         self._metrics.child(self._metrics.tenants.requests, name, str(status)).inc()
 
-    def release(self, charge: Charge | None, status: int) -> None:
-        """A charged request that ends before any replica was asked (its refusal counted by
-        `refused`): its tokens back."""
-        if charge is not None:
-            _, owed = charge.settle(status, (None, None, None), self._cached_cost)
-            self._give(charge, owed)
-            self._ended(charge.tenant)
-
-    def settle(self, charge: Charge | None, outcome: Outcome | None) -> Usage | None:
-        """A request forwarded ended with `outcome` (None: cut short before it had one):
-        charged as used, and counted; what it used, if the engine said."""
-        status = 499 if outcome is None else outcome.status
-        usage: tuple[int | None, int | None, int | None] = (None, None, None)
-        if outcome is not None:
-            usage = (outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens)
-        if charge is None:
+    def settle(self, reservation: Reservation | None, status: int, usage: Usage | None) -> None:
+        """An admitted request ended with `status`, having used `usage` (None: nothing is
+        charged): its reservation settled against what it used, once, and counted
+        (`reservation` None: an anonymous request, counted only)."""
+        if reservation is None:
             name = ANONYMOUS
-            prompt, cached, completion = (count or 0 for count in usage)
         else:
-            name = charge.tenant.name
-            used, owed = charge.settle(status, usage, self._cached_cost)
-            self._give(charge, owed)
-            prompt, cached, completion = used.prompt, used.cached, used.completion
-            self._ended(charge.tenant)
+            tenant = reservation.tenant
+            name = tenant.name
+            self._give(reservation, reservation.settle(status, usage, self._cached_cost))
+            self._metrics.tenants.in_flight.labels(name).dec()
+            self._left(tenant)
+            self._publish(tenant)
         metrics = self._metrics
         metrics.child(metrics.tenants.requests, name, str(status)).inc()
-        for kind, count in (("prompt", prompt), ("cached", cached), ("completion", completion)):
-            if count:
-                metrics.child(metrics.tenants.tokens, name, kind).inc(count)
-        if status != 200 or (usage[0] is None and usage[2] is None):
-            return None
-        return Usage(prompt, cached, completion)
+        if usage is not None:
+            for kind, count in (
+                ("prompt", usage.prompt),
+                ("cached", usage.cached),
+                ("completion", usage.completion),
+            ):
+                if count:
+                    metrics.child(metrics.tenants.tokens, name, kind).inc(count)
 
-    async def _charge(self, tenant: Tenant, estimate: float) -> Charge:
+    async def _reserve(self, tenant: Tenant, reserved: float) -> Reservation:
         shared = self._shared
         if shared is not None and tenant.allowances:
-            return await shared.take(tenant, estimate)
-        return Charge(tenant, tenant.take(estimate, self._clock()))
+            return await shared.take(tenant, reserved)
+        return Reservation(tenant, tenant.take(reserved, self._clock()))
 
-    def _give(self, charge: Charge, tokens: float) -> None:
-        """Settle a charge where it was taken: the fleet's budget, or this process's share."""
-        if not tokens or charge.tenant.tokens is None:
+    def _give(self, reservation: Reservation, tokens: float) -> None:
+        """Settle a reservation where it was taken: the fleet's budget, or this process's."""
+        if not tokens or reservation.tenant.tokens is None:
             return
-        if charge.shared and self._shared is not None:
-            self._shared.give(charge.tenant, tokens, self._publish)
+        if reservation.shared and self._shared is not None:
+            self._shared.give(reservation.tenant, tokens, self._publish)
         else:
-            charge.tenant.tokens.give(tokens, self._clock())
-
-    def _ended(self, tenant: Tenant) -> None:
-        self._metrics.tenants.in_flight.labels(tenant.name).dec()
-        self._left(tenant)
-        self._publish(tenant)
+            reservation.tenant.tokens.give(tokens, self._clock())
 
     def _left(self, tenant: Tenant) -> None:
         """A request of `tenant` no longer in flight: the fleet's count follows."""

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from prefix_gateway.state.redis.budgets import BudgetAmount, BudgetReply, RedisBudgets
 from prefix_gateway.state.redis.connection import RedisLink, RedisUnavailable
-from prefix_gateway.tenants.tenant import Charge, Tenant
+from prefix_gateway.tenants.tenant import Reservation, Tenant
 
 
 class SharedBudgets:
@@ -40,9 +40,9 @@ class SharedBudgets:
         """This process's part of a limit while Redis is away."""
         return 1.0 / max(1, self._gateways() or self._workers)
 
-    async def take(self, tenant: Tenant, estimate: float) -> Charge:
-        """Charge a request of about `estimate` tokens to the fleet; a `TenantRefused` if it
-        does not fit there (or, Redis away, in this process's share)."""
+    async def take(self, tenant: Tenant, estimate: float) -> Reservation:
+        """Reserve a request and about `estimate` tokens in the fleet's budgets; a
+        `TenantRefused` if they do not fit there (or, Redis away, in this process's share)."""
         amounts = [
             BudgetAmount(kind, allowance.limit, 1.0 if kind == "requests" else estimate)
             for kind, allowance in tenant.allowances
@@ -54,14 +54,14 @@ class SharedBudgets:
             reply = await self._link.call("budget_take", lambda: store.take(tenant.name, amounts))
         except RedisUnavailable:
             self._link.fell_back("budget_take")
-            return Charge(tenant, tenant.take(estimate, self._clock()))
+            return Reservation(tenant, tenant.take(estimate, self._clock()))
         now = self._clock()
         _saw(tenant, amounts, reply, now)
         if not reply.done:
             # The longest wait names the limit (a charge that never fits waits forever).
             longest = max(range(len(amounts)), key=lambda position: reply.waits[position])
             raise tenant.over(amounts[longest].kind, reply.waits[longest], estimate, now)
-        return Charge(tenant, estimate if tenant.tokens is not None else 0.0, shared=True)
+        return Reservation(tenant, estimate if tenant.tokens is not None else 0.0, shared=True)
 
     def give(self, tenant: Tenant, tokens: float, seen: Callable[[Tenant], None]) -> None:
         """Settle a charge taken in Redis: `tokens` back (negative: more taken), in the

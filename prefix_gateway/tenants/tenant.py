@@ -1,26 +1,23 @@
 """A named tenant while the gateway runs: its budgets, its requests in flight and what it used.
 
-A request is charged when it is admitted — one request, and its tokens as estimated: the
-prompt's plus its `max_tokens` (or `--budget-max-tokens`) — and settled when its answer ends
-with what the engine reported: prompt tokens not cached, cached prompt tokens at
-`--cached-token-cost` (the cache made them cheap: a tenant's repeated prefix costs it less),
-and the completion. An answer that is not a success gives the tokens back; one whose usage is
-unknown keeps the estimate. Where the budgets are charged (this process's share, or the
-fleet's buckets in Redis) is the gate's business; the tenant holds both views (`Allowance`).
+A request takes one request and its reservation of tokens from the budgets when it is
+admitted (`prefix_gateway.tenants.cost`), and is settled once when it ends: the reservation
+less what it is charged goes back (or, charged more than it reserved, more is taken). Where the
+budgets are kept (this process's share, or the fleet's buckets in Redis) is the gate's
+business; the tenant holds both views (`Allowance`).
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
 
 from prefix_gateway.config.tenants import TenantSpec
 from prefix_gateway.errors import GatewayError, Headers
 from prefix_gateway.refusals import refused
 from prefix_gateway.tenants.allowance import Allowance
 from prefix_gateway.tenants.budget import duration_text
-from prefix_gateway.tenants.cost import used_cost
+from prefix_gateway.tenants.cost import Usage, used_cost
 
 
 class TenantRefused(Exception):
@@ -32,19 +29,13 @@ class TenantRefused(Exception):
         self.reason = reason
 
 
-@dataclass(slots=True)
-class Usage:
-    prompt: int = 0
-    cached: int = 0
-    completion: int = 0
-
-
 class Tenant:
     __slots__ = (
         "in_flight",
         "name",
         "refusals",
         "requests",
+        "reserved",
         "spec",
         "statuses",
         "tokens",
@@ -62,6 +53,8 @@ class Tenant:
         self.requests = Allowance(rpm, share, now, fleet_wide) if rpm else None
         self.tokens = Allowance(tpm, share, now, fleet_wide) if tpm else None
         self.in_flight = 0
+        self.reserved = 0.0
+        """Tokens its admitted requests reserved and have not settled yet."""
         self.used = Usage()
         self.statuses: Counter[int] = Counter()
         self.refusals: Counter[str] = Counter()
@@ -90,8 +83,8 @@ class Tenant:
         self.in_flight -= 1
 
     def take(self, estimate: float, now: float) -> float:
-        """Charge a request of about `estimate` tokens to this process's share: the tokens
-        charged; a 429 that says which limit, and when to try again, if it does not fit."""
+        """Reserve one request and `estimate` tokens in this process's share: the tokens
+        reserved; a 429 that says which limit, and when to try again, if they do not fit."""
         requests, tokens = self.requests, self.tokens
         if requests is not None:
             wait = requests.take(1, now)
@@ -158,36 +151,33 @@ class Tenant:
         return TenantRefused(error, reason)
 
 
-class Charge:
-    """What one admitted request holds of its tenant until it is settled."""
+class Reservation:
+    """What one admitted request holds of its tenant until it is settled: a place among its
+    requests in flight, and the tokens it reserved."""
 
-    __slots__ = ("charged", "shared", "tenant")
+    __slots__ = ("reserved", "shared", "tenant")
 
-    def __init__(self, tenant: Tenant, charged: float, shared: bool = False) -> None:
+    def __init__(self, tenant: Tenant, reserved: float, shared: bool = False) -> None:
         self.tenant = tenant
-        self.charged = charged
-        """The tokens taken at admission."""
+        self.reserved = reserved
+        """The tokens taken from the budget at admission."""
+        tenant.reserved += reserved
         self.shared = shared
         """Taken from the fleet's budgets in Redis (else from this process's share)."""
 
-    def settle(
-        self, status: int, usage: tuple[int | None, int | None, int | None], cached_cost: float
-    ) -> tuple[Usage, float]:
-        """End the request: what it used, as far as known (prompt, cached, completion as the
-        engine reported them), and the tokens its budget is owed back for it (negative: the
-        estimate fell short)."""
+    def settle(self, status: int, usage: Usage | None, cached_cost: float) -> float:
+        """End the request, with `status` and `usage` (None: nothing is charged): the tokens
+        its budget is owed back (negative: the reservation fell short)."""
         tenant = self.tenant
         tenant.leave()
+        tenant.reserved -= self.reserved
         tenant.statuses[status] += 1
-        prompt, cached, completion = (count or 0 for count in usage)
-        used = Usage(prompt, cached, completion)
-        tenant.used.prompt += prompt
-        tenant.used.cached += cached
-        tenant.used.completion += completion
-        if tenant.tokens is None or not self.charged:
-            return used, 0.0
-        if status != 200:
-            return used, self.charged
-        if usage[0] is not None or usage[2] is not None:
-            return used, self.charged - used_cost(prompt, cached, completion, cached_cost)
-        return used, 0.0
+        charged = 0.0
+        if usage is not None:
+            tenant.used.prompt += usage.prompt
+            tenant.used.cached += usage.cached
+            tenant.used.completion += usage.completion
+            charged = used_cost(usage, cached_cost)
+        if tenant.tokens is None:
+            return 0.0
+        return self.reserved - charged

@@ -12,15 +12,16 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from prefix_gateway.adapter_metrics import AdapterSeries
-from prefix_gateway.metric_registry import (
+from prefix_gateway.metrics.adapters import AdapterSeries
+from prefix_gateway.metrics.leases import LeaseSeries
+from prefix_gateway.metrics.process import ProcessSeries
+from prefix_gateway.metrics.registry import (
     MULTIPROCESS_DIR_VARIABLE,
     Registry,
     render,
     worker_restarts_counter,
 )
-from prefix_gateway.process_series import ProcessSeries
-from prefix_gateway.tenant_metrics import TenantSeries
+from prefix_gateway.metrics.tenants import TenantSeries
 
 # fmt: off
 # Up to the default --request-timeout (3,600 s): a request that long still lands in a bucket.
@@ -332,6 +333,7 @@ class Metrics:
 
         # --- Tenants (only with `tenants:`; `anonymous` for every other client) -------------
         self.tenants = TenantSeries(r, _LATENCY_BUCKETS)
+        self.leases = LeaseSeries(r)
 
         # --- Worker processes ---------------------------------------------------------------
         self.workers = Gauge(

@@ -43,6 +43,14 @@ class TenantSeries:
             multiprocess_mode="livesum",
             registry=registry,
         )
+        self.reserved_tokens = Gauge(
+            "gateway_tenant_reserved_tokens",
+            "Tokens a tenant's admitted requests reserved against its budget and have not"
+            " settled yet.",
+            ["tenant"],
+            multiprocess_mode="livesum",
+            registry=registry,
+        )
         self.budget_remaining = Gauge(
             "gateway_tenant_budget_remaining",
             "What remains of a tenant's budget for the minute, by budget (requests, tokens).",
