@@ -177,8 +177,8 @@ class Settings:
     )
     max_pending_body_bytes: int = _opt(
         256 * 1024 * 1024,
-        "bytes of request bodies held at once by requests not yet admitted: being read or"
-        " queued for a slot (429 beyond)",
+        "bytes of request bodies held at once, each from its first byte read until its"
+        " request ends, queued or not (429 beyond)",
     )
     max_connections: int = _opt(
         4096, "client connections open at once; more are answered 503 and closed"
@@ -248,7 +248,9 @@ class Settings:
         " its engine reports others'); the rest wait here, by priority and fair share (0: off)",
     )
     budget_max_tokens: int = _opt(
-        256, "completion tokens charged ahead to a token budget when a request sets no max_tokens"
+        256,
+        "completion tokens reserved against a token budget for a request that sets no"
+        " completion limit, where no replica reports its model's context length",
     )
     upstream_ca_file: str = _opt(
         "",

@@ -151,9 +151,18 @@ def completion_limit(
 
 
 def optional_positive_int(body: Mapping[str, Any], name: str) -> int | None:
+    """A positive count, read as vLLM's pydantic models read one in lax mode: `2000`,
+    `2000.0` and `"2000"` alike."""
     value = body.get(name)
     if value is None:
         return None
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            value = None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise InvalidRequest(f"{name} must be a positive integer", param=name)
     return value

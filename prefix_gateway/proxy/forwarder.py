@@ -100,21 +100,7 @@ class Forwarder:
             relayed = Relayed(await self._cut_short(None, tries))
         finally:
             exchange.finish()
-        seen = forwarding.seen  # the relay's, also when the request was cut short
-        return Outcome(
-            relayed.status,
-            tries.decision,
-            tuple(tries.tried),
-            seen.prompt_tokens,
-            seen.cached_tokens,
-            seen.answer,
-            seen.sent_at,
-            tries.first_byte_at,
-            seen.completion_tokens,
-            tuple(tries.accepted),
-            seen.answered,
-            seen.relayed_tokens,
-        )
+        return forwarding.outcome(relayed.status)
 
     async def _attempts(self, tries: _Tries) -> Relayed:
         forwarding = tries.forwarding
@@ -262,18 +248,37 @@ class Forwarder:
 
 class _Tries:
     """The attempts so far: the decision of the latest, every backend tried and those that
-    accepted the request."""
+    accepted the request (kept on the forwarding, which outlives a failure here), and the
+    next backend chosen."""
 
-    __slots__ = ("accepted", "decision", "first_byte_at", "forwarding", "tried", "upcoming")
+    __slots__ = ("accepted", "forwarding", "tried", "upcoming")
 
     def __init__(self, forwarding: Forwarding) -> None:
         placement = forwarding.placement
         self.forwarding = forwarding
-        self.decision = placement.decision
-        self.tried = [placement.backend.name]
-        self.accepted: list[str] = []
+        forwarding.decision = placement.decision
+        self.tried = forwarding.tried
+        self.tried.append(placement.backend.name)
+        self.accepted = forwarding.accepted
         self.upcoming: tuple[Backend, Decision] | None = None
-        self.first_byte_at = 0.0
+
+    @property
+    def decision(self) -> Decision:
+        decision = self.forwarding.decision
+        assert decision is not None
+        return decision
+
+    @decision.setter
+    def decision(self, decision: Decision) -> None:
+        self.forwarding.decision = decision
+
+    @property
+    def first_byte_at(self) -> float:
+        return self.forwarding.first_byte_at
+
+    @first_byte_at.setter
+    def first_byte_at(self, at: float) -> None:
+        self.forwarding.first_byte_at = at
 
 
 def _prioritise(forwarding: Forwarding) -> None:

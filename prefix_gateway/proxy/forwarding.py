@@ -11,7 +11,7 @@ from prefix_gateway.proxy.deadlines import Exchange
 from prefix_gateway.proxy.reply import Headers, Reply
 from prefix_gateway.proxy.usage import Observation
 from prefix_gateway.routing.placement import Placement
-from prefix_gateway.routing.types import Decision
+from prefix_gateway.routing.types import Decision, Outcome
 
 GatewayHeaders = Callable[[Decision], Headers]
 """The gateway's own response headers for the attempt that answers."""
@@ -39,3 +39,28 @@ class Forwarding:
     seen: Observation = field(default_factory=Observation)
     """What the response relayed to the client carried, as far as it went (kept here, so that
     an answer the client cut short still says how far it got)."""
+    decision: Decision | None = None
+    """The decision of the latest attempt (the placement's, or a retry's)."""
+    tried: list[str] = field(default_factory=list)
+    """Every backend tried, in order."""
+    accepted: list[str] = field(default_factory=list)
+    """The backends tried that accepted the request (answered 2xx)."""
+    first_byte_at: float = 0.0
+
+    def outcome(self, status: int) -> Outcome:
+        """What came of it, as far as it went: `status` is what the client was told."""
+        seen = self.seen
+        return Outcome(
+            status,
+            self.decision or self.placement.decision,
+            tuple(self.tried) or (self.placement.backend.name,),
+            seen.prompt_tokens,
+            seen.cached_tokens,
+            seen.answer,
+            seen.sent_at,
+            self.first_byte_at,
+            seen.completion_tokens,
+            tuple(self.accepted),
+            seen.answered,
+            seen.relayed_tokens,
+        )

@@ -123,6 +123,23 @@ class ProxyHandler:
             await self.flow.stop()
         await self.deadlines.stop()
         self.intake.stop()
+        held = self.held()
+        if held:
+            log.warning("at shutdown, requests ended still hold: %s", held)
+
+    def held(self) -> dict[str, float]:
+        """What requests hold now, by lease, where it is not nothing."""
+        flow = self.flow
+        found = {
+            "admission slots": self.admission.active,
+            "admission queue places": self.admission.waiting,
+            "flow queue places": 0 if flow is None else flow.waiting,
+            "body bytes": self.bodies.held,
+            "open placements": self.open_placements,
+            "replica slots": sum(backend.in_flight for backend in self.pool.backends),
+            "reserved tokens": sum(self.reserved_tokens().values()),
+        }
+        return {name: value for name, value in found.items() if value}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await RequestLife(self, scope, receive, send).run()
@@ -150,6 +167,7 @@ class RequestLife:
         "_began",
         "_body",
         "_error",
+        "_forwarding",
         "_issued",
         "_outcome",
         "_parts",
@@ -187,6 +205,7 @@ class RequestLife:
         self._reservation: Reservation | None = None
         self._ticket: Ticket | None = None
         self._placing: Placing | None = None
+        self._forwarding: Forwarding | None = None
         self._watcher: asyncio.Task[None] | None = None
         # What it came to.
         self._request: RoutingInput | None = None
@@ -313,6 +332,7 @@ class RequestLife:
             tenant_priority=0 if held is None else held.tenant.spec.priority,
             needs_usage=held is not None and held.tenant.tokens is not None,
         )
+        self._forwarding = forwarding
         self._began = time.perf_counter()
         return await parts.forwarder.forward(forwarding)
 
@@ -331,6 +351,9 @@ class RequestLife:
         status = (
             outcome.status if outcome is not None else error.status if error is not None else 499
         )
+        if outcome is None and self._forwarding is not None:
+            # Forwarding broke off: what it got as far as it went.
+            outcome = self._outcome = self._forwarding.outcome(status)
         charged = self._charge(status, outcome)
         if self._ticket is not None:
             assert parts.flow is not None
