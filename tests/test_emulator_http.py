@@ -201,7 +201,9 @@ def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
         (b'{"messages": []}', "messages"),
         (b'{"messages": [{"role": "user", "content": 3}]}', "messages"),
         (b'{"messages": [{"role": "user", "content": ""}]}', "messages"),
-        (b'{"messages": [{"role": "user", "content": "a"}], "max_tokens": "9"}', "max_tokens"),
+        # vLLM reads "9" and 9.0 as 9 (pydantic's lax mode), but not these.
+        (b'{"messages": [{"role": "user", "content": "a"}], "max_tokens": "nine"}', "max_tokens"),
+        (b'{"messages": [{"role": "user", "content": "a"}], "max_tokens": 9.5}', "max_tokens"),
         (b'{"messages": [{"role": "user", "content": "a"}], "max_tokens": 0}', "max_tokens"),
         (b'{"messages": [{"role": "user", "content": "a"}], "max_tokens": 5000}', "max_tokens"),
         (b'{"messages": [{"role": "user", "content": "a"}], "stream": "yes"}', "stream"),

@@ -14,8 +14,9 @@ import httpx
 import pytest
 import yaml
 
+from prefix_gateway.emulator.process import EmulatorProcess
 from tests.holding_replica import HoldingReplica
-from tests.support import GatewayProcess, wait_until
+from tests.support import GatewayProcess, stall, wait_until
 
 MODEL = "held-model"
 
@@ -197,3 +198,86 @@ def test_a_negative_cap_is_refused_at_start(cap: str) -> None:
         load_settings(
             environ={"GATEWAY_BACKENDS": "http://a:1", "GATEWAY_MAX_INFLIGHT_PER_REPLICA": cap}
         )
+
+
+def test_a_follow_up_waits_for_a_slot_on_the_replica_holding_its_response(
+    tmp_path: Path,
+) -> None:
+    """A request naming a stored response goes through the queue like every other: it waits
+    for a free slot on the replica that holds the response, never past the cap."""
+    config = tmp_path / "gateway.yaml"
+    config.write_text(yaml.safe_dump({"tenants": [{"name": "team", "api_key": "team-key"}]}))
+    headers = {"authorization": "Bearer team-key"}
+    with ExitStack() as stack:
+        replica = stack.enter_context(EmulatorProcess("--decode-ms-per-token", "5"))
+        gateway = stack.enter_context(
+            GatewayProcess(
+                [replica.url],
+                *("--config", str(config), "--max-inflight-per-replica", "1"),
+                *("--queue-timeout", "300", "--stall-seconds", "3600"),
+            )
+        )
+        responses = gateway.url + "/v1/responses"
+        model = "emulated-model"
+        first = httpx.post(responses, json={"model": model, "input": "hi"}, headers=headers)
+        assert first.status_code == 200
+        stall(replica, True)
+        statuses: list[int] = []
+
+        def send(body: dict[str, Any]) -> None:
+            answer = httpx.post(responses, json=body, headers=headers, timeout=300)
+            statuses.append(answer.status_code)
+
+        holder = threading.Thread(target=send, args=({"model": model, "input": "hold it"},))
+        holder.start()
+        wait_until(lambda: gateway.metric("gateway_backend_in_flight") == 1, "the slot taken")
+        follow = {"model": model, "input": "and then?", "previous_response_id": first.json()["id"]}
+        follower = threading.Thread(target=send, args=(follow,))
+        follower.start()
+        wait_until(
+            lambda: gateway.metric("gateway_requests_waiting", queue="flow") == 1,
+            "the follow-up waiting in the queue",
+        )
+        assert replica.metric("vllm:num_requests_running") == 1
+        stall(replica, False)
+        holder.join(60)
+        follower.join(60)
+        assert statuses == [200, 200]
+
+
+def test_an_adapter_loading_on_demand_holds_up_no_other_request(tmp_path: Path) -> None:
+    """The load is the adapter request's own wait: a request for the base model, sent while
+    the load runs, is answered before it ends."""
+    config = tmp_path / "gateway.yaml"
+    config.write_text("lora_adapters:\n  - {name: lazy, path: /a/lazy}\n")
+    with ExitStack() as stack:
+        replica = stack.enter_context(
+            EmulatorProcess("--enable-lora", "--lora-load-ms", "8000", "--max-loras", "1")
+        )
+        gateway = stack.enter_context(
+            GatewayProcess(
+                [replica.url],
+                *("--config", str(config), "--max-inflight-per-replica", "4"),
+                *("--queue-timeout", "300"),
+            )
+        )
+        url = gateway.url + "/v1/completions"
+        adapter: list[int] = []
+        loading = threading.Thread(
+            target=lambda: adapter.append(
+                httpx.post(
+                    url, json={"model": "lazy", "prompt": "x", "max_tokens": 2}, timeout=120
+                ).status_code
+            )
+        )
+        loading.start()
+        wait_until(
+            lambda: replica.metric("emulator:lora_loads_running") == 1, "the adapter loading"
+        )
+        base = httpx.post(
+            url, json={"model": "emulated-model", "prompt": "y", "max_tokens": 2}, timeout=120
+        )
+        loads_done = replica.metric("emulator:lora_loads_total")
+        loading.join(120)
+    assert base.status_code == 200 and adapter == [200]
+    assert loads_done == 0  # answered while the adapter was still loading

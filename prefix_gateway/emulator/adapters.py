@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from prefix_gateway.emulator.errors import EmulatorError
@@ -56,6 +56,8 @@ class Adapters:
         self._swap_seconds = swap_seconds
         self._slots: OrderedDict[str, None] = OrderedDict()
         self.loads = 0
+        self.loading = 0
+        """Loads under way (they take `--lora-load-ms`)."""
         self.unloads = 0
         self.swaps = 0
 
@@ -92,7 +94,11 @@ class Adapters:
                 " adapter in place, set 'load_inplace' to True."
             )
         if self._load_seconds > 0:
-            await asyncio.sleep(self._load_seconds)
+            self.loading += 1
+            try:
+                await asyncio.sleep(self._load_seconds)
+            finally:
+                self.loading -= 1
         self.served[name] = path
         self.loads += 1
         return f"Success: LoRA adapter '{name}' added successfully.".encode()
@@ -139,3 +145,8 @@ class AdapterCollector(Collector):
             family = CounterMetricFamily(name, documentation, labels=["model_name"])
             family.add_metric([self._model_name], value)
             yield family
+        loading = GaugeMetricFamily(
+            "emulator:lora_loads_running", "LoRA adapter loads under way.", labels=["model_name"]
+        )
+        loading.add_metric([self._model_name], adapters.loading)
+        yield loading
