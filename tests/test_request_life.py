@@ -19,7 +19,7 @@ import json
 import os
 import signal
 import socket
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterable, Iterator, MutableMapping
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -174,6 +174,27 @@ def fill_the_slots(gateway: GatewayProcess, stalled: EmulatedReplicas) -> list[R
     return holders
 
 
+def refused_at_once(gateway: GatewayProcess, text: str) -> str:
+    """The error code of a request the gateway refuses without reaching a replica."""
+    answer = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        json=chat(text, 4, stream=False),
+        headers={"authorization": f"Bearer {KEY}"},
+        timeout=60,
+    )
+    assert answer.status_code == 429, answer.text
+    code: str = answer.json()["error"]["code"]
+    return code
+
+
+def let_go(stalled: EmulatedReplicas, clients: Iterable[RawClient]) -> None:
+    """The replicas let go; every client's stream read to its end."""
+    for replica in stalled.replicas:
+        stall(replica, False)
+    for client in clients:
+        assert b"[DONE]" in client.read_to_end()
+
+
 def test_an_answered_request_gives_everything_back_and_is_charged_what_it_used(
     gateway: GatewayProcess,
 ) -> None:
@@ -211,10 +232,7 @@ def test_a_client_gone_while_queued_leaves_the_queue_and_reaches_no_replica(
         lambda: gateway.metric("gateway_requests_waiting", queue="flow") == 0,
         "the queue left at once",
     )
-    for replica in stalled.replicas:
-        stall(replica, False)
-    for holder in holders:
-        assert b"[DONE]" in holder.read_to_end()
+    let_go(stalled, holders)
     given_back(gateway)
     wait_until(lambda: reached(stalled) == arrived + 2, "the two holders finished")
     assert tokens(gateway)["completion"] - before["completion"] == 4 + 4
@@ -263,17 +281,8 @@ def test_a_full_queue_refuses_and_a_refusal_costs_nothing(
     holders = fill_the_slots(gateway, stalled)
     waiting = RawClient(gateway, chat("waits", 4))
     wait_until(lambda: gateway.metric("gateway_requests_waiting", queue="flow") == 1, "one waiting")
-    refused = httpx.post(
-        gateway.url + "/v1/chat/completions",
-        json=chat("one too many", 4, stream=False),
-        headers={"authorization": f"Bearer {KEY}"},
-        timeout=60,
-    )
-    assert refused.status_code == 429 and refused.json()["error"]["code"] == "overloaded"
-    for replica in stalled.replicas:
-        stall(replica, False)
-    for client in (*holders, waiting):
-        assert b"[DONE]" in client.read_to_end()
+    assert refused_at_once(gateway, "one too many") == "overloaded"
+    let_go(stalled, (*holders, waiting))
     given_back(gateway)
     assert tokens(gateway)["completion"] - before["completion"] == 3 * 4
 
@@ -291,17 +300,8 @@ def test_a_queue_timeout_gives_back_its_place_and_its_reservation(
         )
         before = tokens(gateway)
         holders = fill_the_slots(gateway, stalled)
-        late = httpx.post(
-            gateway.url + "/v1/chat/completions",
-            json=chat("too late", 4, stream=False),
-            headers={"authorization": f"Bearer {KEY}"},
-            timeout=60,
-        )
-        assert late.status_code == 429 and late.json()["error"]["code"] == "queue_timeout"
-        for replica in stalled.replicas:
-            stall(replica, False)
-        for holder in holders:
-            holder.read_to_end()
+        assert refused_at_once(gateway, "too late") == "queue_timeout"
+        let_go(stalled, holders)
         given_back(gateway)
         assert tokens(gateway)["completion"] - before["completion"] == 2 * 4
 

@@ -1,7 +1,8 @@
 """The only changes the gateway makes to a request body on its way to a replica.
 
-A body goes upstream byte for byte, except: with `--observe-usage`, a stream whose client did
-not ask for usage asks for it (the usage event is taken out again on the way back); under
+A body goes upstream byte for byte, except: with `--observe-usage`, or for a tenant with a
+token budget (charged what the engine reports), a stream whose client did not ask for usage
+asks for it (the usage event is taken out again on the way back); under
 `--isolate-tenants`, every request carries its tenant's `cache_salt`, so that the engine keeps
 each tenant's cached prefixes apart; under `--forward-priority`, every request that runs the
 model carries its tenant's `priority` in the engine's terms. Each splices a key in before the
