@@ -41,6 +41,7 @@ import aiohttp
 import httpx
 import orjson
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -61,11 +62,19 @@ Flooded = TypeVar("Flooded")
 
 
 @dataclass(frozen=True)
+class Options:
+    checkout: str | None
+    """The checkout whose gateway runs (None: this one)."""
+    prefill_us: float
+    """Microseconds of prefill per prompt token in the quiet-tail row's replicas."""
+
+
+@dataclass(frozen=True)
 class Row:
     name: str
     sends: str
-    measure: Callable[[str | None], str]
-    """Runs the row against the gateway of a checkout (None: this one); what it measured."""
+    measure: Callable[[Options], str]
+    """Runs the row; what it measured."""
 
 
 # --- processes -------------------------------------------------------------------------------
@@ -102,9 +111,15 @@ def engine_tokens(replicas: EmulatedReplicas) -> float:
     return total
 
 
-def engine_requests(replicas: EmulatedReplicas) -> float:
-    """Requests the replicas' engines have finished so far, for any reason (aborts too)."""
-    return sum(replica.metric("vllm:request_success_total") for replica in replicas.replicas)
+def engine_requests(replicas: EmulatedReplicas) -> Counter[str]:
+    """Requests the replicas' engines have finished so far, by finished reason: "abort" for
+    those cut short, while running or waiting in the engine."""
+    found: Counter[str] = Counter()
+    for replica in replicas.replicas:
+        for reason in ("stop", "length", "abort"):
+            value = replica.metric("vllm:request_success_total", finished_reason=reason)
+            found[reason] += int(value)
+    return found
 
 
 def wait_idle(replicas: EmulatedReplicas, seconds: float = 30.0) -> None:
@@ -121,9 +136,23 @@ def wait_idle(replicas: EmulatedReplicas, seconds: float = 30.0) -> None:
         time.sleep(0.1)
 
 
+def rejections(gateway: GatewayProcess) -> Counter[str]:
+    """What the gateway answered on its own account so far, by status and error code."""
+    found: Counter[str] = Counter()
+    for family in text_string_to_metric_families(gateway.metrics_text()):
+        for sample in family.samples:
+            if sample.name == "gateway_rejected_requests_total" and sample.value:
+                labels = sample.labels
+                found[f"{labels.get('status')} {labels.get('code')}"] += int(sample.value)
+    return found
+
+
 def tenant_of(gateway: GatewayProcess, name: str) -> dict[str, Any]:
     """Tenant `name` as `/admin/tenants` shows it (empty if it is not shown)."""
-    answer = httpx.get(gateway.url + "/admin/tenants", timeout=10)
+    try:
+        answer = httpx.get(gateway.url + "/admin/tenants", timeout=30)
+    except httpx.HTTPError:
+        return {}
     if answer.status_code != 200:
         return {}
     for tenant in answer.json().get("data", []):
@@ -199,7 +228,7 @@ def auth(key: str) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"}
 
 
-def session() -> aiohttp.ClientSession:
+def http_client() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=300)
     )
@@ -221,7 +250,7 @@ async def chat_loop(
     statuses: Counter[str] = Counter()
     began = time.monotonic()
     turn = 0
-    async with session() as client:
+    async with http_client() as client:
         while time.monotonic() - began < seconds:
             url_path = url + "/v1/chat/completions"
             async with client.post(url_path, json=body_of(turn), headers=auth("abuser-key")) as r:
@@ -244,7 +273,7 @@ async def burst(url: str, bodies: list[dict[str, Any]]) -> tuple[Counter[str], l
     """`bodies` sent at once as non-streamed chat requests: their statuses, the error messages
     of those refused, and the seconds until the last answer."""
     began = time.monotonic()
-    async with session() as client:
+    async with http_client() as client:
 
         async def one(body: dict[str, Any]) -> tuple[str, str]:
             url_path = url + "/v1/chat/completions"
@@ -319,7 +348,8 @@ def client_process() -> Iterator[ProcessPoolExecutor]:
 # --- rows: budgets ---------------------------------------------------------------------------
 
 
-def cut_before_usage(checkout: str | None) -> str:
+def cut_before_usage(options: Options) -> str:
+    checkout = options.checkout
     emulator = ["--decode-ms-per-token", "5"]
     with fleet(1, emulator, LIMITED, checkout) as (replicas, gateway):
 
@@ -340,7 +370,8 @@ def cut_before_usage(checkout: str | None) -> str:
     return f"{budget_figures(processed, seconds)}; {tenant_figures(view)}; {tally(statuses)}"
 
 
-def no_include_usage(checkout: str | None) -> str:
+def no_include_usage(options: Options) -> str:
+    checkout = options.checkout
     # A context of 2,048 tokens, and no default of the emulator's own below it: as vLLM, a
     # request without a limit generates until the context is full.
     emulator = ["--cache-blocks", "128", "--default-max-tokens", "1000000"]
@@ -367,6 +398,7 @@ def limited_burst(checkout: str | None, bodies: list[dict[str, Any]]) -> str:
         statuses, messages, seconds = asyncio.run(burst(gateway.url, bodies))
         wait_idle(replicas)
         processed = engine_tokens(replicas) - before
+        view = tenant_of(gateway, "abuser")
     requested = sorted(
         {int(found) for m in messages for found in re.findall(r"requested (\d+)", m)}
     )
@@ -375,7 +407,7 @@ def limited_burst(checkout: str | None, bodies: list[dict[str, Any]]) -> str:
     said = f"; replica said: {others[0][:80]}" if others else ""
     return (
         f"{tally(statuses)}; reservation in the 429 message: {asked}{said};"
-        f" {budget_figures(processed, seconds)}"
+        f" {budget_figures(processed, seconds)}; {tenant_figures(view)}"
     )
 
 
@@ -383,7 +415,8 @@ def question(turn: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"report {turn}: write it"}]
 
 
-def burst_max_completion(checkout: str | None) -> str:
+def burst_max_completion(options: Options) -> str:
+    checkout = options.checkout
     bodies = [
         {"model": MODEL, "messages": question(turn), "max_tokens": 1,
          "max_completion_tokens": 2000}
@@ -392,7 +425,8 @@ def burst_max_completion(checkout: str | None) -> str:
     return limited_burst(checkout, bodies)
 
 
-def lenient_limits(checkout: str | None) -> str:
+def lenient_limits(options: Options) -> str:
+    checkout = options.checkout
     found = []
     for label, limits in (
         ('`max_tokens: "2000"`', {"max_tokens": "2000"}),
@@ -425,7 +459,7 @@ async def follow_ups(url: str, width: int, stop: asyncio.Event) -> tuple[Counter
     statuses, and on how many replicas the responses they follow are stored."""
     statuses: Counter[str] = Counter()
     rng = random.Random(1)
-    async with session() as client:
+    async with http_client() as client:
         roots = await stored_roots(client, url)
 
         async def lane(number: int) -> None:
@@ -464,7 +498,8 @@ async def beside(
     return found, await flooding
 
 
-def follow_up_flood(checkout: str | None) -> str:
+def follow_up_flood(options: Options) -> str:
+    checkout = options.checkout
     emulator = ["--max-running", "8", "--decode-ms-per-token", "4"]
     gateway_args = ["--max-inflight-per-replica", "8", "--queue-timeout", "600"]
     gateway_args += ["--max-queue", "4096", "--max-concurrency", "4096"]
@@ -487,8 +522,10 @@ def follow_up_flood(checkout: str | None) -> str:
     )
 
 
-def quiet_tail(checkout: str | None) -> str:
+def quiet_tail(options: Options) -> str:
+    checkout = options.checkout
     emulator = ["--max-running", str(neighbours.SLOTS), "--decode-ms-per-token", "4"]
+    emulator += ["--prefill-us-per-token", str(options.prefill_us)]
     gateway_args = ["--max-inflight-per-replica", str(neighbours.SLOTS), "--queue-timeout", "600"]
     gateway_args += ["--max-queue", "4096", "--max-concurrency", "4096"]
     width, seconds = 8 * 2 * neighbours.SLOTS, 15.0
@@ -499,7 +536,7 @@ def quiet_tail(checkout: str | None) -> str:
         alone = pool.submit(neighbours.steady_client, gateway.url, "b-key", seconds).result()
 
         async def flood(stop: asyncio.Event) -> None:
-            async with session() as client:
+            async with http_client() as client:
                 # tenants.py's flood runs to a deadline: past B's last request, then
                 # stopped when B is done.
                 until = time.monotonic() + 2 + seconds + 30
@@ -515,33 +552,45 @@ def quiet_tail(checkout: str | None) -> str:
         near, _ = asyncio.run(beside(pool, quiet_run, flood))
     ratio = percentile(near, 0.99) / percentile(alone, 0.99)
     return (
-        f"B alone: {latencies(alone)}; beside A ({width} in flight): {latencies(near)};"
-        f" p99 beside / alone **{ratio:.2f}x**"
+        f"prefill {options.prefill_us:g} µs a prompt token; B alone: {latencies(alone)};"
+        f" beside A ({width} in flight): {latencies(near)}; p99 beside / alone **{ratio:.2f}x**"
     )
 
 
 # --- rows: memory and the queue's dead ------------------------------------------------------
 
 
-async def send_and_hold(host: str, port: int, payload: bytes, hold: float) -> str:
-    """`payload` sent on a connection of its own, then up to `hold` s for an answer, then the
-    connection closed: the status answered, "queued" if none came, "reset" if it was cut."""
+async def send_and_hold(
+    host: str, port: int, payload: bytes, release: asyncio.Event, sent: asyncio.Event
+) -> str:
+    """`payload` sent on a connection of its own (`sent` set once it is written), then the
+    connection held until an answer comes or `release`: the status answered, "held" if none
+    came, "closed" if the gateway closed the connection without an answer that could be read.
+    """
     try:
         reader, writer = await asyncio.open_connection(host, port)
     except OSError:
+        sent.set()
         return "not connected"
     try:
         with contextlib.suppress(ConnectionError):
             # Refused before the body was in, the answer may still be there to read.
             writer.write(payload)
             await writer.drain()
-        head = await asyncio.wait_for(reader.read(64), hold)
-        return head.split(b" ", 2)[1].decode() if head.startswith(b"HTTP/1.1 ") else "reset"
-    except TimeoutError:
-        return "queued"
+        sent.set()
+        answer = asyncio.ensure_future(reader.read(64))
+        released = asyncio.ensure_future(release.wait())
+        await asyncio.wait((answer, released), return_when=asyncio.FIRST_COMPLETED)
+        released.cancel()
+        if not answer.done():
+            answer.cancel()
+            return "held"
+        head = answer.result()
+        return head.split(b" ", 2)[1].decode() if head.startswith(b"HTTP/1.1 ") else "closed"
     except ConnectionError:
-        return "reset"
+        return "closed"
     finally:
+        sent.set()
         writer.close()
 
 
@@ -552,7 +601,8 @@ def raw_request(body: bytes, key: str) -> bytes:
     ) + body
 
 
-def queued_bodies(checkout: str | None) -> str:
+def queued_bodies(options: Options) -> str:
+    checkout = options.checkout
     gateway_args = ["--max-inflight-per-replica", "1", "--max-pending-body-bytes", str(32 * MIB)]
     # The held request never gets a token: not a stall to act on, here.
     gateway_args += ["--queue-timeout", "60", "--stall-seconds", "600"]
@@ -566,33 +616,45 @@ def queued_bodies(checkout: str | None) -> str:
         try:
             host, port = gateway.host, gateway.port
 
-            async def attack() -> tuple[Counter[str], float, float]:
-                holder = asyncio.create_task(
-                    send_and_hold(host, port, raw_request(small, "b-key"), 60)
+            async def attack() -> tuple[Counter[str], Counter[str], float, float]:
+                release = asyncio.Event()
+                holding = send_and_hold(
+                    host, port, raw_request(small, "b-key"), release, asyncio.Event()
                 )
+                holder = asyncio.create_task(holding)
                 while not replica.metric("vllm:num_requests_running"):
                     await asyncio.sleep(0.05)
+                rejected = rejections(gateway)
                 before = vm_kib(gateway.pid, "VmRSS")
                 with open(f"/proc/{gateway.pid}/clear_refs", "w", encoding="ascii") as refs:
                     refs.write("5")  # VmHWM starts again from VmRSS
                 began = time.monotonic()
-                statuses = Counter(
-                    await asyncio.gather(*(send_and_hold(host, port, large, 5) for _ in range(60)))
-                )
+                bodies = []
+                for _ in range(60):
+                    # One after another, as a client with one connection per body would:
+                    # each body is read whole before most of the next is.
+                    sent = asyncio.Event()
+                    bodies.append(
+                        asyncio.create_task(send_and_hold(host, port, large, release, sent))
+                    )
+                    await sent.wait()
                 seconds = time.monotonic() - began
+                await asyncio.sleep(3)  # the gateway reads what is still in the sockets
+                refusals = rejections(gateway) - rejected
+                release.set()
+                statuses = Counter(await asyncio.gather(*bodies))
                 await asyncio.sleep(1)
                 growth = (vm_kib(gateway.pid, "VmHWM") - before) / 1024
-                holder.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await holder
-                return statuses, growth, seconds
+                await holder
+                return statuses, refusals, growth, seconds
 
-            statuses, growth, seconds = asyncio.run(attack())
+            statuses, refusals, growth, seconds = asyncio.run(attack())
         finally:
             stall(replica, False)
     return (
-        f"peak RSS growth **{growth:,.0f} MiB**; answers within 5 s of each body:"
-        f" {tally(statuses)} ({seconds:.1f} s)"
+        f"peak RSS growth **{growth:,.0f} MiB**; sent in {seconds:.1f} s; what each got"
+        f" before it was closed 3 s after the last: {tally(statuses)}; refused by the gateway's"
+        f" count: {tally(refusals)}"
     )
 
 
@@ -625,7 +687,7 @@ async def abandoning(host: str, port: int, rate: float, seconds: float) -> Count
 async def filling(url: str, width: int, stop: asyncio.Event) -> Counter[str]:
     """Tenant A keeping the slots busy: `width` loops of 64-token answers until `stop`."""
     statuses: Counter[str] = Counter()
-    async with session() as client:
+    async with http_client() as client:
 
         async def lane(number: int) -> None:
             turn = 0
@@ -645,7 +707,8 @@ async def filling(url: str, width: int, stop: asyncio.Event) -> Counter[str]:
     return statuses
 
 
-def abandoned_queued(checkout: str | None) -> str:
+def abandoned_queued(options: Options) -> str:
+    checkout = options.checkout
     emulator = ["--max-running", "4", "--decode-ms-per-token", "5"]
     tenants = [*TWO_TENANTS, {"name": "c", "api_key": "c-key"}]
     # The queue's own bounds at their defaults (--max-queue 512, --queue-timeout 5).
@@ -657,6 +720,7 @@ def abandoned_queued(checkout: str | None) -> str:
         client_process() as pool,
     ):
         before = engine_requests(replicas)
+        rejected = rejections(gateway)
 
         async def run() -> tuple[list[tuple[str, float]], Counter[str], Counter[str], int]:
             stop = asyncio.Event()
@@ -676,16 +740,19 @@ def abandoned_queued(checkout: str | None) -> str:
 
         found, filled, sent, peak_waiting = asyncio.run(run())
         wait_idle(replicas)
-        reached = engine_requests(replicas) - before
+        ended = engine_requests(replicas) - before
+        refusals = rejections(gateway) - rejected
     answered_b = sum(status == "200" for status, _ in found)
-    # Every request that reached an engine ends there once (answered, cut or dropped while it
-    # waited): what the filler and B were answered is theirs, the rest the attacker's.
-    abandoned = reached - filled["200"] - answered_b
+    # Every request that reached an engine ends there once: answered whole ("length"), or cut
+    # short or dropped while it waited there ("abort"). The filler's and B's were all read
+    # whole; the rest are the attacker's.
+    ran = ended["length"] + ended["stop"] - filled["200"] - answered_b
     return (
         f"B answered within 10 s: **{answered_b}/{len(found)}**"
         f" ({tally(Counter(status for status, _ in found))}); abandoned requests {tally(sent)},"
-        f" reaching a replica: **{number(abandoned)}**; C waiting at most {peak_waiting:,};"
-        f" A (keeping the slots busy): {tally(filled)}"
+        f" reaching a replica: **{number(ran + ended['abort'])}** (run to their end {ran:,},"
+        f" cut {ended['abort']:,}); C waiting at most {peak_waiting:,} (sampled every 0.5 s);"
+        f" the gateway's refusals: {tally(refusals)}; A (keeping the slots busy): {tally(filled)}"
     )
 
 
@@ -726,7 +793,8 @@ ROWS = [
     Row(
         "queued-bodies",
         "`--max-pending-body-bytes` 32 MiB, `--max-inflight-per-replica 1`, its slot held by a"
-        " request on a stalled replica; 60 bodies of 7 MB sent at once, each closed 5 s later",
+        " request on a stalled replica; 60 bodies of 7 MB sent one after another, each on a"
+        " connection of its own, all closed 3 s after the last",
         queued_bodies,
     ),
     Row(
@@ -765,12 +833,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkout", help="run this checkout's gateway (default: this one's)")
     parser.add_argument("--rows", default=",".join(row.name for row in ROWS))
+    parser.add_argument(
+        "--prefill-us-per-token",
+        type=float,
+        default=0.0,
+        help="quiet-tail: the replicas' prefill cost per prompt token (default: none, as in"
+        " loadtest/tenants.py)",
+    )
     given = parser.parse_args()
     chosen = given.rows.split(",")
     unknown = set(chosen) - {row.name for row in ROWS}
     if unknown:
         parser.error(f"unknown rows: {', '.join(sorted(unknown))}")
     checkout = str(Path(given.checkout).resolve()) if given.checkout else None
+    options = Options(checkout, given.prefill_us_per_token)
     # The replicas (and, without --checkout, the gateway) run from this checkout.
     os.chdir(ROOT)
     print(f"    python loadtest/tenant_abuse.py {' '.join(sys.argv[1:])}".rstrip())
@@ -783,7 +859,11 @@ def main() -> None:
     for row in ROWS:
         if row.name in chosen:
             before = load()
-            print(f"| {row.name} | {row.sends} | {row.measure(checkout)} | {before} |", flush=True)
+            try:
+                measured = row.measure(options)
+            except Exception as failure:  # the other rows are still worth measuring
+                measured = f"failed: {type(failure).__name__}: {failure}"
+            print(f"| {row.name} | {row.sends} | {measured} | {before} |", flush=True)
     print(f"\nload average at the end: {load()}")
 
 
