@@ -268,7 +268,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             cycle.disconnected = True  # the response is left unfinished on purpose
         self.transport.abort()
 
+    def hung_up(self) -> bool:
+        """Whether the client has hung up, as its socket says now (`CoalescingTransport`)."""
+        return cast(CoalescingTransport, self.transport).hung_up()
+
     def connection_lost(self, exc: Exception | None) -> None:
+        transport = getattr(self, "transport", None)
+        if isinstance(transport, CoalescingTransport):
+            transport.lost()
         if self._peer is not None:
             self.clients.release(self._peer)
             self._peer = None

@@ -289,16 +289,20 @@ class Flow:
         )
 
     def _fits(self, ticket: Ticket, now: float) -> bool:
-        """Whether `ticket` may have its turn now: its replica (or one of its model's) has a
-        free slot beyond those kept for quiet tenants and the turns already given."""
+        """Whether `ticket` may have its turn now: the replica it waits for has a free slot
+        (the one its stored response is on; the one holding its prefix, for a while), and
+        its model's replicas a free slot beyond the turns already given and those kept for
+        quiet tenants."""
         holder = ticket.holder
-        if ticket.pinned:
-            return holder is None or self._free_slots(holder) > 0
-        if holder is not None and now - ticket.since < _AFFINITY_WAIT and not self.room(holder):
+        if (
+            holder is not None
+            and (ticket.pinned or now - ticket.since < _AFFINITY_WAIT)
+            and not self.room(holder)
+        ):
             return False
         serving = self._pool.serving(ticket.model)
         if serving is None:
-            return True  # no replica at all: placing it says why
+            return True  # no replica of its model at all: placing it says why
         free = sum(self._free_slots(backend) for backend in serving.backends)
         free -= self._turns.get(ticket.model, 0)
         most_kept = int(self.capacity * len(serving.backends) * _MOST_KEPT)

@@ -44,6 +44,7 @@ from prefix_gateway.proxy.deadlines import (
     DeadlineWatch,
     Exchange,
     Interrupted,
+    Why,
     client_error,
 )
 from prefix_gateway.proxy.flow import Flow, Ticket
@@ -250,6 +251,10 @@ class RequestLife:
         self._request = request
         await self._admit(request)
         placement = await self._place(request)
+        connection = scope.get(CLIENT_CONNECTION)
+        if connection is not None and connection.hung_up():
+            # Its client left as it was placed: nothing is sent to compute an unread answer.
+            raise Interrupted(Why.DISCONNECTED)
         self._outcome = await self._forward(placement, body, path)
 
     def _watch_client(self) -> None:
