@@ -67,6 +67,8 @@ class Options:
     """The checkout whose gateway runs (None: this one)."""
     prefill_us: float
     """Microseconds of prefill per prompt token in the quiet-tail row's replicas."""
+    document_words: int = 0
+    """Words of a document of its own in each of B's questions in the quiet-tail row."""
 
 
 @dataclass(frozen=True)
@@ -533,7 +535,10 @@ def quiet_tail(options: Options) -> str:
         fleet(2, emulator, TWO_TENANTS, checkout, *gateway_args) as (_, gateway),
         client_process() as pool,
     ):
-        alone = pool.submit(neighbours.steady_client, gateway.url, "b-key", seconds).result()
+        document = options.document_words
+        alone = pool.submit(
+            neighbours.steady_client, gateway.url, "b-key", seconds, document
+        ).result()
 
         async def flood(stop: asyncio.Event) -> None:
             async with http_client() as client:
@@ -548,11 +553,14 @@ def quiet_tail(options: Options) -> str:
                 with contextlib.suppress(asyncio.CancelledError):
                     await flooding
 
-        quiet_run = functools.partial(neighbours.steady_client, gateway.url, "b-key", seconds)
+        quiet_run = functools.partial(
+            neighbours.steady_client, gateway.url, "b-key", seconds, document
+        )
         near, _ = asyncio.run(beside(pool, quiet_run, flood))
     ratio = percentile(near, 0.99) / percentile(alone, 0.99)
     return (
-        f"prefill {options.prefill_us:g} µs a prompt token; B alone: {latencies(alone)};"
+        f"prefill {options.prefill_us:g} µs a prompt token, B's question about a document of"
+        f" {options.document_words} words; B alone: {latencies(alone)};"
         f" beside A ({width} in flight): {latencies(near)}; p99 beside / alone **{ratio:.2f}x**"
     )
 
@@ -840,13 +848,20 @@ def main() -> None:
         help="quiet-tail: the replicas' prefill cost per prompt token (default: none, as in"
         " loadtest/tenants.py)",
     )
+    parser.add_argument(
+        "--document-words",
+        type=int,
+        default=0,
+        help="quiet-tail: each of B's questions carries a document of this many words of its"
+        " own (default: none)",
+    )
     given = parser.parse_args()
     chosen = given.rows.split(",")
     unknown = set(chosen) - {row.name for row in ROWS}
     if unknown:
         parser.error(f"unknown rows: {', '.join(sorted(unknown))}")
     checkout = str(Path(given.checkout).resolve()) if given.checkout else None
-    options = Options(checkout, given.prefill_us_per_token)
+    options = Options(checkout, given.prefill_us_per_token, given.document_words)
     # The replicas (and, without --checkout, the gateway) run from this checkout.
     os.chdir(ROOT)
     print(f"    python loadtest/tenant_abuse.py {' '.join(sys.argv[1:])}".rstrip())

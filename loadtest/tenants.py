@@ -99,22 +99,28 @@ async def flood(
     return found
 
 
-async def steady(url: str, key: str, seconds: float) -> list[float]:
-    """One short request at a time, with a pause between, for `seconds`."""
+async def steady(url: str, key: str, seconds: float, document_words: int = 0) -> list[float]:
+    """One short request at a time, with a pause between, for `seconds`; each asks about a
+    document of `document_words` words of its own (none: a bare question), whose prefill is
+    most of its time to first token when the replicas' prefill has a cost."""
     found: list[float] = []
     turn = 0
     until = time.monotonic() + seconds
+    words = ("ledger", "harbour", "copper", "meadow", "signal", "lantern", "orchard", "vessel")
+    run = random.Random().randrange(1 << 30)  # this client's documents are new to every cache
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
         while time.monotonic() < until:
-            found.append(await first_token(session, url, key, f"quick question {turn}?", 16))
+            document = " ".join(words[(turn + n) % len(words)] for n in range(document_words))
+            text = f"{run} {turn}: {document} quick question {turn}?"
+            found.append(await first_token(session, url, key, text, 16))
             turn += 1
             await asyncio.sleep(0.2)
     return found
 
 
-def steady_client(url: str, key: str, seconds: float) -> list[float]:
+def steady_client(url: str, key: str, seconds: float, document_words: int = 0) -> list[float]:
     """`steady` in the process it is called in (B's own client process)."""
-    return asyncio.run(steady(url, key, seconds))
+    return asyncio.run(steady(url, key, seconds, document_words))
 
 
 def quantiles(values: list[float]) -> tuple[float, float, float]:

@@ -21,10 +21,13 @@ the backend's own count of requests in flight, the only one. Until it has, its t
 against its model's free slots, so that no more turns are given than there are slots; a request
 that finds every slot taken after all goes back to the head of its tenant's line.
 
-A tenant that had nothing waiting starts level with the least served tenant waiting (it gains
-no credit for its idle time). A request waits at most `--queue-timeout` s, and at most
-`--max-queue` wait at once: beyond, a 429 that says so. Whatever ends a request, its place
-here is given back once, by `release`.
+Service is counted from where the queue stands: each priority has a level, the service of the
+tenant last given a turn (as in start-time fair queueing, where it is the virtual time), and a
+tenant that had nothing waiting starts at that level if it is behind it. It gains no credit for
+its idle time, and owes nothing for what it was served while no one else wanted the replicas.
+
+A request waits at most `--queue-timeout` s, and at most `--max-queue` wait at once: beyond, a
+429 that says so. Whatever ends a request, its place here is given back once, by `release`.
 """
 
 from __future__ import annotations
@@ -121,6 +124,9 @@ class Flow:
         """Per model, the requests given their turn that have not placed themselves yet."""
         self._turns_at: dict[str, int] = {}
         """The same per backend, for requests that can go to one backend only."""
+        self._level: dict[int, float] = {}
+        """Per priority, the service of the tenant last given a turn: where a tenant that had
+        nothing waiting starts."""
         self.waiting = 0
         self._closed = False
         self._wake = asyncio.Event()
@@ -183,7 +189,7 @@ class Flow:
     async def _wait(self, ticket: Ticket, front: bool) -> None:
         lane = ticket.lane
         if not lane.waiting:
-            lane.settled = max(lane.settled, self._least_settled(lane.priority))
+            lane.settled = max(lane.settled, self._level.get(lane.priority, 0.0))
         ticket.turn = asyncio.get_running_loop().create_future()
         if front:
             lane.waiting.appendleft(ticket)
@@ -242,6 +248,10 @@ class Flow:
         self._wake.set()
 
     def _give_turn(self, ticket: Ticket) -> None:
+        lane = ticket.lane
+        level = self._level.get(lane.priority, 0.0)
+        if lane.service > level:
+            self._level[lane.priority] = lane.service
         ticket.stage = Stage.TURN
         if ticket.pinned and ticket.holder is not None:
             name = ticket.holder.name
@@ -267,16 +277,6 @@ class Flow:
         turn = ticket.turn
         if turn is not None and not turn.done():
             turn.cancel()
-
-    def _least_settled(self, priority: int) -> float:
-        """Where a tenant that had nothing waiting starts: level with the least served tenant
-        of its priority that is waiting (it gains no credit for its idle time)."""
-        busy = [
-            lane.settled
-            for lane in self._lanes.values()
-            if lane.waiting and lane.priority == priority
-        ]
-        return min(busy, default=0.0)
 
     def _free_slots(self, backend: Backend) -> int:
         taken = backend.in_flight + backend.queued + self._turns_at.get(backend.name, 0)

@@ -359,10 +359,10 @@ class RequestLife:
         if outcome is None and self._forwarding is not None:
             # Forwarding broke off: what it got as far as it went.
             outcome = self._outcome = self._forwarding.outcome(status)
-        charged = self._charge(status, outcome)
+        served = self._charge(status, outcome)
         if self._ticket is not None:
             assert parts.flow is not None
-            parts.flow.release(self._ticket, charged)
+            parts.flow.release(self._ticket, served)
         if self._admitted:
             parts.admission.leave()
         self._body.release()
@@ -381,7 +381,10 @@ class RequestLife:
                 log.exception("settling request %s failed", self.request_id)
 
     def _charge(self, status: int, outcome: Outcome | None) -> float:
-        """Its tenant settled, charged for what it used, and counted: the tokens charged."""
+        """Its tenant settled, charged for what it used, and counted; the service it received,
+        in tokens, as the fair queue counts it: what it was charged, or, sent to a replica and
+        charged nothing (its client left before its first byte), its prompt, which the
+        replica was given to compute and its slot held meanwhile."""
         parts = self._parts
         gate = parts.tenants
         request = self._request
@@ -396,7 +399,9 @@ class RequestLife:
                 gate.settle(self._reservation, status, usage)
             else:
                 gate.refused(self._tenant, status)
-        return 0.0 if usage is None else used_cost(usage, parts.settings.cached_token_cost)
+        if usage is None:
+            return prompt if outcome is not None and outcome.tried else 0.0
+        return used_cost(usage, parts.settings.cached_token_cost)
 
     def _gateway_headers(self, decision: Decision) -> Headers:
         headers = [
