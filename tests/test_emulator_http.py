@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import openai
@@ -184,7 +184,19 @@ def test_health_and_metrics(replica: EmulatorProcess) -> None:
     assert 'model_name="emulated-model"' in text
 
 
-def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
+class Answered(Protocol):
+    """A response of httpx, or of the one the official client is built on."""
+
+    @property
+    def status_code(self) -> int: ...
+
+    @property
+    def text(self) -> str: ...
+
+    def json(self) -> Any: ...
+
+
+def error_of(response: Answered, status: int) -> dict[str, Any]:
     assert response.status_code == status, response.text
     error: dict[str, Any] = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
