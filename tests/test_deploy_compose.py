@@ -187,3 +187,24 @@ def test_grafanas_admin_password_must_be_given_and_has_no_default() -> None:
         SERVICES["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"]
         == REQUIRED[match.group("name")]
     )
+
+
+_REPOSITORY_PATH = re.compile(
+    r"(?<![\w./-])((?:k8s|deploy|docs|scripts|loadtest|engines|prefix_gateway)/[\w./-]*\w)"
+)
+
+
+def test_every_repository_path_the_deployment_files_name_exists() -> None:
+    """A comment that sends the reader to a file that moved is a dead end."""
+    named = 0
+    for folder in (ROOT / "deploy", ROOT / "k8s"):
+        for path in sorted(folder.rglob("*")):
+            if not path.is_file():
+                continue
+            for match in _REPOSITORY_PATH.finditer(path.read_text(encoding="utf-8")):
+                named += 1
+                target = match.group(1)
+                # Files the operator creates (deploy/.env) are not the repository's.
+                if not Path(target).name.startswith("."):
+                    assert (ROOT / target).exists(), f"{path.relative_to(ROOT)} names {target}"
+    assert named > 20
