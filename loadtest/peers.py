@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,12 +45,38 @@ class Peer:
 
 
 def _venv(name: str, requirement: str) -> Path:
+    """`.peers/<name>` with `requirement` installed (once: a stamp file names it)."""
     home = ROOT / ".peers" / name
     python = home / "bin" / "python"
+    stamp = home / f".installed-{requirement}"
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(home)], check=True)
+    if not stamp.exists():
         subprocess.run([str(python), "-m", "pip", "install", "--quiet", requirement], check=True)
+        stamp.touch()
     return home
+
+
+def _vllm_router_command(
+    home: Path, policy: str, workers: Sequence[str], port: int, kv_events: Mapping[str, str]
+) -> list[str]:
+    command = [
+        str(home / "bin" / "vllm-router"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--policy",
+        policy,
+        "--prometheus-port",
+        str(free_port()),
+        "--worker-urls",
+        *workers,
+    ]
+    # kv_aware learns what each engine caches from its KV-cache events (ZeroMQ, tcp:// only).
+    for worker, endpoint in kv_events.items():
+        command += ["--kv-event-source", f"{worker}={endpoint}"]
+    return command
 
 
 def _sglang_command(home: Path, policy: str, workers: Sequence[str], port: int) -> list[str]:
@@ -99,21 +125,49 @@ def _litellm_command(home: Path, workers: Sequence[str], model: str, port: int) 
     ]
 
 
+SGLANG_ROUTER = "sglang-router==0.3.2"
+VLLM_ROUTER = "vllm-router==0.1.17"
 PEERS = {
-    "sglang-round_robin": ("sglang", "sglang-router", "round_robin"),
-    "sglang-cache_aware": ("sglang", "sglang-router", "cache_aware"),
+    "sglang-round_robin": ("sglang", SGLANG_ROUTER, "round_robin"),
+    "sglang-cache_aware": ("sglang", SGLANG_ROUTER, "cache_aware"),
+    "vllm-router-round_robin": ("vllm-router", VLLM_ROUTER, "round_robin"),
+    "vllm-router-cache_aware": ("vllm-router", VLLM_ROUTER, "cache_aware"),
+    "vllm-router-kv_aware": ("vllm-router", VLLM_ROUTER, "kv_aware"),
     "litellm": ("litellm", "litellm[proxy]", ""),
 }
+"""Each peer by name: its venv under `.peers/`, what pip installs there, its policy. The
+routers run with their defaults otherwise (vllm-router 0.1.17's `cache_aware`:
+`--cache-threshold 0.3 --balance-abs-threshold 64 --balance-rel-threshold 1.5`; SGLang's
+router 0.3.2 the same names and values)."""
+NEEDS_KV_EVENTS = frozenset({"vllm-router-kv_aware"})
 
 
-def start_peer(name: str, workers: Sequence[str], model: str, timeout: float = 180.0) -> Peer:
+def peer_versions(names: Sequence[str]) -> str:
+    """`name version` of each package the named peers run, for a benchmark's header."""
+    requirements = sorted({PEERS[name][1] for name in names if name in PEERS})
+    return ", ".join(requirement.replace("==", " ") for requirement in requirements)
+
+
+def start_peer(
+    name: str,
+    workers: Sequence[str],
+    model: str,
+    timeout: float = 180.0,
+    kv_events: Mapping[str, str] | None = None,
+) -> Peer:
+    """The peer `name` in front of `workers`; `kv_events`: each worker's KV-event endpoint,
+    for the peers that read them (`NEEDS_KV_EVENTS`, which refuse to start without)."""
     if name not in PEERS:
         raise SystemExit(f"unknown peer {name!r}; choose from {', '.join(PEERS)}")
+    if name in NEEDS_KV_EVENTS and not kv_events:
+        raise SystemExit(f"peer {name} needs the replicas' KV-cache events (real vLLM)")
     kind, requirement, policy = PEERS[name]
     home = _venv(kind, requirement)
     port = free_port()
     if kind == "litellm":
         command = _litellm_command(home, workers, model, port)
+    elif kind == "vllm-router":
+        command = _vllm_router_command(home, policy, workers, port, kv_events or {})
     else:
         command = _sglang_command(home, policy, workers, port)
     # LiteLLM reads its model price list from the package, not the network, and runs without
