@@ -57,33 +57,12 @@ def _venv(name: str, requirement: str) -> Path:
     return home
 
 
-def _vllm_router_command(
-    home: Path, policy: str, workers: Sequence[str], port: int, kv_events: Mapping[str, str]
+def _router_command(
+    program: Sequence[str], policy: str, workers: Sequence[str], port: int
 ) -> list[str]:
-    command = [
-        str(home / "bin" / "vllm-router"),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--policy",
-        policy,
-        "--prometheus-port",
-        str(free_port()),
-        "--worker-urls",
-        *workers,
-    ]
-    # kv_aware learns what each engine caches from its KV-cache events (ZeroMQ, tcp:// only).
-    for worker, endpoint in kv_events.items():
-        command += ["--kv-event-source", f"{worker}={endpoint}"]
-    return command
-
-
-def _sglang_command(home: Path, policy: str, workers: Sequence[str], port: int) -> list[str]:
+    """SGLang's and vLLM's routers take the same flags for what is set here."""
     return [
-        str(home / "bin" / "python"),
-        "-m",
-        "sglang_router.launch_router",
+        *program,
         "--host",
         "127.0.0.1",
         "--port",
@@ -95,6 +74,16 @@ def _sglang_command(home: Path, policy: str, workers: Sequence[str], port: int) 
         str(free_port()),
         "--worker-urls",
         *workers,
+    ]
+
+
+def _kv_event_sources(kv_events: Mapping[str, str]) -> list[str]:
+    """vLLM's router's flags for each engine's KV-cache events (ZeroMQ, tcp:// only), which
+    its kv_aware policy learns what each engine caches from."""
+    return [
+        flag
+        for worker, endpoint in kv_events.items()
+        for flag in ("--kv-event-source", f"{worker}={endpoint}")
     ]
 
 
@@ -167,9 +156,12 @@ def start_peer(
     if kind == "litellm":
         command = _litellm_command(home, workers, model, port)
     elif kind == "vllm-router":
-        command = _vllm_router_command(home, policy, workers, port, kv_events or {})
+        program = [str(home / "bin" / "vllm-router")]
+        command = _router_command(program, policy, workers, port)
+        command += _kv_event_sources(kv_events or {})
     else:
-        command = _sglang_command(home, policy, workers, port)
+        program = [str(home / "bin" / "python"), "-m", "sglang_router.launch_router"]
+        command = _router_command(program, policy, workers, port)
     # LiteLLM reads its model price list from the package, not the network, and runs without
     # a master key: a benchmark on loopback, whose clients send no key to any router.
     env = {
