@@ -77,14 +77,18 @@ def _router_command(
     ]
 
 
-def _kv_event_sources(kv_events: Mapping[str, str]) -> list[str]:
+def _kv_event_sources(kv_events: Mapping[str, str], block_size: int, model: str) -> list[str]:
     """vLLM's router's flags for each engine's KV-cache events (ZeroMQ, tcp:// only), which
-    its kv_aware policy learns what each engine caches from."""
-    return [
+    its kv_aware policy learns what each engine caches from, in blocks of `block_size`; it
+    asks the model they serve with them."""
+    if not kv_events:
+        return []
+    sources = [
         flag
         for worker, endpoint in kv_events.items()
         for flag in ("--kv-event-source", f"{worker}={endpoint}")
     ]
+    return [*sources, "--kv-event-block-size", str(block_size), "--kv-event-model", model]
 
 
 def _litellm_command(home: Path, workers: Sequence[str], model: str, port: int) -> list[str]:
@@ -143,9 +147,11 @@ def start_peer(
     model: str,
     timeout: float = 180.0,
     kv_events: Mapping[str, str] | None = None,
+    kv_block_size: int = 16,
 ) -> Peer:
-    """The peer `name` in front of `workers`; `kv_events`: each worker's KV-event endpoint,
-    for the peers that read them (`NEEDS_KV_EVENTS`, which refuse to start without)."""
+    """The peer `name` in front of `workers`; `kv_events`: each worker's KV-event endpoint
+    (blocks of `kv_block_size` tokens), for the peers that read them (`NEEDS_KV_EVENTS`, which
+    refuse to start without)."""
     if name not in PEERS:
         raise SystemExit(f"unknown peer {name!r}; choose from {', '.join(PEERS)}")
     if name in NEEDS_KV_EVENTS and not kv_events:
@@ -158,7 +164,8 @@ def start_peer(
     elif kind == "vllm-router":
         program = [str(home / "bin" / "vllm-router")]
         command = _router_command(program, policy, workers, port)
-        command += _kv_event_sources(kv_events or {})
+        events = kv_events if name in NEEDS_KV_EVENTS else None
+        command += _kv_event_sources(events or {}, kv_block_size, model)
     else:
         program = [str(home / "bin" / "python"), "-m", "sglang_router.launch_router"]
         command = _router_command(program, policy, workers, port)
@@ -170,14 +177,18 @@ def start_peer(
         "LITELLM_TELEMETRY": "False",
         "LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true",
     }
-    process = subprocess.Popen(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
-    )
+    # Its log in a file, so that a peer that will not start says why.
+    with tempfile.NamedTemporaryFile(prefix=f"peer-{name}-", suffix=".log", delete=False) as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"peer {name} exited with {process.returncode}")
+            last = Path(log.name).read_text(errors="replace").strip().splitlines()[-3:]
+            raise RuntimeError(
+                f"peer {name} exited with {process.returncode}: {' | '.join(last)}"
+                f" (log: {log.name})"
+            )
         try:
             probe = httpx.post(
                 url + "/v1/chat/completions",
