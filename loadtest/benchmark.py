@@ -13,6 +13,10 @@ workload and router: the range of the hit rate and of max/mean, and the median T
     python loadtest/benchmark.py                      # every workload, every policy
     python loadtest/benchmark.py --workloads conversation --policies prefix,round_robin
     python loadtest/benchmark.py --policies prefix,sglang-cache_aware --runs 3
+    python loadtest/benchmark.py --policies prefix,sglang-cache_aware,vllm-router-cache_aware
+
+The replicas answer vLLM's render endpoints (`--enable-scale-out`), which vLLM's router asks to
+route on the engine's tokens; `--no-render` leaves them answering 403, as a default vLLM does.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loadtest.peers import PEERS, start_peer
+from loadtest.peers import PEERS, peer_versions, start_peer
 from prefix_gateway.emulator import block_hashes
 from prefix_gateway.emulator.prompts import chat_prompt_ids
 from prefix_gateway.emulator.replicas import EmulatedReplicas
@@ -376,6 +380,12 @@ def main() -> None:
         default=1,
         help="repeat everything this many times and end with a summary over the runs",
     )
+    parser.add_argument(
+        "--render",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the replicas answer vLLM's render endpoints, as vLLM with --enable-scale-out",
+    )
     args = parser.parse_args()
     emulator_args = [
         "--chat-template",
@@ -386,12 +396,15 @@ def main() -> None:
         str(args.prefill_us_per_token),
         "--decode-ms-per-token",
         str(args.decode_ms_per_token),
+        *(["--enable-scale-out"] if args.render else []),
     ]
+    peers = peer_versions(args.policies.split(","))
     print(
         f"# {args.replicas} emulated replicas, {args.cache_blocks} cache blocks of {BLOCK} tokens "
         f"each, prefill {args.prefill_us_per_token} us/token, decode {args.decode_ms_per_token} "
-        f"ms/token; {args.concurrency} concurrent sessions started {args.stagger} s apart; "
-        f"seed {args.seed}, scale {args.scale}",
+        f"ms/token, render endpoints {'on' if args.render else 'off (403)'}; "
+        f"{args.concurrency} concurrent sessions started {args.stagger} s apart; "
+        f"seed {args.seed}, scale {args.scale}" + (f"; peers: {peers}" if peers else ""),
         flush=True,
     )
     runs = []

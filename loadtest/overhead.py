@@ -13,6 +13,11 @@ gateway (and through peers, with --peers). Prints two tables:
     python loadtest/overhead.py --workers 1,2   # one gateway per worker count, side by side
     python loadtest/overhead.py --compare ../other-checkout   # another commit's gateway beside
     python loadtest/overhead.py --runs 3   # medians of three rounds under concurrency
+    python loadtest/overhead.py --peers sglang-cache_aware,vllm-router-cache_aware
+
+The replica answers vLLM's render endpoints (`--enable-scale-out`): vLLM's router renders each
+request into tokens there before it forwards it, and the replica's time for it is in that
+router's latency (not in its CPU).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loadtest.peers import PEERS, Router, start_peer
+from loadtest.peers import PEERS, Router, peer_versions, start_peer
 from prefix_gateway.emulator import EmulatorProcess
 from tests.support import GatewayProcess
 
@@ -251,8 +256,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     counts = [int(count) for count in args.workers.split(",")]
+    # --enable-scale-out: vLLM's router renders each request into tokens on the replica first.
     with (
-        EmulatorProcess("--max-running", "1024", name=MODEL) as replica,
+        EmulatorProcess("--max-running", "1024", "--enable-scale-out", name=MODEL) as replica,
         contextlib.ExitStack() as stack,
     ):
         routers = []
@@ -273,7 +279,11 @@ def main() -> None:
         peers = [start_peer(name, [replica.url], MODEL) for name in names]
         try:
             routers += [peer.router for peer in peers]
-            print(f"# python {sys.version.split()[0]}, {os.cpu_count()} cores, no emulated delays")
+            versions = peer_versions(names)
+            print(
+                f"# python {sys.version.split()[0]}, {os.cpu_count()} cores, no emulated delays"
+                + (f"; peers: {versions}" if versions else "")
+            )
             sequential_table(replica.url, routers, args.sequential)
             levels = [int(level) for level in args.concurrency.split(",")]
             for stream in (False, True):

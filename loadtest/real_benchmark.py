@@ -12,7 +12,8 @@ matched tokens it predicted against the cached tokens the replicas reported.
 Routers: `prefix` (characters, the default), `prefix-tokens` (`--tokenizer` with the model
 and `--engine-block-size`), `prefix-events` (and `--kv-events`: the replicas publish their
 cache events on ipc sockets), any other policy of ours by name, and the peers of
-loadtest/peers.py (`sglang-cache_aware`). The workloads are the emulator benchmark's shapes
+loadtest/peers.py (`sglang-cache_aware`, `vllm-router-cache_aware`, and `vllm-router-kv_aware`,
+which reads the replicas' KV-cache events). The workloads are the emulator benchmark's shapes
 with every text cut to `--words` of its words (the tiny model's context is 4,096 tokens).
 
     flock /tmp/real-vllm.lock python loadtest/real_benchmark.py --workloads conversation \\
@@ -41,7 +42,8 @@ from engines.replica import MIB, VLLMReplica, metric_samples
 from engines.tiny_model import ensure_model
 from engines.venv import VLLMVenv
 from loadtest.benchmark import MODEL, drive, percentile, summarise
-from loadtest.peers import PEERS, start_peer
+from loadtest.peers import PEERS, peer_versions, start_peer
+from prefix_gateway.processes import free_port
 from prefix_gateway.workloads import SHAPES, Session, build_workload
 from tests.support import GatewayProcess
 
@@ -106,6 +108,7 @@ def finished(replicas: list[VLLMReplica]) -> list[float]:
 def run_one(
     args: argparse.Namespace,
     replicas: list[VLLMReplica],
+    kv_events: list[str],
     model: Path,
     workload: str,
     router: str,
@@ -119,7 +122,8 @@ def run_one(
     predicted = observed = None
     with contextlib.ExitStack() as stack:
         if router in PEERS:
-            peer = start_peer(router, urls, MODEL)
+            events = dict(zip(urls, kv_events, strict=True))
+            peer = start_peer(router, urls, MODEL, kv_events=events, kv_block_size=BLOCK)
             stack.callback(peer.stop)
             url = peer.router.url
             gateway = None
@@ -202,6 +206,9 @@ def main() -> None:
     model = ensure_model(venv.python, model_folder())
     logs = Path(tempfile.mkdtemp(prefix="real-bench-"))
     cores = os.cpu_count() or 1
+    # KV events on tcp:// (vLLM's router takes no other scheme; our gateway reads either), and
+    # the render endpoints vLLM's router tokenizes through (--enable-scale-out).
+    events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(args.replicas)]
     replicas = [
         VLLMReplica(
             model,
@@ -211,7 +218,7 @@ def main() -> None:
             kv_cache_bytes=args.kv_cache_mib * MIB,
             cpu_cores=str(index % cores),
             env={"VLLM_SERVER_DEV_MODE": "1"},
-            extra_args=("--kv-events-config", events_config(f"ipc://{logs}/events-{index}.sock")),
+            extra_args=("--kv-events-config", events_config(events[index]), "--enable-scale-out"),
             log_path=logs / f"replica-{index}.log",
         )
         for index in range(args.replicas)
@@ -221,7 +228,8 @@ def main() -> None:
         f"{args.kv_cache_mib} MiB KV "
         f"cache = {args.kv_cache_mib * MIB // TOKEN_KV_BYTES // BLOCK} blocks each); "
         f"{args.concurrency} concurrent sessions started {args.stagger} s apart; seed "
-        f"{args.seed}, sessions x{args.scale}, words x{args.words}",
+        f"{args.seed}, sessions x{args.scale}, words x{args.words}"
+        + (f"; peers: {peers}" if (peers := peer_versions(args.routers.split(","))) else ""),
         flush=True,
     )
     rows = []
@@ -233,7 +241,9 @@ def main() -> None:
                 # Each repetition starts one router later, so none is always first or last.
                 shift = (repetition - 1) % len(routers)
                 for router in routers[shift:] + routers[:shift]:
-                    rows.append(run_one(args, fleet.replicas, model, workload, router, repetition))
+                    rows.append(
+                        run_one(args, fleet.replicas, events, model, workload, router, repetition)
+                    )
     rows.sort(
         key=lambda row: (workloads.index(str(row["workload"])), routers.index(str(row["policy"])))
     )

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -16,7 +20,9 @@ DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "prefix-gateway.json"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 DOCS = DEPLOY.parent / "docs"
-RUNBOOK = "docs/runbook.md#"
+RUNBOOK = "https://github.com/prefix-gateway/prefix-gateway/blob/main/docs/runbook.md#"
+"""Where the rules ship pointing: the runbook on the project's repository (scripts/runbook_urls.py
+points them elsewhere)."""
 # Series Prometheus makes itself, about its scrape of the gateway.
 PROMETHEUS_OWN = {"up"}
 
@@ -83,8 +89,8 @@ def runnable(expr: str) -> str:
     return expr
 
 
-def alert_rules() -> list[dict[str, Any]]:
-    loaded = yaml.safe_load(ALERTS.read_text())
+def alert_rules(path: Path = ALERTS) -> list[dict[str, Any]]:
+    loaded = yaml.safe_load(path.read_text())
     return [rule for group in loaded["groups"] for rule in group["rules"]]
 
 
@@ -218,6 +224,37 @@ def test_every_alert_has_a_runbook_section() -> None:
     alerts = {rule["alert"]: rule for rule in alert_rules()}
     assert set(sections) == set(alerts)
     for name, rule in alerts.items():
-        assert rule["annotations"]["runbook_url"] == RUNBOOK + name.lower(), name
+        link = urlsplit(rule["annotations"]["runbook_url"])
+        # Alertmanager and Grafana open the link as it is: it must be absolute.
+        assert (link.scheme, link.netloc) == ("https", "github.com"), name
+        assert link.geturl() == RUNBOOK + name.lower(), name
         for part in ("**Means.**", "**Check.**", "**Do.**"):
             assert part in sections[name], (name, part)
+
+
+def test_one_command_points_every_runbook_link_at_another_base(tmp_path: Path) -> None:
+    root = DEPLOY.parent
+    for part in ("deploy/prometheus", "deploy/grafana", "k8s/components/monitoring"):
+        shutil.copytree(root / part, tmp_path / part)
+    base = "https://docs.example/prefix-gateway/runbook.html"
+
+    def script(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, str(root / "scripts" / "runbook_urls.py"), *args]
+        return subprocess.run(
+            [*command, "--root", str(tmp_path)], capture_output=True, text=True, timeout=60
+        )
+
+    assert script("--check").returncode == 0
+    assert script("--check", "--base", base).returncode == 1
+    assert script("--base", base).returncode == 0
+    assert script("--check", "--base", base).returncode == 0
+    copied = tmp_path / "deploy" / "prometheus"
+    names = [rule["alert"] for rule in alert_rules(copied / "alerts.yml")]
+    for name in names:
+        assert f"runbook_url: {base}#{name.lower()}\n" in (copied / "alerts.yml").read_text()
+    tested = (copied / "alerts_test.yml").read_text()
+    assert "github.com" not in tested and f"{base}#" in tested
+    rule = (tmp_path / "k8s/components/monitoring/prometheusrule.yaml").read_text()
+    assert "github.com" not in rule and rule.count(f"{base}#") == len(names)
+    refused = script("--base", "docs/runbook.md")
+    assert refused.returncode == 2 and "absolute" in refused.stderr

@@ -19,6 +19,7 @@ import yaml
 from prefix_gateway.backends.membership import ServiceSpec
 from prefix_gateway.cli import build_parser
 from prefix_gateway.config import Settings, _env_name, load_settings
+from tests.readme import assignments, commands
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "deploy" / "compose.yaml"
@@ -187,3 +188,67 @@ def test_grafanas_admin_password_must_be_given_and_has_no_default() -> None:
         SERVICES["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"]
         == REQUIRED[match.group("name")]
     )
+
+
+_REPOSITORY_PATH = re.compile(
+    r"(?<![\w./-])((?:k8s|deploy|docs|scripts|loadtest|engines|prefix_gateway)/[\w./-]*\w)"
+)
+
+
+def test_every_repository_path_the_deployment_files_name_exists() -> None:
+    """A comment that sends the reader to a file that moved is a dead end."""
+    named = 0
+    for folder in (ROOT / "deploy", ROOT / "k8s"):
+        for path in sorted(folder.rglob("*")):
+            if not path.is_file():
+                continue
+            for match in _REPOSITORY_PATH.finditer(path.read_text(encoding="utf-8")):
+                named += 1
+                target = match.group(1)
+                # Files the operator creates (deploy/.env) are not the repository's.
+                if not Path(target).name.startswith("."):
+                    assert (ROOT / target).exists(), f"{path.relative_to(ROOT)} names {target}"
+    assert named > 20
+
+
+def test_the_readme_compose_commands_give_every_variable_compose_requires() -> None:
+    """`${NAME:?...}` stops compose before it starts anything: the README must set each one."""
+    required = {
+        match["name"]
+        for match in _VARIABLE.finditer(COMPOSE.read_text())
+        if "?" in (match["op"] or "")
+    }
+    assert required == set(REQUIRED)
+    exported: dict[str, str] = {}
+    started = 0
+    for words in commands("Docker Compose"):
+        given, rest = assignments(words)
+        if words[0] == "export":
+            exported.update(given)
+            continue
+        if rest[:2] != ["docker", "compose"]:
+            continue
+        started += 1
+        assert (ROOT / "deploy" / "compose.yaml").samefile(ROOT / rest[rest.index("-f") + 1])
+        profile = rest[rest.index("--profile") + 1]
+        assert any(profile in service.get("profiles", []) for service in SERVICES.values())
+        missing = required - set(exported) - set(given)
+        assert not missing, f"{' '.join(words)}: compose refuses to start without {missing}"
+    assert started == 2
+
+
+def test_the_engines_run_the_releases_the_kubernetes_overlays_pin() -> None:
+    def image(path: str) -> str:
+        documents = yaml.safe_load_all((ROOT / "k8s" / "overlays" / path).read_text())
+        (container,) = [
+            container
+            for document in documents
+            if document and document["kind"] in ("Deployment", "StatefulSet")
+            for container in document["spec"]["template"]["spec"]["containers"]
+        ]
+        return str(container["image"])
+
+    for service, overlay in (("vllm", "vllm/vllm.yaml"), ("sglang", "sglang/sglang.yaml")):
+        composed = SERVICES[service]["image"]  # with the defaults of `${..._VERSION:-...}`
+        assert composed == image(overlay), service
+        assert not composed.endswith(":latest"), f"{service} runs whatever is newest"

@@ -257,6 +257,29 @@ def gateway_environment(documents: list[Manifest]) -> dict[str, str]:
     return environment
 
 
+def mounted_config(documents: list[Manifest], into: Path) -> dict[str, str]:
+    """What the gateway's `--config` file needs outside the pod: the file of the ConfigMap
+    mounted where GATEWAY_CONFIG points, written into `into`, and a stand-in for each variable
+    it names a tenant's key by (the pod's come from a Secret). Nothing without a config."""
+    path = gateway_environment(documents).get("GATEWAY_CONFIG")
+    if path is None:
+        return {}
+    spec = pod_spec(gateway_of(documents))
+    (mount,) = [
+        mount
+        for mount in spec["containers"][0]["volumeMounts"]
+        if Path(path).parent == Path(mount["mountPath"])
+    ]
+    (volume,) = [volume for volume in spec["volumes"] if volume["name"] == mount["name"]]
+    text = by_kind(documents, "ConfigMap")[volume["configMap"]["name"]]["data"][Path(path).name]
+    (into / Path(path).name).write_text(text)
+    variables = [tenant["api_key_env"] for tenant in yaml.safe_load(text).get("tenants", [])]
+    return {
+        "GATEWAY_CONFIG": str(into / Path(path).name),
+        **{variable: f"stand-in-{variable.lower()}" for variable in variables},
+    }
+
+
 def gateway_settings(documents: list[Manifest], **changed: str) -> Settings:
     """The gateway's settings as its pod would load them, with `changed` variables (a path
     that exists only in the pod, say)."""
@@ -355,7 +378,7 @@ def test_gateway_settings_are_real_and_point_at_services_of_the_overlay(
     # A tokenizer folder exists in the pod only (precise-routing mounts it): here, an empty one.
     precise = "precise-routing" in components_of(name)
     tokenizer = {"GATEWAY_TOKENIZER": str(tmp_path)} if precise else {}
-    settings = gateway_settings(documents, **tokenizer)
+    settings = gateway_settings(documents, **tokenizer, **mounted_config(documents, tmp_path))
     services = by_kind(documents, "Service")
     for spec in settings.k8s_service:
         target = ServiceSpec.parse(spec, port_required=False)

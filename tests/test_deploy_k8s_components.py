@@ -32,6 +32,7 @@ from tests.test_deploy_k8s import (
     key,
     kubectl,
     kubectl_kustomize,
+    mounted_config,
     pod_spec,
     validate,
 )
@@ -180,6 +181,51 @@ def test_client_keys_come_only_with_the_component_and_then_are_required() -> Non
     for name in ("vllm+api-keys", "sglang+api-keys"):
         refs = secret_refs(pod_spec(gateway_of(built(name)))["containers"][0])
         assert refs["GATEWAY_API_KEYS"] == {"name": "prefix-gateway-keys", "key": "api-keys"}
+
+
+# --- tenants -----------------------------------------------------------------------------------
+
+
+def test_tenants_are_configured_from_a_mounted_file_with_keys_from_a_secret(
+    tmp_path: Path,
+) -> None:
+    documents = built("vllm+tenants")
+    container = pod_spec(gateway_of(documents))["containers"][0]
+    given = mounted_config(documents, tmp_path)
+    tenants = yaml.safe_load(Path(given["GATEWAY_CONFIG"]).read_text())["tenants"]
+    assert len(tenants) >= 2 and all(tenant["tokens_per_minute"] > 0 for tenant in tenants)
+    refs = secret_refs(container)
+    for tenant in tenants:
+        # Each key from the Secret, required: no pod serves a tenant without its key.
+        ref = refs[tenant["api_key_env"]]
+        assert (ref["name"], ref["key"]) == ("prefix-gateway-tenant-keys", tenant["name"])
+        assert not ref.get("optional")
+        assert "api_key" not in tenant, "a key in a ConfigMap"
+    # The gateway takes the rendered configuration, as its pod would give it.
+    environment = {"PATH": "/usr/bin:/bin", **gateway_environment(documents), **given}
+    printed = prefix_gateway_config(environment)
+    assert printed.returncode == 0, printed.stderr
+    read = yaml.safe_load(printed.stdout)["tenants"]
+    assert [(t["name"], t["api_key_env"], t["tokens_per_minute"]) for t in read] == [
+        (t["name"], t["api_key_env"], t["tokens_per_minute"]) for t in tenants
+    ]
+    assert "stand-in-" not in printed.stdout
+    # Without one key (a Secret lacking it) the gateway does not start.
+    missing = tenants[-1]["api_key_env"]
+    refused = prefix_gateway_config({k: v for k, v in environment.items() if k != missing})
+    assert refused.returncode == 2
+    assert f"the environment variable {missing} is not set" in refused.stderr
+
+
+def prefix_gateway_config(environment: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "prefix_gateway", "config"],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 # --- the vLLM example --------------------------------------------------------------------------

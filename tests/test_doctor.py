@@ -114,6 +114,19 @@ def test_each_replica_is_told_what_is_wrong_with_it(fleet: Fleet) -> None:
     assert silent["token-agreement"][0] == "SKIP"
 
 
+def test_emulate_starts_replicas_to_examine_with_their_flags_and_stops_them() -> None:
+    status, rows = doctor("--emulate", "2", "--emulate-args=--no-prompt-tokens-details")
+    backends = sorted({row[1] for row in rows})
+    assert len(backends) == 2 and all(name.startswith("127.0.0.1:") for name in backends)
+    for backend in backends:
+        checks = by_check(rows, backend)
+        assert checks["reachable"][0] == "PASS"
+        assert checks["cached-tokens-reported"][0] == "FAIL", "the flag reached the replica"
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://{backend}/health")  # stopped with the doctor
+    assert status == 1
+
+
 def test_an_engine_ignoring_cache_salt_fails_the_salt_check() -> None:
     with EmulatorProcess("--ignore-cache-salt", name=MODEL) as replica:
         status, rows = doctor("--backend", replica.url, "--isolate-tenants", "--api-key", "k")

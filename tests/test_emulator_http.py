@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import openai
@@ -184,7 +184,19 @@ def test_health_and_metrics(replica: EmulatorProcess) -> None:
     assert 'model_name="emulated-model"' in text
 
 
-def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
+class Answered(Protocol):
+    """A response of httpx, or of the one the official client is built on."""
+
+    @property
+    def status_code(self) -> int: ...
+
+    @property
+    def text(self) -> str: ...
+
+    def json(self) -> Any: ...
+
+
+def error_of(response: Answered, status: int) -> dict[str, Any]:
     assert response.status_code == status, response.text
     error: dict[str, Any] = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -303,3 +315,48 @@ def test_chatml_template_adds_turn_tokens() -> None:
         )
         # Per message: start, role, newline, end; then start, "assist" + "ant", newline.
         assert reply.usage is not None and reply.usage.prompt_tokens == 15 + 2 * 4 + 4
+
+
+def test_render_endpoints_answer_403_unless_scale_out_is_on(replica: EmulatorProcess) -> None:
+    """As `vllm serve` without `--enable-scale-out`: routers that ask learn the flag's name."""
+    messages = [{"role": "user", "content": words(5, "r")}]
+    for path, body in (
+        ("/v1/chat/completions/render", {"model": MODEL, "messages": messages}),
+        ("/v1/completions/render", {"model": MODEL, "prompt": "a b"}),
+    ):
+        error = error_of(httpx.post(replica.url + path, json=body), 403)
+        assert error["type"] == "PermissionDeniedError"
+        assert "--enable-scale-out" in error["message"]
+
+
+def test_render_gives_the_token_ids_the_request_would_run() -> None:
+    messages = [
+        {"role": "system", "content": words(20, "s")},
+        {"role": "user", "content": words(6, "u")},
+    ]
+    with EmulatorProcess("--enable-scale-out", name=MODEL) as replica:
+        tokenized = httpx.post(
+            replica.url + "/tokenize", json={"model": MODEL, "messages": messages}
+        ).json()["tokens"]
+        chat = {"model": MODEL, "messages": messages, "max_tokens": 5, "stream": True}
+        rendered = httpx.post(replica.url + "/v1/chat/completions/render", json=chat)
+        assert rendered.status_code == 200, rendered.text
+        request = rendered.json()
+        assert request["token_ids"] == tokenized and len(tokenized) == 26
+        assert request["request_id"].startswith("chatcmpl-")
+        assert (request["model"], request["stream"]) == (MODEL, True)
+        assert request["sampling_params"]["max_tokens"] == 5
+        # Rendering runs nothing: the same prompt is not cached afterwards.
+        reply = httpx.post(replica.url + "/v1/chat/completions", json={**chat, "stream": False})
+        assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        prompts = {"model": MODEL, "prompt": ["a b c", "d"]}
+        batch = httpx.post(replica.url + "/v1/completions/render", json=prompts).json()
+        assert [len(item["token_ids"]) for item in batch] == [3, 1]
+        assert [item["request_id"][-2:] for item in batch] == ["-0", "-1"]
+        error_of(
+            httpx.post(
+                replica.url + "/v1/chat/completions/render",
+                json={"model": "other", "messages": messages},
+            ),
+            404,
+        )

@@ -1,12 +1,13 @@
-"""A short headless locust run of loadtest/locustfile.py through a real gateway.
+"""A short headless locust run of loadtest/locustfile.py through a real gateway: the README's
+command, for eight seconds and against this test's gateway.
 
-Four emulated replicas, one gateway, eight users for eight seconds: the cache hit rate locust
-reports comes from the `usage` of real responses, and agrees with what the gateway observed.
+Four emulated replicas (as the README's `make run`), one gateway, eight users: the cache hit
+rate locust reports comes from the `usage` of real responses, and agrees with what the gateway
+observed.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from prefix_gateway.emulator.replicas import EmulatedReplicas
+from tests.readme import commands
 from tests.support import GatewayProcess
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,29 +46,24 @@ def cache_table(output: str) -> dict[str, tuple[int, int, int]]:
     return rows
 
 
+def readme_headless_run(host: str) -> list[str]:
+    """The README's headless command, as typed, for a gateway at `host` and for 8 s, not 20."""
+    (words,) = [words for words in commands("Load testing") if "--headless" in words]
+    assert words[0] == ".venv/bin/locust" and words[words.index("-t") + 1] == "20s"
+    words = [str(LOCUST), *words[1:]]
+    words[words.index("--host") + 1] = host
+    words[words.index("-t") + 1] = "8s"
+    return words
+
+
 @pytest.mark.slow
 def test_headless_run_reports_a_hit_rate_read_from_responses(gateway: GatewayProcess) -> None:
     assert LOCUST.exists(), "locust is in the test extra"
     result = subprocess.run(
-        [
-            str(LOCUST),
-            "-f",
-            str(ROOT / "loadtest" / "locustfile.py"),
-            "--headless",
-            "-u",
-            "8",
-            "-r",
-            "8",
-            "-t",
-            "8s",
-            "--only-summary",
-            "--host",
-            gateway.url,
-        ],
+        readme_headless_run(gateway.url),
         capture_output=True,
         text=True,
         timeout=60,
-        env={**os.environ, "LOCUST_MODEL": "emulated-model"},
         cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]  # locust exits 1 on any failure

@@ -39,6 +39,21 @@ def command(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
+def refusal(*args: str, env: dict[str, str] | None = None) -> str:
+    """The one line `prefix-gateway ARGS` writes as it exits with status 2."""
+    ended = command(*args, env=env)
+    assert ended.returncode == 2, ended.stdout
+    (line,) = ended.stderr.splitlines()
+    return line
+
+
+def written(tmp_path: Path, text: str, name: str = "gateway.yaml") -> Path:
+    """A settings file of `text` in `tmp_path`."""
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
 @pytest.fixture(scope="module")
 def replica() -> Iterator[EmulatedReplicas]:
     with EmulatedReplicas(1, MODEL) as started:
@@ -148,18 +163,15 @@ def test_a_probe_failure_is_reported_once_per_run_of_failures() -> None:
     [("ftp://x:1", "is not an http(s) URL"), ("not-a-url", "is not a URL")],
 )
 def test_a_bad_backend_url_is_one_line_and_exit_status_2(spec: str, why: str) -> None:
-    ended = command("serve", "--port", str(free_port()), "--backend", spec)
-    assert ended.returncode == 2
-    assert ended.stderr.splitlines() == [
+    assert refusal("serve", "--port", str(free_port()), "--backend", spec) == (
         f"prefix-gateway: backend {spec!r} {why}: give http://HOST:PORT, https://HOST:PORT"
         " or HOST:PORT"
-    ]
+    )
 
 
 def test_config_prints_the_effective_settings_with_secrets_redacted(tmp_path: Path) -> None:
-    settings_file = tmp_path / "gateway.yaml"
-    settings_file.write_text(
-        "tenants:\n  - name: search\n    api_key: tenant-secret-key\nmax_queue: 7\n"
+    settings_file = written(
+        tmp_path, "tenants:\n  - name: search\n    api_key: tenant-secret-key\nmax_queue: 7\n"
     )
     ended = command(
         "config",
@@ -193,10 +205,86 @@ def test_config_prints_the_effective_settings_with_secrets_redacted(tmp_path: Pa
     assert "-secret-key" not in ended.stdout and "redis-password" not in ended.stdout
 
 
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        ("policy: prefix\n  max_queue: 3\n", "line 2, column 12: mapping values are not allowed"),
+        ("backend: [http://a:1\n", "line 2, column 1: expected ',' or ']'"),
+        ("policy: @prefix\n", "line 1, column 9: found character '@'"),
+    ],
+)
+@pytest.mark.parametrize("subcommand", ["serve", "config", "doctor"])
+def test_a_file_that_is_not_yaml_is_one_line_and_exit_status_2(
+    tmp_path: Path, text: str, where: str, subcommand: str
+) -> None:
+    settings_file = written(tmp_path, text)
+    line = refusal(subcommand, "--config", str(settings_file))
+    assert line.startswith(f"prefix-gateway: {settings_file}: not valid YAML: {where}"), line
+
+
+def test_a_misspelt_key_of_the_file_names_the_closest_setting(tmp_path: Path) -> None:
+    settings_file = written(tmp_path, "backends_dns: vllm:8000\npolcy: prefix\nflavour: 1\n")
+    assert refusal("config", "--config", str(settings_file)) == (
+        f"prefix-gateway: {settings_file}: unknown settings 'backends_dns' (did you mean"
+        " backend_dns?), 'flavour', 'polcy' (did you mean policy?)"
+    )
+
+
+def test_configs_output_reads_back_as_the_same_configuration(tmp_path: Path) -> None:
+    """Tenants keyed by variables print their variables: two of them read back as they were."""
+    settings_file = written(
+        tmp_path,
+        "backend: [http://10.0.0.2:8000]\ntenants:\n"
+        "  - {name: search, api_key_env: SEARCH_KEY, tokens_per_minute: 90000}\n"
+        "  - {name: batch, api_key_env: BATCH_KEY, priority: -1}\n",
+    )
+    keys = {"SEARCH_KEY": "search-secret-key", "BATCH_KEY": "batch-secret-key"}
+    first = command("config", "--config", str(settings_file), env=keys)
+    assert first.returncode == 0, first.stderr
+    assert "-secret-key" not in first.stdout
+    printed = written(tmp_path, first.stdout, "printed.yaml")
+    again = command("config", "--config", str(printed), env=keys)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == first.stdout
+    tenants = yaml.safe_load(again.stdout)["tenants"]
+    assert [(t["name"], t["api_key_env"]) for t in tenants] == [
+        ("search", "SEARCH_KEY"),
+        ("batch", "BATCH_KEY"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("given", "refused"),
+    [
+        (
+            "tenants:\n  - {name: search, api_key: key-1}\n  - {name: batch, api_key: key-2}\n",
+            "tenants[0] (search): api_key is '<redacted>'",
+        ),
+        ("admin_token: admin-secret\n", "admin_token is '<redacted>'"),
+        ("upstream_api_key: upstream-secret\n", "upstream_api_key is '<redacted>'"),
+        ("redis_url: redis://:pass@cache:6379/0\n", "the password in redis_url is '<redacted>'"),
+    ],
+)
+def test_a_redacted_secret_read_back_is_refused_not_taken_as_the_secret(
+    tmp_path: Path, given: str, refused: str
+) -> None:
+    settings_file = written(tmp_path, "backend: [http://10.0.0.2:8000]\n" + given)
+    first = command("config", "--config", str(settings_file))
+    assert first.returncode == 0, first.stderr
+    printed = written(tmp_path, first.stdout, "printed.yaml")
+    assert refusal("config", "--config", str(printed)) == (
+        f"prefix-gateway: {refused}, what `prefix-gateway config` prints in place of a secret:"
+        " give the secret itself"
+    )
+
+
+def test_the_placeholder_given_as_a_variable_is_refused_by_serve_too() -> None:
+    line = refusal("serve", "--backend", "http://a:1", env={"GATEWAY_ADMIN_TOKEN": REDACTED})
+    assert line.startswith("prefix-gateway: admin_token is '<redacted>'")
+
+
 def test_config_refuses_what_serve_refuses() -> None:
-    ended = command("config", "--backend", "http://a:1", "--policy", "fastest")
-    assert ended.returncode == 2
-    assert len(ended.stderr.splitlines()) == 1 and "fastest" in ended.stderr
+    assert "fastest" in refusal("config", "--backend", "http://a:1", "--policy", "fastest")
 
 
 def test_version_is_the_package_metadata_version() -> None:

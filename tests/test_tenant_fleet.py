@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,7 +61,7 @@ class Burst:
 
     served: list[int] = field(default_factory=list)
     """The positions of the requests answered 200."""
-    headers: list[httpx.Headers] = field(default_factory=list)
+    headers: list[Mapping[str, str]] = field(default_factory=list)
     usage: list[float] = field(default_factory=list)
     """What each request served cost its budget (cached prompt tokens at 0.1)."""
     refusals: list[openai.RateLimitError] = field(default_factory=list)

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
+from prefix_gateway.config.redaction import REDACTED, redacted, without_password
 from prefix_gateway.config.settings import Settings
+from prefix_gateway.config.tenants import TenantSpec
 
-REDACTED = "<redacted>"
+__all__ = ["REDACTED", "as_yaml", "effective"]
 
 
 def effective(settings: Settings) -> dict[str, Any]:
@@ -21,11 +22,11 @@ def effective(settings: Settings) -> dict[str, Any]:
     for f in dataclasses.fields(Settings):
         value = getattr(settings, f.name)
         if f.metadata.get("secret"):
-            value = _redacted(value)
+            value = redacted(value)
         elif f.name == "tenants":
-            value = [{**dataclasses.asdict(tenant), "api_key": REDACTED} for tenant in value]
+            value = [_tenant(tenant) for tenant in value]
         elif f.name == "redis_url":
-            value = _without_password(value)
+            value = without_password(value)
         elif isinstance(value, tuple) and value and dataclasses.is_dataclass(value[0]):
             value = [dataclasses.asdict(entry) for entry in value]  # lora_adapters and the like
         values[f.name] = list(value) if isinstance(value, tuple) else value
@@ -36,16 +37,13 @@ def as_yaml(settings: Settings) -> str:
     return yaml.safe_dump(effective(settings), sort_keys=False, default_flow_style=False)
 
 
-def _redacted(value: Any) -> Any:
-    if isinstance(value, tuple):
-        return tuple(REDACTED for _ in value)
-    return REDACTED if value else value
-
-
-def _without_password(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:{REDACTED}@{host}"))
+def _tenant(tenant: TenantSpec) -> dict[str, Any]:
+    """A tenant as the file gives it: the variable its key is read from, else the key
+    redacted (which the file refuses, rather than take it as the key)."""
+    entry = dataclasses.asdict(tenant)
+    if tenant.api_key_env:
+        del entry["api_key"]
+    else:
+        entry["api_key"] = REDACTED
+        del entry["api_key_env"]
+    return entry

@@ -91,6 +91,38 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     return warnings
 
 
+def read_file(path: str) -> dict[str, Any]:
+    """The settings of the YAML file at `path`; `ConfigError` in one line for a file that is
+    not YAML, not a mapping, or names a setting that does not exist."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            loaded = yaml.safe_load(handle) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(exc)}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: expected a mapping of settings")
+    known = [f.name for f in dataclasses.fields(Settings)]
+    unknown = [_unknown_key(str(key), known) for key in loaded if key not in known]
+    if unknown:
+        raise ConfigError(f"{path}: unknown settings {', '.join(sorted(unknown))}")
+    return loaded
+
+
+def _unknown_key(key: str, known: list[str]) -> str:
+    closest = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    return f"{key!r} (did you mean {closest[0]}?)" if closest else repr(key)
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """What the parser objected to and where (1-based line and column), in one line."""
+    if not isinstance(exc, yaml.MarkedYAMLError) or exc.problem_mark is None:
+        return " ".join(str(exc).split())
+    mark = exc.problem_mark
+    return f"line {mark.line + 1}, column {mark.column + 1}: {exc.problem}"
+
+
 def load_settings(
     args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
 ) -> Settings:
@@ -99,15 +131,7 @@ def load_settings(
     from_file: dict[str, Any] = {}
     config_path = given.get("config") or environ.get("GATEWAY_CONFIG")
     if config_path:
-        with open(config_path, encoding="utf-8") as handle:
-            loaded = yaml.safe_load(handle) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{config_path}: expected a mapping of settings")
-        known = {f.name for f in dataclasses.fields(Settings)}
-        unknown = set(loaded) - known
-        if unknown:
-            raise ConfigError(f"{config_path}: unknown settings {sorted(unknown)}")
-        from_file = loaded
+        from_file = read_file(config_path)
     values: dict[str, Any] = {}
     for f in dataclasses.fields(Settings):
         if f.metadata.get("file_only"):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefix_gateway.config.errors import ConfigError
+from prefix_gateway.config.redaction import refuse_placeholder
 
 ANONYMOUS = "anonymous"
 """The label of every request no named tenant sent: keys from `--api-key`, or no key at all."""
@@ -43,6 +44,8 @@ _LIMITS = ("requests_per_minute", "tokens_per_minute", "max_concurrency")
 class TenantSpec:
     name: str
     api_key: str = field(repr=False)
+    api_key_env: str = ""
+    """The variable the key was read from (empty: the file gave the key itself)."""
     priority: int = 0
     weight: float = 1.0
     requests_per_minute: int = 0
@@ -102,9 +105,11 @@ def _tenant(position: int, entry: object, environ: Mapping[str, str]) -> TenantS
     unknown = set(entry) - _FIELDS
     if unknown:
         raise ConfigError(f"{where}: unknown fields {sorted(unknown)}")
+    variable = entry.get("api_key_env")
     return TenantSpec(
         name=name,
         api_key=_key(where, entry, environ),
+        api_key_env=variable if isinstance(variable, str) else "",
         priority=_integer(where, entry, "priority", 0, minimum=None),
         weight=_weight(where, entry.get("weight", 1)),
         **{limit: _integer(where, entry, limit, 0, minimum=0) for limit in _LIMITS},
@@ -123,6 +128,7 @@ def _key(where: str, entry: dict[str, Any], environ: Mapping[str, str]) -> str:
             raise ConfigError(f"{where}: the environment variable {variable} is not set")
     if not isinstance(given, str) or not given.strip() or given != given.strip():
         raise ConfigError(f"{where}: api_key must be a non-empty string without spaces around")
+    refuse_placeholder(f"{where}: api_key", given)
     return given
 
 

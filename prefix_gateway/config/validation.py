@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from prefix_gateway.config.backend_specs import read_backend_spec
 from prefix_gateway.config.errors import ConfigError
+from prefix_gateway.config.redaction import refuse_placeholders
 from prefix_gateway.config.tenants import check_tenants
 from prefix_gateway.logs import LOG_FORMATS
 
@@ -67,6 +68,7 @@ def validated(settings: Settings) -> Settings:
     if settings.tenant_slots_ttl <= 0:
         raise ConfigError("tenant_slots_ttl must be positive")
     _check_reliability(settings)
+    refuse_placeholders(settings)
     if settings.engine_block_size:
         return replace(settings, block_tokens=settings.engine_block_size)
     return settings

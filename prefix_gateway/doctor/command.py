@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
+import shlex
 import sys
 from typing import TextIO
 
@@ -18,6 +21,7 @@ from prefix_gateway.components import probe_client
 from prefix_gateway.config import Settings
 from prefix_gateway.doctor.examination import Doctor
 from prefix_gateway.doctor.verdicts import CheckResult, Status
+from prefix_gateway.emulator.replicas import EmulatedReplicas
 from prefix_gateway.metrics import Metrics
 from prefix_gateway.prompt.tokens import EngineTokenizer
 
@@ -37,7 +41,8 @@ check and replica:
   cache-salt              (with --isolate-tenants) a repeat under another cache_salt is no hit
 Exit status: 0 when no check failed, 1 otherwise, 2 for unusable flags. The probes go to the
 replicas directly; each costs a few short prompts of one generated token. Replicas are those of
---backend, --backend-dns and --k8s-service (--emulate starts none here). See docs/doctor.md."""
+--backend, --backend-dns and --k8s-service, and --emulate N starts N emulated ones (with
+--emulate-model and --emulate-args) for the doctor to examine and stop. See docs/doctor.md."""
 
 
 def main(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
@@ -47,7 +52,11 @@ def main(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     except (gateway_config.ConfigError, OSError) as exc:
         print(f"prefix-gateway: {exc}", file=sys.stderr)
         return 2
-    examined = asyncio.run(examine_fleet(settings, tokenizer))
+    with contextlib.ExitStack() as stack:
+        if settings.emulate > 0:
+            fleet = stack.enter_context(_emulated(settings))
+            settings = dataclasses.replace(settings, backend=(*settings.backend, *fleet.urls))
+        examined = asyncio.run(examine_fleet(settings, tokenizer))
     if not examined:
         print("no replica to examine: none given, none discovered", file=out)
         return 1
@@ -90,6 +99,15 @@ async def examine_fleet(
             if feeds is not None:
                 await feeds.stop()
     return list(zip(pool.backends, examined, strict=True))
+
+
+def _emulated(settings: Settings) -> EmulatedReplicas:
+    return EmulatedReplicas(
+        settings.emulate,
+        settings.emulate_model,
+        shlex.split(settings.emulate_args),
+        end_with_parent=True,
+    )
 
 
 async def _no_probe(backend: Backend) -> None:

@@ -43,6 +43,7 @@ from prefix_gateway.emulator.protocol import (
     parse_embedding,
     parse_tokenize,
 )
+from prefix_gateway.emulator.render import RENDERERS, Parse, Rendering, ScaleOutDisabled
 from prefix_gateway.emulator.responses_api import ResponsesAPI
 from prefix_gateway.emulator.sampler import Sampler
 from prefix_gateway.emulator.scoring import rerank_body, score_body
@@ -125,6 +126,8 @@ class EmulatorApp:
             # Not vLLM's: lets tests and benchmarks hang the engine while /health still answers.
             "/emulator/stall": ("POST", self._stall),
         }
+        for path, (parse, rendering) in RENDERERS.items():
+            self._routes[path] = ("POST", self._render(parse, rendering))
         if config.lora_enabled:
             self._routes["/v1/load_lora_adapter"] = ("POST", self._load_adapter)
             self._routes["/v1/unload_lora_adapter"] = ("POST", self._unload_adapter)
@@ -185,6 +188,17 @@ class EmulatorApp:
     async def _detokenize(self, receive: Receive, send: Send) -> None:
         ids = parse_detokenize(parse_body(await _read_body(receive)), self.config)
         await _respond(send, 200, detokenize_body(decode(ids)))
+
+    def _render(self, parse: Parse, answer: Rendering) -> Handler:
+        """A render endpoint: 403 unless scale-out is on, as vLLM's."""
+
+        async def handler(receive: Receive, send: Send) -> None:
+            if not self.config.enable_scale_out:
+                raise ScaleOutDisabled()
+            body = self.adapters.adapter_of(parse_body(await _read_body(receive)))[1]
+            await _respond(send, 200, answer(parse(body, self.config), body, self._new_id))
+
+        return handler
 
     def _pooled(self, prefix: str, answer: PoolingAnswer) -> Handler:
         async def handler(receive: Receive, send: Send) -> None:

@@ -30,6 +30,10 @@ class EmulatorConfig:
     pooling: bool = False
     """Also serve what vLLM serves only for a pooling model: `/pooling`, `/classify`,
     `/v2/embed`, score and rerank (a generative vLLM answers them 404)."""
+    enable_scale_out: bool = False
+    """Answer vLLM's render endpoints (`/v1/chat/completions/render`, `/v1/completions/render`)
+    with the prompt's token ids, as vLLM does with `--enable-scale-out`; off: 403, as by
+    default."""
     lora_modules: tuple[tuple[str, str], ...] = ()
     """LoRA adapters served from the start, (name, path), as vLLM's `--lora-modules`."""
     enable_lora: bool = False
@@ -135,7 +139,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also serve a pooling model's endpoints: /pooling, /classify, /v2/embed, /score,"
         " /v1/score, /rerank, /v1/rerank, /v2/rerank",
     )
-
+    parser.add_argument(
+        "--enable-scale-out",
+        action="store_true",
+        help="answer /v1/chat/completions/render and /v1/completions/render with the prompt's"
+        " token ids, as vLLM's flag does (without it they answer 403, as vLLM's do)",
+    )
     parser.add_argument(
         "--lora-modules",
         nargs="+",
@@ -189,6 +198,7 @@ def config_from_args(ns: argparse.Namespace) -> EmulatorConfig:
         default_max_tokens=ns.default_max_tokens,
         seed=ns.seed,
         pooling=ns.pooling,
+        enable_scale_out=ns.enable_scale_out,
         prompt_tokens_details=ns.prompt_tokens_details,
         honour_cache_salt=ns.honour_cache_salt,
         lora_modules=_lora_modules(ns.lora_modules),

@@ -9,7 +9,7 @@ import time
 from prefix_gateway.emulator.config import EmulatorConfig
 from prefix_gateway.emulator.timing import TimeModel
 from prefix_gateway.replay.report import render_table, summarise
-from prefix_gateway.replay.simulator import ROUTERS, ReplayConfig, run_replay
+from prefix_gateway.replay.simulator import ORACLE, ROUTERS, ReplayConfig, run_replay
 from prefix_gateway.replay.synthetic import synthetic_trace
 from prefix_gateway.replay.traces import Trace, TraceError, read_mooncake
 from prefix_gateway.workloads import SHAPES
@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--policy",
         action="append",
         choices=ROUTERS,
-        help="policy to replay; repeat for several (default: all of them and the oracle)",
+        help="policy to replay; repeat for several (default: all of them); the oracle is"
+        " always replayed beside them, as the table's reference",
     )
     parser.add_argument(
         "--cache-tokens",
@@ -173,7 +174,9 @@ def replay_table(args: argparse.Namespace) -> str:
         load_floor=args.load_floor,
         max_loras=args.max_loras,
     )
-    policies = args.policy or list(ROUTERS)
+    policies = list(dict.fromkeys(args.policy or ROUTERS))
+    if ORACLE not in policies:
+        policies.append(ORACLE)  # each row's "of oracle" column is read against it
     summaries = [summarise(run_replay(trace, policy, config)) for policy in policies]
     title = (
         f"Replay of {trace.name}: {len(trace.requests):,} requests, {config.replicas} replicas "
