@@ -9,6 +9,8 @@ import asyncio
 import socket
 from typing import Any, cast
 
+_PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)  # combined once: the flags are an enum
+
 
 class CoalescingTransport:
     """A transport that sends a response's head with the write that follows it (uvicorn writes
@@ -36,7 +38,7 @@ class CoalescingTransport:
                 return False
             peek = self._peek = socket.socket(fileno=raw.fileno())
         try:
-            return peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            return peek.recv(1, _PEEK) == b""
         except (BlockingIOError, InterruptedError):
             return False  # nothing to read: still there
         except OSError:

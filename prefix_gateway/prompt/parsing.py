@@ -236,13 +236,19 @@ _CHOICES = ("n", "best_of")
 def _largest(payload: dict[str, Any], names: tuple[str, ...]) -> int | None:
     """The largest positive count among the fields `names`, read as leniently as the engine
     reads them: `2000`, `2000.0` and `"2000"` alike."""
-    found = [count for name in names if (count := _count(payload.get(name))) is not None]
-    return max(found) if found else None
+    largest = None
+    for name in names:
+        value = payload.get(name)
+        if value is not None and (count := _count(value)) is not None:
+            largest = count if largest is None else max(largest, count)
+    return largest
 
 
 def _count(value: object) -> int | None:
     """A positive whole number as pydantic's lax mode takes one (vLLM's requests are pydantic
     models): an int, a float without a fraction, or a string of one."""
+    if type(value) is int:
+        return value if value > 0 else None
     if isinstance(value, bool):
         return None
     if isinstance(value, str):

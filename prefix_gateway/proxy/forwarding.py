@@ -13,6 +13,9 @@ from prefix_gateway.proxy.usage import Observation
 from prefix_gateway.routing.placement import Placement
 from prefix_gateway.routing.types import Decision, Outcome
 
+_NOTHING_SEEN = Observation()
+"""What a forwarding saw when no response was relayed (never written to)."""
+
 GatewayHeaders = Callable[[Decision], Headers]
 """The gateway's own response headers for the attempt that answers."""
 
@@ -36,7 +39,7 @@ class Forwarding:
     """The priority of the request's tenant (higher is served first; anonymous: 0)."""
     needs_usage: bool = False
     """Its tenant's token budget is charged what it used: a stream asks for its usage."""
-    seen: Observation = field(default_factory=Observation)
+    seen: Observation | None = None
     """What the response relayed to the client carried, as far as it went (kept here, so that
     an answer the client cut short still says how far it got)."""
     decision: Decision | None = None
@@ -49,7 +52,7 @@ class Forwarding:
 
     def outcome(self, status: int) -> Outcome:
         """What came of it, as far as it went: `status` is what the client was told."""
-        seen = self.seen
+        seen = self.seen or _NOTHING_SEEN
         return Outcome(
             status,
             self.decision or self.placement.decision,
