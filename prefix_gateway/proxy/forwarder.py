@@ -115,7 +115,7 @@ class Forwarder:
                 await asyncio.sleep(pause)
             with Attempt(
                 slot,
-                tries.decision,
+                forwarding.decision,
                 placement.chain,
                 self._prefills,
                 placement.request.stream,
@@ -150,7 +150,7 @@ class Forwarder:
                         # Closes the connection unless the response was read to its end: a
                         # replica whose client left sees its request aborted at once.
                         response.release()
-                tries.first_byte_at = attempt.first_byte_at
+                forwarding.first_byte_at = attempt.first_byte_at
             failed = relayed.failure
             if failed is not None:
                 # A stall was already held against the backend; a total deadline is the client's.
@@ -168,7 +168,7 @@ class Forwarder:
                 if failed.cause == "connect":
                     # Nothing could take it: answered as when no replica is healthy at all.
                     error = refused("no_healthy_backend", placement.request.model)
-                headers = forwarding.gateway_headers(tries.decision)
+                headers = forwarding.gateway_headers(forwarding.decision)
                 await forwarding.reply.fail(error, headers)
                 return Relayed(error.status, failure=failed)
             backend, pause = moved
@@ -196,7 +196,7 @@ class Forwarder:
                 return Relayed(0), (f"status_{status}", after)
         forwarding = tries.forwarding
         out_headers = response_headers(response.raw_headers)
-        out_headers.extend(forwarding.gateway_headers(tries.decision))
+        out_headers.extend(forwarding.gateway_headers(forwarding.decision))
         relayed = await self._relay(forwarding, attempt, response, out_headers)
         if whole and relayed.failure is None:
             self._health.request_succeeded(backend)
@@ -222,7 +222,7 @@ class Forwarder:
         if retry_after is not None:
             pause = max(pause, retry_after)
         self._metrics.retries.labels(cause).inc()
-        tries.decision = decision
+        tries.forwarding.decision = decision
         tries.tried.append(backend.name)
         return backend, pause
 
@@ -242,43 +242,23 @@ class Forwarder:
         if forwarding.exchange.done and forwarding.reply.begun:
             return error.status  # its last bytes are on their way
         with contextlib.suppress(Exception):  # the connection may be gone already
-            await forwarding.reply.fail(error, forwarding.gateway_headers(tries.decision))
+            await forwarding.reply.fail(error, forwarding.gateway_headers(forwarding.decision))
         return error.status
 
 
 class _Tries:
-    """The attempts so far: the decision of the latest, every backend tried and those that
-    accepted the request (kept on the forwarding, which outlives a failure here), and the
-    next backend chosen."""
+    """The attempts so far, kept on the forwarding (which outlives a failure here): every
+    backend tried and those that accepted the request; and the next backend chosen."""
 
     __slots__ = ("accepted", "forwarding", "tried", "upcoming")
 
     def __init__(self, forwarding: Forwarding) -> None:
         placement = forwarding.placement
         self.forwarding = forwarding
-        forwarding.decision = placement.decision
         self.tried = forwarding.tried
         self.tried.append(placement.backend.name)
         self.accepted = forwarding.accepted
         self.upcoming: tuple[Backend, Decision] | None = None
-
-    @property
-    def decision(self) -> Decision:
-        decision = self.forwarding.decision
-        assert decision is not None
-        return decision
-
-    @decision.setter
-    def decision(self, decision: Decision) -> None:
-        self.forwarding.decision = decision
-
-    @property
-    def first_byte_at(self) -> float:
-        return self.forwarding.first_byte_at
-
-    @first_byte_at.setter
-    def first_byte_at(self, at: float) -> None:
-        self.forwarding.first_byte_at = at
 
 
 def _prioritise(forwarding: Forwarding) -> None:

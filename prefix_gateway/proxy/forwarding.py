@@ -42,7 +42,7 @@ class Forwarding:
     seen: Observation | None = None
     """What the response relayed to the client carried, as far as it went (kept here, so that
     an answer the client cut short still says how far it got)."""
-    decision: Decision | None = None
+    decision: Decision = field(init=False)
     """The decision of the latest attempt (the placement's, or a retry's)."""
     tried: list[str] = field(default_factory=list)
     """Every backend tried, in order."""
@@ -50,12 +50,15 @@ class Forwarding:
     """The backends tried that accepted the request (answered 2xx)."""
     first_byte_at: float = 0.0
 
+    def __post_init__(self) -> None:
+        self.decision = self.placement.decision
+
     def outcome(self, status: int) -> Outcome:
         """What came of it, as far as it went: `status` is what the client was told."""
         seen = self.seen or _NOTHING_SEEN
         return Outcome(
             status,
-            self.decision or self.placement.decision,
+            self.decision,
             tuple(self.tried) or (self.placement.backend.name,),
             seen.prompt_tokens,
             seen.cached_tokens,

@@ -240,7 +240,12 @@ class RequestLife:
     async def _live(self) -> None:
         parts, scope = self._parts, self._scope
         body = await parts.intake.body(scope["headers"], self._receive, self.exchange, self._body)
-        self._watch_client()
+        # From here, the client's hang-up interrupts the request wherever it waits.
+        connection = scope.get(CLIENT_CONNECTION)
+        if connection is not None:
+            connection.watch(self.exchange)
+        else:
+            self._watcher = asyncio.create_task(self.exchange.watch_client(self._receive))
         admission = parts.admission
         if not admission.try_enter():
             cause = await admission.enter()
@@ -249,29 +254,19 @@ class RequestLife:
         self._admitted = True
         request, path, self._issued = await parts.intake.parse(scope, body, scope.get(TENANT))
         self._request = request
-        await self._admit(request)
+        if parts.tenants is not None or parts.flow is not None:
+            await self._admit(request)
         placement = await self._place(request)
-        connection = scope.get(CLIENT_CONNECTION)
         if connection is not None and connection.hung_up():
             # Its client left as it was placed: nothing is sent to compute an unread answer.
             raise Interrupted(Why.DISCONNECTED)
         self._outcome = await self._forward(placement, body, path)
-
-    def _watch_client(self) -> None:
-        """From here, the client's hang-up interrupts the request wherever it waits."""
-        connection = self._scope.get(CLIENT_CONNECTION)
-        if connection is not None:
-            connection.watch(self.exchange)
-        else:
-            self._watcher = asyncio.create_task(self.exchange.watch_client(self._receive))
 
     async def _admit(self, request: RoutingInput) -> None:
         """Its tenant's place among its requests in flight and its reservation of tokens
         (reserved for the fair queue's count of service too)."""
         parts = self._parts
         gate = parts.tenants
-        if gate is None and parts.flow is None:
-            return  # nothing counts tokens: none is estimated
         settings = parts.settings
         self._reserved = reservation(
             request,
@@ -359,7 +354,9 @@ class RequestLife:
         if outcome is None and self._forwarding is not None:
             # Forwarding broke off: what it got as far as it went.
             outcome = self._outcome = self._forwarding.outcome(status)
-        served = self._charge(status, outcome)
+        served = 0.0
+        if parts.tenants is not None or parts.flow is not None:
+            served = self._charge(status, outcome)
         if self._ticket is not None:
             assert parts.flow is not None
             parts.flow.release(self._ticket, served)
@@ -388,7 +385,7 @@ class RequestLife:
         parts = self._parts
         gate = parts.tenants
         request = self._request
-        if (gate is None and parts.flow is None) or request is None:
+        if request is None:
             if gate is not None:
                 gate.refused(self._tenant, status)
             return 0.0

@@ -148,9 +148,6 @@ class Router:
                 return placement
         raise NoRoom
 
-    async def _commit(self, placement: Placement, began: float) -> None:
-        await placement.commit(self.memory, self._observer, time.perf_counter() - began)
-
     async def _stored_at(self, request: RoutingInput, response_id: str) -> Backend:
         """The replica holding `response_id`: a 404 when no gateway saw it produced for this
         tenant (no replica is tried: one might hold another tenant's), or its replica is gone."""
@@ -387,5 +384,5 @@ class Placing:
         if slot:
             placement.slot = Lease(placement.backend).take()
         self.placement = placement
-        await router._commit(placement, began)
+        await placement.commit(router.memory, router._observer, time.perf_counter() - began)
         return placement
