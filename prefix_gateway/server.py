@@ -197,11 +197,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     _peer: str | None = None
     _watched: Exchange | None = None
     """The request last told to `watch` the connection."""
-    _coalescing: CoalescingTransport
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._coalescing = CoalescingTransport(transport)
-        super().connection_made(self._coalescing)  # type: ignore[arg-type]
+        super().connection_made(CoalescingTransport(transport))  # type: ignore[arg-type]
         if len(self.connections) > self.limits.max_connections:
             self._refuse(refused("too_many_connections"))
             return
@@ -270,12 +268,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             cycle.disconnected = True  # the response is left unfinished on purpose
         self.transport.abort()
 
-    def hung_up(self) -> bool:
-        """Whether the client has hung up, as its socket says now (`CoalescingTransport`)."""
-        return self._coalescing.hung_up()
-
     def connection_lost(self, exc: Exception | None) -> None:
-        self._coalescing.lost()
         if self._peer is not None:
             self.clients.release(self._peer)
             self._peer = None

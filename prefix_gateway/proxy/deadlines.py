@@ -119,10 +119,6 @@ class ClientConnection(Protocol):
         """Close the connection now, discarding what waits to be sent."""
         ...
 
-    def hung_up(self) -> bool:
-        """Whether the client has hung up, though its hang-up may not have been read yet."""
-        ...
-
 
 class _Guard:
     __slots__ = ("_exchange",)

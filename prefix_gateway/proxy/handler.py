@@ -44,7 +44,6 @@ from prefix_gateway.proxy.deadlines import (
     DeadlineWatch,
     Exchange,
     Interrupted,
-    Why,
     client_error,
 )
 from prefix_gateway.proxy.flow import Flow, Ticket
@@ -257,9 +256,6 @@ class RequestLife:
         if parts.tenants is not None or parts.flow is not None:
             await self._admit(request)
         placement = await self._place(request)
-        if connection is not None and connection.hung_up():
-            # Its client left as it was placed: nothing is sent to compute an unread answer.
-            raise Interrupted(Why.DISCONNECTED)
         self._outcome = await self._forward(placement, body, path)
 
     async def _admit(self, request: RoutingInput) -> None:
