@@ -26,9 +26,10 @@ from prefix_gateway.metrics import Metrics
 from prefix_gateway.prompt.tokens import EngineTokenizer
 from prefix_gateway.proxy.access_log import configure_access_logger
 from prefix_gateway.proxy.forwarder import Forwarder
-from prefix_gateway.proxy.handler import ProxyHandler, TenantFleet
+from prefix_gateway.proxy.handler import ProxyHandler
 from prefix_gateway.proxy.http1 import client_tls
 from prefix_gateway.proxy.prefills import Prefills
+from prefix_gateway.proxy.tenancy import TenantFleet
 from prefix_gateway.proxy.upstream import Upstream
 from prefix_gateway.routing.policies import build_policy
 from prefix_gateway.routing.recorder import Stores

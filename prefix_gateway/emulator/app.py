@@ -8,10 +8,22 @@ import asyncio
 import itertools
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, MutableMapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from prefix_gateway.emulator.adapters import AdapterCollector, Adapters, adapter_salt
+from prefix_gateway.emulator.asgi import (
+    SSE_HEADERS,
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    lifespan,
+    read_body,
+    respond,
+    send_events,
+    until_disconnect,
+)
 from prefix_gateway.emulator.bodies import (
     DONE,
     Envelope,
@@ -27,7 +39,6 @@ from prefix_gateway.emulator.errors import (
     EmulatorError,
     MethodNotAllowed,
     NotFound,
-    PayloadTooLarge,
 )
 from prefix_gateway.emulator.messages_api import MessagesAPI, error_body
 from prefix_gateway.emulator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -50,10 +61,6 @@ from prefix_gateway.emulator.scoring import rerank_body, score_body
 from prefix_gateway.emulator.timing import TimeModel
 from prefix_gateway.emulator.tokenizer import decode
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 Handler = Callable[[Receive, Send], Awaitable[None]]
 Creation = Callable[[dict[str, Any]], Awaitable[bytes | AsyncIterator[bytes]]]
 """What makes an answer to a body: its JSON, or (streamed) its events."""
@@ -61,14 +68,8 @@ PoolingAnswer = Callable[[dict[str, Any], EmulatorConfig, str], bytes]
 """A pooling endpoint's answer to a body, given the id it names itself with."""
 _T = TypeVar("_T")
 
-MAX_BODY_BYTES = 64 * 1024 * 1024
-_JSON = b"application/json"
 _STORED_RESPONSE = "/v1/responses/"
 _MESSAGES = "/v1/messages"
-_SSE_HEADERS = [
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-    (b"cache-control", b"no-cache"),
-]
 _POOLING: dict[str, tuple[str, PoolingAnswer]] = {
     # path: (its answers' id prefix, as vLLM's, and what answers it)
     "/pooling": ("pooling", pooling_body),
@@ -80,10 +81,6 @@ _POOLING: dict[str, tuple[str, PoolingAnswer]] = {
     "/v1/rerank": ("score", rerank_body),
     "/v2/rerank": ("score", rerank_body),
 }
-
-
-class _ClientGone(Exception):
-    """The client disconnected before its request body arrived."""
 
 
 class EmulatorApp:
@@ -139,7 +136,7 @@ class EmulatorApp:
         if scope["type"] == "http":
             await self._http(scope, receive, send)
         elif scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await lifespan(receive, send)
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -156,22 +153,22 @@ class EmulatorApp:
             await handler(receive, send)
         except EmulatorError as exc:
             anthropic = scope["path"].startswith(_MESSAGES)
-            await _respond(send, exc.status, error_body(exc) if anthropic else exc.body())
-        except _ClientGone:
+            await respond(send, exc.status, error_body(exc) if anthropic else exc.body())
+        except ClientGone:
             return
 
     async def _chat(self, receive: Receive, send: Send) -> None:
-        adapter, body = self.adapters.adapter_of(parse_body(await _read_body(receive)))
+        adapter, body = self.adapters.adapter_of(parse_body(await read_body(receive)))
         request = parse_chat(body, self.config)
-        await _until_disconnect(receive, self._generate(request, send, adapter))
+        await until_disconnect(receive, self._generate(request, send, adapter))
 
     async def _completions(self, receive: Receive, send: Send) -> None:
-        adapter, body = self.adapters.adapter_of(parse_body(await _read_body(receive)))
+        adapter, body = self.adapters.adapter_of(parse_body(await read_body(receive)))
         request = parse_completion(body, self.config)
-        await _until_disconnect(receive, self._generate(request, send, adapter))
+        await until_disconnect(receive, self._generate(request, send, adapter))
 
     async def _embeddings(self, receive: Receive, send: Send) -> None:
-        request = parse_embedding(parse_body(await _read_body(receive)), self.config)
+        request = parse_embedding(parse_body(await read_body(receive)), self.config)
         body = embeddings_body(
             self._new_id("embd"),
             int(time.time()),
@@ -179,15 +176,15 @@ class EmulatorApp:
             request.inputs,
             request.base64,
         )
-        await _respond(send, 200, body)
+        await respond(send, 200, body)
 
     async def _tokenize(self, receive: Receive, send: Send) -> None:
-        ids = parse_tokenize(parse_body(await _read_body(receive)), self.config)
-        await _respond(send, 200, tokenize_body(ids, self.config.max_model_len))
+        ids = parse_tokenize(parse_body(await read_body(receive)), self.config)
+        await respond(send, 200, tokenize_body(ids, self.config.max_model_len))
 
     async def _detokenize(self, receive: Receive, send: Send) -> None:
-        ids = parse_detokenize(parse_body(await _read_body(receive)), self.config)
-        await _respond(send, 200, detokenize_body(decode(ids)))
+        ids = parse_detokenize(parse_body(await read_body(receive)), self.config)
+        await respond(send, 200, detokenize_body(decode(ids)))
 
     def _render(self, parse: Parse, answer: Rendering) -> Handler:
         """A render endpoint: 403 unless scale-out is on, as vLLM's."""
@@ -195,21 +192,21 @@ class EmulatorApp:
         async def handler(receive: Receive, send: Send) -> None:
             if not self.config.enable_scale_out:
                 raise ScaleOutDisabled()
-            body = self.adapters.adapter_of(parse_body(await _read_body(receive)))[1]
-            await _respond(send, 200, answer(parse(body, self.config), body, self._new_id))
+            body = self.adapters.adapter_of(parse_body(await read_body(receive)))[1]
+            await respond(send, 200, answer(parse(body, self.config), body, self._new_id))
 
         return handler
 
     def _pooled(self, prefix: str, answer: PoolingAnswer) -> Handler:
         async def handler(receive: Receive, send: Send) -> None:
-            body = parse_body(await _read_body(receive))
-            await _respond(send, 200, answer(body, self.config, self._new_id(prefix)))
+            body = parse_body(await read_body(receive))
+            await respond(send, 200, answer(body, self.config, self._new_id(prefix)))
 
         return handler
 
     async def _count_tokens(self, receive: Receive, send: Send) -> None:
-        body = parse_body(await _read_body(receive))
-        await _respond(send, 200, self.messages.count_tokens(body))
+        body = parse_body(await read_body(receive))
+        await respond(send, 200, self.messages.count_tokens(body))
 
     async def _stored_response(self, method: str, path: str, send: Send) -> None:
         """`GET`/`DELETE /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`."""
@@ -224,33 +221,33 @@ class EmulatorApp:
             raise MethodNotAllowed("Method Not Allowed")
         else:
             raise NotFound(f"Not Found: {path}")
-        await _respond(send, 200, body)
+        await respond(send, 200, body)
 
     async def _models(self, receive: Receive, send: Send) -> None:
         config = self.config
         body = models_body(config.model, self._created, config.max_model_len, self.adapters.served)
-        await _respond(send, 200, body)
+        await respond(send, 200, body)
 
     async def _load_adapter(self, receive: Receive, send: Send) -> None:
-        body = parse_body(await _read_body(receive))
-        await _respond(send, 200, await self.adapters.load(body), b"text/plain; charset=utf-8")
+        body = parse_body(await read_body(receive))
+        await respond(send, 200, await self.adapters.load(body), b"text/plain; charset=utf-8")
 
     async def _unload_adapter(self, receive: Receive, send: Send) -> None:
-        body = parse_body(await _read_body(receive))
-        await _respond(send, 200, self.adapters.unload(body), b"text/plain; charset=utf-8")
+        body = parse_body(await read_body(receive))
+        await respond(send, 200, self.adapters.unload(body), b"text/plain; charset=utf-8")
 
     async def _health(self, receive: Receive, send: Send) -> None:
-        await _respond(send, 200, b"", b"text/plain; charset=utf-8")
+        await respond(send, 200, b"", b"text/plain; charset=utf-8")
 
     async def _stall(self, receive: Receive, send: Send) -> None:
-        body = parse_body(await _read_body(receive))
+        body = parse_body(await read_body(receive))
         self.engine.stall(bool(body.get("stalled", True)))
-        await _respond(
+        await respond(
             send, 200, b'{"stalled":%s}' % (b"true" if self.engine.stalled else b"false")
         )
 
     async def _metrics(self, receive: Receive, send: Send) -> None:
-        await _respond(send, 200, self.metrics.render(), METRICS_CONTENT_TYPE.encode())
+        await respond(send, 200, self.metrics.render(), METRICS_CONTENT_TYPE.encode())
 
     async def _generate(
         self, request: GenerationRequest, send: Send, adapter: str | None = None
@@ -272,9 +269,9 @@ class EmulatorApp:
                 [self._complete(prompt, limit, salt) for prompt, limit in _choices(request)]
             )
             usage = sum((usage for _, usage in results), Usage())
-            await _respond(send, 200, envelope.body([text for text, _ in results], usage))
+            await respond(send, 200, envelope.body([text for text, _ in results], usage))
             return
-        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         usages = await _each(
             [
                 self._stream(envelope, index, prompt, limit, salt, send)
@@ -325,13 +322,13 @@ def _created(create: Creation) -> Handler:
     async def answer(body: dict[str, Any], send: Send) -> None:
         created = await create(body)
         if isinstance(created, bytes):
-            await _respond(send, 200, created)
+            await respond(send, 200, created)
         else:
-            await _send_events(send, created)
+            await send_events(send, created)
 
     async def handler(receive: Receive, send: Send) -> None:
-        body = parse_body(await _read_body(receive))
-        await _until_disconnect(receive, answer(body, send))
+        body = parse_body(await read_body(receive))
+        await until_disconnect(receive, answer(body, send))
 
     return handler
 
@@ -345,62 +342,3 @@ async def _each(coroutines: Sequence[Coroutine[Any, Any, _T]]) -> list[_T]:
     if len(coroutines) == 1:
         return [await coroutines[0]]
     return list(await asyncio.gather(*coroutines))
-
-
-async def _until_disconnect(receive: Receive, work: Coroutine[Any, Any, None]) -> None:
-    """Run `work`, cancelling it as soon as the client disconnects."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(receive))
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.wait((task,))
-    if not task.cancelled():
-        task.result()
-
-
-async def _send_events(send: Send, events: AsyncIterator[bytes]) -> None:
-    await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-    async for event in events:
-        await send({"type": "http.response.body", "body": event, "more_body": True})
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _read_body(receive: Receive) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise PayloadTooLarge(f"the request body is larger than {MAX_BODY_BYTES} bytes")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-async def _respond(send: Send, status: int, body: bytes, content_type: bytes = _JSON) -> None:
-    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-async def _lifespan(receive: Receive, send: Send) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return

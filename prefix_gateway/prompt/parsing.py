@@ -22,6 +22,7 @@ from prefix_gateway.prompt.canonical import (
 )
 from prefix_gateway.prompt.hashing import key_hash
 from prefix_gateway.prompt.json_body import json_object
+from prefix_gateway.prompt.limits import answers_asked, completion_limit
 from prefix_gateway.prompt.messages_api import chat_messages as messages_chat
 from prefix_gateway.prompt.messages_api import messages_canonical, user_id
 from prefix_gateway.prompt.responses_api import (
@@ -223,46 +224,9 @@ def parse_request(
         tokens=None if tokenizer is None else _tokens(endpoint, payload, tokenizer),
         cache_salt=tenant if tenant is not None else _client_salt(endpoint, payload),
         first_turn=first_turn,
-        max_tokens=_largest(payload, _COMPLETION_LIMITS),
-        choices=_largest(payload, _CHOICES) or 1,
+        max_tokens=completion_limit(payload),
+        choices=answers_asked(payload),
     )
-
-
-_COMPLETION_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
-"""vLLM obeys `max_completion_tokens` over `max_tokens`: a budget reserves the larger."""
-_CHOICES = ("n", "best_of")
-
-
-def _largest(payload: dict[str, Any], names: tuple[str, ...]) -> int | None:
-    """The largest positive count among the fields `names`, read as leniently as the engine
-    reads them: `2000`, `2000.0` and `"2000"` alike."""
-    largest = None
-    for name in names:
-        value = payload.get(name)
-        if value is not None and (count := _count(value)) is not None:
-            largest = count if largest is None else max(largest, count)
-    return largest
-
-
-def _count(value: object) -> int | None:
-    """A positive whole number as pydantic's lax mode takes one (vLLM's requests are pydantic
-    models): an int, a float without a fraction, or a string of one."""
-    if type(value) is int:
-        return value if value > 0 else None
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, str):
-        try:
-            value = float(value.strip())
-        except ValueError:
-            return None
-    if isinstance(value, float):
-        if not value.is_integer():
-            return None
-        value = int(value)
-    if isinstance(value, int) and value > 0:
-        return value
-    return None
 
 
 def stored_response_request(

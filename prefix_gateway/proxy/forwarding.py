@@ -39,6 +39,8 @@ class Forwarding:
     """The priority of the request's tenant (higher is served first; anonymous: 0)."""
     needs_usage: bool = False
     """Its tenant's token budget is charged what it used: a stream asks for its usage."""
+    counts_tokens: bool = False
+    """What it used is charged or counted as service: the tokens a stream relays are counted."""
     seen: Observation | None = None
     """What the response relayed to the client carried, as far as it went (kept here, so that
     an answer the client cut short still says how far it got)."""

@@ -15,8 +15,8 @@
 
 `RequestLife` holds what a request takes, and `_end` gives it all back in one place, whatever
 ended the request: an answer, a refusal, a deadline, a failure, the client's hang-up (noticed
-wherever it waits from the end of its body on), or the server's shutdown. Tenants are reached
-from here alone.
+wherever it waits from the end of its body on), or the server's shutdown. Its tenant's side is
+its `Account` (`prefix_gateway.proxy.tenancy`).
 """
 
 from __future__ import annotations
@@ -25,14 +25,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from prefix_gateway.auth import KEY_POSITION, TENANT
 from prefix_gateway.backends.pool import BackendPool
 from prefix_gateway.config import Settings
-from prefix_gateway.config.tenants import ANONYMOUS
 from prefix_gateway.errors import GatewayError, error_shape
 from prefix_gateway.metrics import Metrics
 from prefix_gateway.prompt.parsing import RoutingInput
@@ -51,28 +48,13 @@ from prefix_gateway.proxy.forwarder import Forwarder
 from prefix_gateway.proxy.forwarding import Forwarding
 from prefix_gateway.proxy.intake import Intake
 from prefix_gateway.proxy.reply import Headers, Reply
+from prefix_gateway.proxy.tenancy import Account, Tenancy, TenantFleet
 from prefix_gateway.refusals import refused
 from prefix_gateway.routing.placement import Placement
 from prefix_gateway.routing.router import NoRoom, Placing, Router
 from prefix_gateway.routing.types import Decision, Outcome
-from prefix_gateway.state.redis import SharedState
-from prefix_gateway.tenants.cost import reservation, usage_of, used_cost
-from prefix_gateway.tenants.gate import TenantGate
-from prefix_gateway.tenants.shared import SharedBudgets
-from prefix_gateway.tenants.slots import SharedSlots
-from prefix_gateway.tenants.tenant import Reservation, Tenant
-from prefix_gateway.tenants.view import tenant_view
 
 log = logging.getLogger("prefix_gateway.proxy")
-
-
-@dataclass(frozen=True)
-class TenantFleet:
-    """What the gateways of a fleet share of their tenants through Redis."""
-
-    state: SharedState
-    gateways: Callable[[], int | None]
-    """The gateway processes of the fleet last seen (None: not known yet)."""
 
 
 class ProxyHandler:
@@ -99,7 +81,11 @@ class ProxyHandler:
         )
         self.bodies = BodyBytes(settings.max_pending_body_bytes)
         self.flow = Flow(settings, pool, metrics) if settings.max_inflight_per_replica else None
-        self.tenants = _tenant_gate(settings, metrics, tenant_fleet)
+        self.tenancy = (
+            Tenancy(settings, metrics, pool, tenant_fleet)
+            if settings.tenants or self.flow is not None
+            else None
+        )
         self.access_log = AccessLog(settings)
         self.open_placements = 0
         """Requests placed whose placement is not settled yet."""
@@ -146,23 +132,19 @@ class ProxyHandler:
 
     def tenant_views(self) -> list[dict[str, Any]]:
         """Every named tenant as `/admin/tenants` shows it."""
-        gate, flow = self.tenants, self.flow
-        if gate is None:
+        tenancy, flow = self.tenancy, self.flow
+        if tenancy is None:
             return []
-        now = time.monotonic()
-        return [
-            tenant_view(tenant, now, 0 if flow is None else flow.waiting_of(tenant.name))
-            for tenant in gate.tenants
-        ]
+        return tenancy.views(lambda name: 0 if flow is None else flow.waiting_of(name))
 
     def reserved_tokens(self) -> dict[str, float]:
         """Tokens each named tenant's requests reserved and have not settled."""
-        gate = self.tenants
-        return {} if gate is None else {tenant.name: tenant.reserved for tenant in gate.tenants}
+        return {} if self.tenancy is None else self.tenancy.reserved_tokens()
 
 
 class RequestLife:
     __slots__ = (
+        "_account",
         "_admitted",
         "_began",
         "_body",
@@ -174,10 +156,7 @@ class RequestLife:
         "_placing",
         "_receive",
         "_request",
-        "_reservation",
-        "_reserved",
         "_scope",
-        "_tenant",
         "_ticket",
         "_watcher",
         "exchange",
@@ -195,21 +174,19 @@ class RequestLife:
         task = asyncio.current_task()
         assert task is not None
         self.exchange = Exchange(task, time.monotonic(), parts.settings.request_timeout)
-        gate = parts.tenants
-        self._tenant: Tenant | None = (
-            None if gate is None else gate.of_key(scope.get(KEY_POSITION, -1))
-        )
+        tenancy = parts.tenancy
         # What it takes, each given back once by `_end`.
+        self._account: Account | None = (
+            None if tenancy is None else tenancy.account(scope.get(KEY_POSITION, -1))
+        )
         self._body = parts.bodies.lease()
         self._admitted = False
-        self._reservation: Reservation | None = None
         self._ticket: Ticket | None = None
         self._placing: Placing | None = None
         self._forwarding: Forwarding | None = None
         self._watcher: asyncio.Task[None] | None = None
         # What it came to.
         self._request: RoutingInput | None = None
-        self._reserved = 0.0
         self._issued: str | None = None
         self._outcome: Outcome | None = None
         self._error: GatewayError | None = None
@@ -253,25 +230,10 @@ class RequestLife:
         self._admitted = True
         request, path, self._issued = await parts.intake.parse(scope, body, scope.get(TENANT))
         self._request = request
-        if parts.tenants is not None or parts.flow is not None:
-            await self._admit(request)
+        if self._account is not None:
+            await self._account.admit(request)
         placement = await self._place(request)
         self._outcome = await self._forward(placement, body, path)
-
-    async def _admit(self, request: RoutingInput) -> None:
-        """Its tenant's place among its requests in flight and its reservation of tokens
-        (reserved for the fair queue's count of service too)."""
-        parts = self._parts
-        gate = parts.tenants
-        settings = parts.settings
-        self._reserved = reservation(
-            request,
-            settings.chars_per_token,
-            parts.pool.context_length(request.model),
-            settings.budget_max_tokens,
-        )
-        if gate is not None and self._tenant is not None:
-            self._reservation = await gate.admit(self._tenant, self._reserved)
 
     async def _place(self, request: RoutingInput) -> Placement:
         """Routing entered once: at once, or under flow control when its turn comes, among
@@ -288,14 +250,11 @@ class RequestLife:
         flow = self._parts.flow
         if flow is None:
             return await placing.place()
-        tenant = self._tenant
-        spec = None if tenant is None else tenant.spec
+        account = self._account
+        assert account is not None  # flow control counts tokens: every request has an account
+        name, priority, weight = account.lane
         ticket = self._ticket = flow.enter(
-            ANONYMOUS if spec is None else spec.name,
-            0 if spec is None else spec.priority,
-            1.0 if spec is None else spec.weight,
-            self._reserved,
-            placing.request.model,
+            name, priority, weight, account.reserved, placing.request.model
         )
         ticket.pinned = placing.pinned
         while True:
@@ -315,7 +274,7 @@ class RequestLife:
         outgoing = parts.forwarder.upstream.headers_for(
             scope["headers"], self.request_id.encode(), peer, scope.get("scheme", "http")
         )
-        held = self._reservation
+        account = self._account
         forwarding = Forwarding(
             placement,
             body,
@@ -325,8 +284,9 @@ class RequestLife:
             self._gateway_headers,
             scope["method"].encode(),
             path,
-            tenant_priority=0 if held is None else held.tenant.spec.priority,
-            needs_usage=held is not None and held.tenant.tokens is not None,
+            tenant_priority=0 if account is None else account.priority,
+            needs_usage=account is not None and account.needs_usage,
+            counts_tokens=account is not None,
         )
         self._forwarding = forwarding
         self._began = time.perf_counter()
@@ -350,9 +310,8 @@ class RequestLife:
         if outcome is None and self._forwarding is not None:
             # Forwarding broke off: what it got as far as it went.
             outcome = self._outcome = self._forwarding.outcome(status)
-        served = 0.0
-        if parts.tenants is not None or parts.flow is not None:
-            served = self._charge(status, outcome)
+        account = self._account
+        served = 0.0 if account is None else account.settle(self._request, status, outcome)
         if self._ticket is not None:
             assert parts.flow is not None
             parts.flow.release(self._ticket, served)
@@ -373,29 +332,6 @@ class RequestLife:
             except Exception:  # what it recorded may stay; the request is over all the same
                 log.exception("settling request %s failed", self.request_id)
 
-    def _charge(self, status: int, outcome: Outcome | None) -> float:
-        """Its tenant settled, charged for what it used, and counted; the service it received,
-        in tokens, as the fair queue counts it: what it was charged, or, sent to a replica and
-        charged nothing (its client left before its first byte), its prompt, which the
-        replica was given to compute and its slot held meanwhile."""
-        parts = self._parts
-        gate = parts.tenants
-        request = self._request
-        if request is None:
-            if gate is not None:
-                gate.refused(self._tenant, status)
-            return 0.0
-        prompt = request.estimated_tokens(parts.settings.chars_per_token)
-        usage = usage_of(outcome, request.stream, self._reserved, prompt)
-        if gate is not None:
-            if self._reservation is not None or (self._tenant is None and outcome is not None):
-                gate.settle(self._reservation, status, usage)
-            else:
-                gate.refused(self._tenant, status)
-        if usage is None:
-            return prompt if outcome is not None and outcome.tried else 0.0
-        return used_cost(usage, parts.settings.cached_token_cost)
-
     def _gateway_headers(self, decision: Decision) -> Headers:
         headers = [
             (b"x-gateway-backend", decision.backend.encode()),
@@ -407,27 +343,11 @@ class RequestLife:
             # back after that simply binds again.
             cookie = f"{self._parts.settings.sticky_cookie}={self._issued}"
             headers.append((b"set-cookie", f"{cookie}; Path=/; HttpOnly; SameSite=Lax".encode()))
-        if self._reservation is not None:
-            headers += self._reservation.tenant.headers(time.monotonic())
+        if self._account is not None:
+            headers += self._account.headers(time.monotonic())
         return headers
 
 
 def _code(error: GatewayError | None) -> str:
     """The access log's `error` of a request that was not answered by a replica."""
     return "client_disconnected" if error is None else error.code
-
-
-def _tenant_gate(
-    settings: Settings, metrics: Metrics, fleet: TenantFleet | None
-) -> TenantGate | None:
-    """The tenants' gate where tenants are named: budgets and caps on requests in flight kept
-    by this process, or by the fleet through Redis."""
-    if not settings.tenants:
-        return None
-    budgets = slots = None
-    if fleet is not None:
-        link = fleet.state.link
-        budgets = SharedBudgets(fleet.state.budgets, link, fleet.gateways, settings.workers)
-        slots = SharedSlots(fleet.state.slots, link, budgets.share, settings.tenant_slots_ttl)
-        link.run_while_open(slots.start, slots.stop)
-    return TenantGate(settings, metrics, shared=budgets, slots=slots)

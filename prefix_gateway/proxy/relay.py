@@ -219,7 +219,9 @@ class Relay:
         backend = attempt.backend
         now = clock()
         exchange.expect(Why.IDLE, idle)
-        observer = StreamObserver(strip_usage, self._replies.answer_chars)
+        observer = StreamObserver(
+            strip_usage, self._replies.answer_chars, forwarding.counts_tokens
+        )
         seen = observer.seen
         seen.sent_at = attempt.started
         seen.answered = True

@@ -138,9 +138,14 @@ class StreamObserver:
     """Follows SSE events across chunk boundaries. `feed` returns what the client is to get:
     each chunk as it came, or with `strip_usage` the complete events less the usage-only one."""
 
-    def __init__(self, strip_usage: bool = False, answer_limit: int = 1 << 62) -> None:
+    def __init__(
+        self, strip_usage: bool = False, answer_limit: int = 1 << 62, count_tokens: bool = False
+    ) -> None:
+        """`count_tokens`: count the generated tokens relayed (`Observation.relayed_tokens`),
+        which only a tenant's charge or the fair queue reads."""
         self.seen = Observation(answer_limit=answer_limit)
         self._strip_usage = strip_usage
+        self._count_tokens = count_tokens
         self._pending = b""
         self._messages: MessageEvents | None = None
 
@@ -207,8 +212,9 @@ class StreamObserver:
                 continue
             kind = message.get("type")
             if isinstance(kind, str):
-                if kind == "content_block_delta" or (
-                    kind.startswith("response.") and kind.endswith(".delta")
+                if self._count_tokens and (
+                    kind == "content_block_delta"
+                    or (kind.startswith("response.") and kind.endswith(".delta"))
                 ):
                     self.seen.relayed_tokens += 1  # generated text, in Messages or Responses
                 if kind.startswith("response."):
@@ -224,7 +230,7 @@ class StreamObserver:
                 self.seen.take_usage(message["usage"])
                 # OpenAI's usage chunk has `choices: []`; some servers leave the key out.
                 usage_only = choices is None or choices == []
-            if isinstance(choices, list):
+            if self._count_tokens and isinstance(choices, list):
                 self.seen.relayed_tokens += sum(map(_generated, choices))
             if (
                 isinstance(choices, list)

@@ -149,9 +149,8 @@ class Recorder:
             matched = placement.state.matched.get(first, 0)
             await self.index.forget(model, first, placement.chain[matched:])
         key, previous = request.session_key, placement.sticky
-        if not outcome.accepted and key is not None and previous not in (None, first):
+        if not outcome.accepted and key is not None and previous is not None and previous != first:
             # No backend took it: its session stays where its last answer came from.
-            assert previous is not None
             await self.sessions.put(key, previous)
         if served != first:
             # Failed over: the prompt is where it was answered now.

@@ -26,7 +26,7 @@ class Usage:
     completion: int = 0
 
 
-def reservation(
+def tokens_reserved(
     request: RoutingInput,
     chars_per_token: float,
     context_length: int | None,
