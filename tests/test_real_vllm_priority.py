@@ -48,8 +48,9 @@ CONTEXT = 16384
 # machine slow to send the others, ends by itself (an attempt made again).
 LONG = CONTEXT - 100
 # The queued requests end by themselves; the engine runs one at a time, so the second one's
-# first token comes after the first one's last.
-SHORT = 16
+# first token comes after the first one's last. Long enough that the test's two reader threads
+# do not see them out of order on a busy machine (with 16 tokens one run read them backwards).
+SHORT = 256
 # The engine takes this long to notice a hang-up while it decodes on a busy machine.
 ENGINE_PATIENCE = 300.0
 ATTEMPTS = 4
