@@ -29,6 +29,8 @@ from types import TracebackType
 from typing import IO, Self
 
 from engines.venv import VLLMVenv
+from prefix_gateway import logwatch
+from prefix_gateway.logwatch import VLLM_LOG, LogWatch, read_log
 
 MIB = 1024 * 1024
 # Flags that work for the CPU build here; see docs/real-engines.md for why each is there.
@@ -131,6 +133,7 @@ class VLLMReplica:
         self.started_seconds: float | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
+        self._watch = LogWatch(VLLM_LOG)
         self._started_at = 0.0
 
     @property
@@ -237,14 +240,26 @@ class VLLMReplica:
             deadline = time.monotonic() + self.stop_seconds
             while _group_alive(group) and time.monotonic() < deadline:
                 time.sleep(0.05)
+        logwatch.ended(self)
         return process.returncode
 
+    @property
+    def label(self) -> str:
+        """The replica as a failure report names it."""
+        return f"vLLM {self.model.name} on {self.url}"
+
     def log(self) -> str:
-        if self._log is None:
-            return ""
-        self._log.flush()
-        self._log.seek(0)
-        return self._log.read().decode(errors="replace")
+        return "" if self._log is None else read_log(self._log).decode(errors="replace")
+
+    def expect_log(self, pattern: str) -> Self:
+        """Allow error records in which the regular expression `pattern` is found: an error
+        the test provokes on purpose."""
+        self._watch.expect(pattern)
+        return self
+
+    def unexpected_errors(self) -> list[str]:
+        """The error records logged since the last call that no `expect_log` pattern allows."""
+        return [] if self._log is None else self._watch.errors(self._log)
 
     def log_tail(self, characters: int = 4000) -> str:
         """The log's last characters, after the first lines that name an error (the cause)."""
@@ -287,6 +302,7 @@ class VLLMReplica:
             env=self.environment(),
             start_new_session=True,
         )
+        logwatch.started(self)
 
     def _wait_healthy(self) -> bool:
         deadline = time.monotonic() + self.startup_seconds

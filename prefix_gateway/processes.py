@@ -5,57 +5,22 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import re
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import TracebackType
-from typing import IO, ClassVar, Self
+from typing import IO, Self
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-_TRACEBACK = "Traceback (most recent call last):"
-# A log record's first line, as the gateway (`%(asctime)s %(levelname)s ...`) and uvicorn
-# (`LEVEL:    ...`) write it; the lines up to the next such line (a traceback) belong to it. A
-# JSON line (`--log-format json`, the access log) is a record of its own.
-_RECORD = re.compile(r"^(?:\d{4}-\d\d-\d\d [\d:,.]+ )?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
-_ASGI_ERROR = "Exception in ASGI application"
-
-
-def log_records(text: str) -> list[str]:
-    """`text` cut into records: each from a record's first line to the next one's."""
-    records: list[list[str]] = [[]]
-    for line in text.splitlines():
-        if (_RECORD.match(line) or line.startswith("{")) and records[-1]:
-            records.append([])
-        records[-1].append(line)
-    return ["\n".join(lines) for lines in records if lines]
-
-
-def is_error_record(record: str) -> bool:
-    """An error nobody was answered about: a traceback, `Exception in ASGI application`, or a
-    record logged at ERROR or CRITICAL (in text, or as a JSON line's `level`)."""
-    text_level = _RECORD.match(record)
-    level = text_level.group(1) if text_level is not None else _json_level(record)
-    return _TRACEBACK in record or _ASGI_ERROR in record or level in ("ERROR", "CRITICAL")
-
-
-def _json_level(record: str) -> str | None:
-    if not record.startswith("{"):
-        return None
-    try:
-        line = json.loads(record.split("\n", 1)[0])
-    except ValueError:
-        return None
-    level = line.get("level") if isinstance(line, dict) else None
-    return level if isinstance(level, str) else None
+from prefix_gateway import logwatch
+from prefix_gateway.logwatch import GATEWAY_LOG, REPORTED_CHARACTERS, TRACEBACK, LogWatch, read_log
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:
@@ -81,9 +46,6 @@ class ChildProcess:
     """`python -m MODULE ARGS --host H --port P`, healthy once `GET health_path` answers 200."""
 
     health_path = "/health"
-    on_stop: ClassVar[Callable[[ChildProcess], None] | None] = None
-    """Called with each process once it has ended (stopped or killed), its log still readable:
-    a test suite sets it to check `unexpected_errors()`. Unset, stopping never checks."""
 
     def __init__(
         self,
@@ -109,14 +71,11 @@ class ChildProcess:
         """Where the module is found first (`python -m` puts the working directory first)."""
         self._process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
-        self._expected: list[re.Pattern[str]] = []
-        self._checked = 0
-        """How much of the log `unexpected_errors` has already read."""
+        self._watch = LogWatch(GATEWAY_LOG)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
-
 
     @property
     def pid(self) -> int:
@@ -154,7 +113,7 @@ class ChildProcess:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        self._ended()
+        logwatch.ended(self)
         return process.returncode
 
     def kill(self) -> None:
@@ -163,42 +122,31 @@ class ChildProcess:
             self._process.kill()
             self._process.wait()
             self._process = None
-            self._ended()
+            logwatch.ended(self)
+
+    @property
+    def label(self) -> str:
+        """The process as a failure report names it: its module and arguments."""
+        return f"{self.module} {' '.join(self.args)}"
 
     def log(self) -> str:
-        if self._log is None:
-            return ""
-        self._log.seek(0)
-        return self._log.read().decode(errors="replace")
+        return "" if self._log is None else read_log(self._log).decode(errors="replace")
 
     def tracebacks(self) -> list[str]:
         """Every traceback the process logged, each from its first line to the log's end or
         the next traceback: a witness of an error nobody was answered about."""
-        parts = self.log().split(_TRACEBACK)[1:]
-        return [_TRACEBACK + part[:4000] for part in parts]
+        parts = self.log().split(TRACEBACK)[1:]
+        return [TRACEBACK + part[:REPORTED_CHARACTERS] for part in parts]
 
     def expect_log(self, pattern: str) -> Self:
         """Allow error records in which the regular expression `pattern` is found: an error the
         test provokes on purpose. Every other one is unexpected."""
-        self._expected.append(re.compile(pattern))
+        self._watch.expect(pattern)
         return self
 
     def unexpected_errors(self) -> list[str]:
-        """The error records (`is_error_record`) logged since the last call that no
-        `expect_log` pattern allows."""
-        text = self.log()
-        fresh, self._checked = text[self._checked :], len(text)
-        return [
-            record[:4000]
-            for record in log_records(fresh)
-            if is_error_record(record)
-            and not any(pattern.search(record) for pattern in self._expected)
-        ]
-
-    def _ended(self) -> None:
-        hook = ChildProcess.on_stop
-        if hook is not None:
-            hook(self)
+        """The error records logged since the last call that no `expect_log` pattern allows."""
+        return [] if self._log is None else self._watch.errors(self._log)
 
     def metrics_text(self) -> str:
         return httpx.get(self.url + "/metrics", timeout=5).text
@@ -221,6 +169,8 @@ class ChildProcess:
         self._process = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=output, stderr=output, env=env, cwd=self._cwd
         )
+        if output is not None:
+            logwatch.started(self)
 
     def _wait_healthy(self) -> bool:
         deadline = time.monotonic() + self._startup_seconds

@@ -19,7 +19,9 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Self
 
+from prefix_gateway import logwatch
 from prefix_gateway.clock import Clock
+from prefix_gateway.logwatch import REDIS_LOG, LogWatch
 from prefix_gateway.processes import free_port
 from prefix_gateway.state.index import PrefixIndex
 from prefix_gateway.state.redis import KeySpace, RedisPrefixIndex, RedisSessionStore, open_client
@@ -54,6 +56,7 @@ class RedisServer:
         self._startup_seconds = startup_seconds
         self._process: subprocess.Popen[bytes] | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="redis-test-")
+        self._watch = LogWatch(REDIS_LOG)
 
     @property
     def url(self) -> str:
@@ -83,6 +86,7 @@ class RedisServer:
         self._process = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
+        logwatch.started(self)
         deadline = time.monotonic() + self._startup_seconds
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
@@ -104,12 +108,26 @@ class RedisServer:
         except OSError:
             return ""
 
+    @property
+    def label(self) -> str:
+        """The server as a failure report names it."""
+        return f"redis-server {self.address}"
+
+    def unexpected_errors(self) -> list[str]:
+        """What the server logged since the last call that says it failed (a crash report)."""
+        try:
+            with open(self._log_path, "rb") as log:
+                return self._watch.errors(log)
+        except FileNotFoundError:
+            return []
+
     def kill(self) -> None:
         """Die at once, as a crashed server would; everything it held is lost."""
         process, self._process = self._process, None
         if process is not None:
             process.kill()
             process.wait()
+            logwatch.ended(self)
 
     def stop(self) -> None:
         process, self._process = self._process, None
@@ -120,6 +138,8 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        if process is not None:
+            logwatch.ended(self)
 
     def cli(self, *args: str) -> str:
         result = subprocess.run(

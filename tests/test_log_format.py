@@ -18,7 +18,7 @@ import pytest
 from prefix_gateway.config import ConfigError, load_settings
 from prefix_gateway.emulator.replicas import EmulatedReplicas
 from prefix_gateway.logs import JsonFormatter
-from prefix_gateway.processes import is_error_record
+from prefix_gateway.logwatch import GATEWAY_LOG
 from tests.conftest import MODEL
 from tests.support import GatewayProcess, wait_until
 
@@ -150,8 +150,9 @@ def test_a_traceback_stays_inside_its_json_record() -> None:
     assert parsed["exc_info"].startswith("Traceback (most recent call last):")
     assert parsed["exc_info"].endswith("ZeroDivisionError: division by zero")
     # The test suite's witness of a started process counts it as an error.
-    assert is_error_record(line)
-    assert not is_error_record(line.replace('"ERROR"', '"WARNING"').split(',"exc_info"')[0] + "}")
+    assert GATEWAY_LOG.is_error(line)
+    warning = line.replace('"ERROR"', '"WARNING"').split(',"exc_info"')[0] + "}"
+    assert not GATEWAY_LOG.is_error(warning)
 
 
 @pytest.mark.parametrize("where", ["main", "thread"])

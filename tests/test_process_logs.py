@@ -1,8 +1,19 @@
-"""What the suite counts as an error a started process logged (`prefix_gateway/processes.py`)."""
+"""What the suite counts as an error a started process logged (`prefix_gateway/logwatch.py`):
+each program's records cut by its own format, and a running process's log read a piece at a
+time."""
 
 from __future__ import annotations
 
-from prefix_gateway.processes import is_error_record, log_records
+import tempfile
+
+from prefix_gateway.logwatch import (
+    GATEWAY_LOG,
+    PROMETHEUS_LOG,
+    REDIS_LOG,
+    VLLM_LOG,
+    LogFormat,
+    LogWatch,
+)
 
 LOG = """\
 2026-12-02 06:14:38,123 INFO prefix_gateway.server: serving
@@ -19,9 +30,42 @@ ConnectionResetError: reset
 INFO:     Shutting down
 """
 
+VLLM = """\
+(APIServer pid=71) INFO 12-07 09:41:00 [api_server.py:1] Starting vLLM API server
+(APIServer pid=71) INFO:     127.0.0.1:5000 - "POST /v1/completions HTTP/1.1" 400 Bad Request
+(EngineCore_DP0 pid=90) WARNING 12-07 09:41:01 [core.py:2] an ERROR in words
+(EngineCore_DP0 pid=90) ERROR 12-07 09:41:02 [core.py:3] EngineCore encountered a fatal error.
+(EngineCore_DP0 pid=90) Traceback (most recent call last):
+(EngineCore_DP0 pid=90)   File "core.py", line 3, in run
+(EngineCore_DP0 pid=90) RuntimeError: oops
+(APIServer pid=71) INFO 12-07 09:41:03 [launcher.py:4] Shutting down FastAPI HTTP server.
+"""
 
-def test_a_log_is_cut_into_records_each_with_its_traceback() -> None:
-    records = log_records(LOG)
+REDIS = """\
+12:C 07 Dec 2026 09:41:00.001 # WARNING Memory overcommit must be enabled!
+12:M 07 Dec 2026 09:41:00.002 * Ready to accept connections tcp
+12:M 07 Dec 2026 09:41:05.000 # === REDIS BUG REPORT START: Cut & paste starting from here ===
+12:M 07 Dec 2026 09:41:05.001 # Redis 7.0.15 crashed by signal: 11
+"""
+
+PROMETHEUS = """\
+ts=2026-12-07T09:41:00.000Z caller=main.go:1 level=warn msg="no time series"
+ts=2026-12-07T09:41:01.000Z caller=scrape.go:2 level=error component="scrape manager" msg="x"
+panic: runtime error: index out of range
+goroutine 1 [running]:
+"""
+
+
+def heads(log: LogFormat, text: str) -> list[str]:
+    return [record.splitlines()[0] for record in log.records(text)]
+
+
+def errors(log: LogFormat, text: str) -> list[bool]:
+    return [log.is_error(record) for record in log.records(text)]
+
+
+def test_a_gateway_log_is_cut_into_records_each_with_its_traceback() -> None:
+    records = GATEWAY_LOG.records(LOG)
     assert [record.splitlines()[0] for record in records] == [
         "2026-12-02 06:14:38,123 INFO prefix_gateway.server: serving",
         "2026-12-02 06:14:39,001 WARNING prefix_gateway.backends.health: 127.0.0.1:9 is down",
@@ -35,8 +79,57 @@ def test_a_log_is_cut_into_records_each_with_its_traceback() -> None:
 
 
 def test_errors_are_tracebacks_asgi_exceptions_and_error_records() -> None:
-    flagged = [is_error_record(record) for record in log_records(LOG)]
-    assert flagged == [False, False, True, True, False, False]
-    assert is_error_record("Traceback (most recent call last):\n  oops")
-    assert is_error_record("2026-12-02 06:14:40,002 CRITICAL gateway: gone")
-    assert not is_error_record("2026-12-02 06:14:40,002 WARNING gateway: an ERROR in words")
+    assert errors(GATEWAY_LOG, LOG) == [False, False, True, True, False, False]
+    assert GATEWAY_LOG.is_error("Traceback (most recent call last):\n  oops")
+    assert GATEWAY_LOG.is_error("2026-12-02 06:14:40,002 CRITICAL gateway: gone")
+    assert not GATEWAY_LOG.is_error("2026-12-02 06:14:40,002 WARNING gateway: an ERROR in words")
+
+
+def test_vllm_records_carry_their_process_and_the_engine_core_traceback_stays_with_its_error() -> (
+    None
+):
+    assert len(heads(VLLM_LOG, VLLM)) == 5
+    assert errors(VLLM_LOG, VLLM) == [False, False, False, True, False]
+    assert VLLM_LOG.records(VLLM)[3].endswith("RuntimeError: oops")
+
+
+def test_redis_warnings_pass_and_a_crash_report_is_an_error() -> None:
+    assert errors(REDIS_LOG, REDIS) == [False, False, True, True]
+
+
+def test_prometheus_errors_and_panics_are_errors_and_warnings_are_not() -> None:
+    assert heads(PROMETHEUS_LOG, PROMETHEUS)[:2] == PROMETHEUS.splitlines()[:2]
+    assert errors(PROMETHEUS_LOG, PROMETHEUS) == [False, True]
+    assert PROMETHEUS_LOG.records(PROMETHEUS)[1].endswith("goroutine 1 [running]:")
+
+
+def test_a_running_process_log_is_read_in_pieces_each_error_reported_once() -> None:
+    watch = LogWatch(GATEWAY_LOG)
+    watch.expect("the replica hung up")
+    with tempfile.TemporaryFile() as log:
+        log.write(b"2026-12-02 06:14:38,123 INFO gateway: serving\nERROR:    Exception in ASGI")
+        log.flush()
+        # The record being written is not judged before its line has ended.
+        assert watch.errors(log) == []
+        log.write(b" application\nTraceback (most recent call last):\n")
+        log.flush()
+        assert [error.splitlines()[0] for error in watch.errors(log)] == [
+            "ERROR:    Exception in ASGI application"
+        ]
+        # The rest of the same record comes: it is not reported again.
+        log.write(b'  File "x.py", line 1\nKeyError: 1\n')
+        log.flush()
+        assert watch.errors(log) == []
+        log.write(b"2026-12-02 06:14:40,002 ERROR gateway.relay: the replica hung up\n")
+        log.write(b"2026-12-02 06:14:41,000 WARNING gateway: slow\n")
+        log.flush()
+        assert watch.errors(log) == []
+        # A record whose traceback comes in a later piece is an error once it is whole.
+        log.write(b"2026-12-02 06:14:42,000 WARNING gateway: retrying\n")
+        log.flush()
+        assert watch.errors(log) == []
+        log.write(b"Traceback (most recent call last):\nOSError: gone\n")
+        log.flush()
+        reported = watch.errors(log)
+        assert len(reported) == 1 and reported[0].startswith("2026-12-02 06:14:42,000 WARNING")
+        assert reported[0].endswith("OSError: gone")

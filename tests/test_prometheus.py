@@ -8,8 +8,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +17,11 @@ import openai
 import pytest
 import yaml
 
+from prefix_gateway import logwatch
 from prefix_gateway.emulator.replicas import EmulatedReplicas
+from prefix_gateway.logwatch import PROMETHEUS_LOG, LogWatch
 from tests.conftest import MODEL
-from tests.support import GatewayProcess, free_port
+from tests.support import GatewayProcess, free_port, wait_until
 from tests.test_dashboards import (
     ALERTS,
     DEPLOY,
@@ -83,6 +84,8 @@ class Prometheus:
             ],
         }
         (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self._log = (folder / "prometheus.log").open("w+b")
+        self._watch = LogWatch(PROMETHEUS_LOG)
         self.process = subprocess.Popen(
             [
                 PROMETHEUS,
@@ -92,10 +95,18 @@ class Prometheus:
                 "--log.level=warn",
             ],
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
         )
-        wait_for(lambda: self._ready(), "Prometheus to start")
+        logwatch.started(self)
+        wait_until(self._ready, "Prometheus to start")
+
+    @property
+    def label(self) -> str:
+        return f"prometheus {self.url}"
+
+    def unexpected_errors(self) -> list[str]:
+        return self._watch.errors(self._log)
 
     def _ready(self) -> bool:
         try:
@@ -121,15 +132,8 @@ class Prometheus:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-
-
-def wait_for(check: Callable[[], bool], what: str, seconds: float = 20.0) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+        logwatch.ended(self)
+        self._log.close()
 
 
 # The client is a named tenant with budgets, so that the tenant row has series to render.
@@ -213,13 +217,13 @@ def test_a_real_prometheus_renders_every_panel_from_a_live_gateway(
         )
     talk(client, "pa")
     # The trimmed history comes last: once its cache break is scraped, all of the above is.
-    wait_for(lambda: bool(prometheus.query("gateway_cache_breaks_total")), "a scrape")
+    wait_until(lambda: bool(prometheus.query("gateway_cache_breaks_total")), "a scrape")
     # The same conversations again, on the same replicas: the series scraped above grow, so
     # their rates over the window are not zero (a series born later starts at its first value).
     talk(client, "pa")
 
     observed = panel_expr("Predicted vs observed prefix hit rate", "observed")
-    wait_for(lambda: prometheus.value(observed) > 0, "the observed hit rate")
+    wait_until(lambda: prometheus.value(observed) > 0, "the observed hit rate")
     assert 0 < prometheus.value(observed) < 1
     by_route = prometheus.query(panel_expr("Requests / s by route reason", "{{route}}"))
     assert {series["metric"]["route"] for series in by_route} & {"prefix", "hash"}
@@ -277,7 +281,7 @@ def test_prometheus_evaluates_every_alert_rule(prometheus: Prometheus) -> None:
         body = httpx.get(prometheus.url + "/api/v1/rules", timeout=5).json()
         return [rule for group in body["data"]["groups"] for rule in group["rules"]]
 
-    wait_for(lambda: all(rule["health"] == "ok" for rule in rules()), "the rules to evaluate")
+    wait_until(lambda: all(rule["health"] == "ok" for rule in rules()), "the rules to evaluate")
     assert len(rules()) == len(alert_rules())
     firing = prometheus.query('ALERTS{alertstate="firing"}')
     assert firing == []  # four healthy replicas, no Redis configured, nothing to fire
