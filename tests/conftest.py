@@ -74,15 +74,22 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
             )
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip the tests against real vLLM replicas only when asked to."""
+    """Skip the tests against real vLLM replicas only when asked to; otherwise put them first,
+    in one group: on several workers (`-n N --dist loadgroup`) one worker runs them all, one
+    engine start at a time, while the others share the rest a module at a time."""
     asked = config.getoption("--skip-real-vllm") or os.environ.get(SKIP_REAL_VLLM) == "1"
-    if not asked:
-        return
-    skip = pytest.mark.skip(reason=SKIP_REAL_VLLM_REASON)
+    if asked:
+        skip = pytest.mark.skip(reason=SKIP_REAL_VLLM_REASON)
+        for item in items:
+            if "real_vllm" in item.keywords:
+                item.add_marker(skip)
     for item in items:
-        if "real_vllm" in item.keywords:
-            item.add_marker(skip)
+        group = "real_vllm" if "real_vllm" in item.keywords else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+    if not asked:
+        items.sort(key=lambda item: "real_vllm" not in item.keywords)
 
 
 def on_ci() -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import httpx
@@ -11,7 +10,7 @@ import orjson
 
 from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
-from tests.support import GatewayProcess
+from tests.support import GatewayProcess, wait_until
 from tests.words import words
 
 FIELDS = {
@@ -46,14 +45,13 @@ def access_lines(gateway: GatewayProcess) -> list[dict[str, Any]]:
 
 
 def line_for(gateway: GatewayProcess, request_id: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        found = [line for line in access_lines(gateway) if line["request_id"] == request_id]
-        if found:
-            assert len(found) == 1
-            return found[0]
-        time.sleep(0.02)
-    raise AssertionError(f"no access-log line for {request_id}")
+    def found() -> list[dict[str, Any]]:
+        return [line for line in access_lines(gateway) if line["request_id"] == request_id]
+
+    wait_until(found, f"an access-log line for {request_id}")
+    lines = found()
+    assert len(lines) == 1
+    return lines[0]
 
 
 def test_a_line_per_request_with_the_routing_facts(

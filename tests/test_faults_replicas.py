@@ -18,7 +18,7 @@ import pytest
 from loadtest import fault_replicas
 from tests.conftest import MODEL
 from tests.fault_servers import FaultServer
-from tests.support import GatewayProcess, metric_value
+from tests.support import GatewayProcess, metric_value, wait_until
 from tests.words import words
 
 
@@ -125,12 +125,12 @@ def test_health_thresholds_eject_and_readmit() -> None:
             assert healthy() == 1  # a starting replica is admitted by its first good probe
             replica.mode = "stall"
             probes = replica.probes
-            _wait(lambda: healthy() == 0)
+            wait_until(lambda: healthy() == 0, "the replica ejected")
             assert replica.probes - probes >= 3  # ejected only after three failed probes
             assert _chat(gateway.url).json()["error"]["code"] == "no_healthy_backend"
             replica.mode = "ok"
             probes = replica.probes
-            _wait(lambda: healthy() == 1)
+            wait_until(lambda: healthy() == 1, "the replica back")
             assert replica.probes - probes >= 3  # readmitted only after three good ones
             assert _chat(gateway.url).status_code == 200
 
@@ -171,14 +171,6 @@ def test_a_stream_that_goes_quiet_ends_with_an_sse_error() -> None:
     assert waited > 1.4  # not before the idle timeout
     assert metric_value(text, "gateway_upstream_errors_total", cause="stream_idle") == 1
     assert metric_value(text, "gateway_requests_total", status="504") == 1
-
-
-def _wait(condition: object, seconds: float = 10.0) -> None:
-    assert callable(condition)
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def test_the_openai_client_raises_on_a_stream_cut_after_its_first_byte() -> None:

@@ -8,7 +8,6 @@ directly, behind the gateway's back, fill its cache.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,10 +33,10 @@ def fleet() -> Iterator[EmulatedReplicas]:
 
 def admitted(gateway: GatewayProcess, replicas: int = 2) -> GatewayProcess:
     """Every replica admitted: a first probe slowed by a busy machine may have failed."""
-    deadline = time.monotonic() + 10
-    while httpx.get(gateway.url + "/health", timeout=5).json()["healthy"] < replicas:
-        assert time.monotonic() < deadline, "the replicas did not become healthy"
-        time.sleep(0.05)
+    wait_until(
+        lambda: httpx.get(gateway.url + "/health", timeout=5).json()["healthy"] >= replicas,
+        f"{replicas} replicas healthy",
+    )
     return gateway
 
 
@@ -116,12 +115,8 @@ class Feedback:
         return {name: now[name] - self.start[name] for name in now if now[name] != self.start[name]}
 
     def wait(self, done: Callable[[dict[str, float]], bool]) -> dict[str, float]:
-        deadline = time.monotonic() + 5
-        while True:
-            grown = self.grown()
-            if done(grown) or time.monotonic() > deadline:
-                return grown
-            time.sleep(0.02)
+        wait_until(lambda: done(self.grown()), "the feedback counters to grow")
+        return self.grown()
 
 
 def evict(backend: str, tag: str) -> None:

@@ -11,8 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +27,7 @@ from prefix_gateway.config import Settings
 from prefix_gateway.emulator.replicas import EmulatedReplicas
 from prefix_gateway.routing.traffic import Traffic
 from tests.redis_server import PATIENT, RedisServer
-from tests.support import GatewayProcess
+from tests.support import GatewayProcess, wait_until
 from tests.words import words
 
 MODEL = "fleet-model"
@@ -85,13 +84,6 @@ def explain(gateway: GatewayProcess, request: dict[str, Any]) -> dict[str, Any]:
     return answer
 
 
-def wait_for(condition: Callable[[], object], seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
-
-
 def claimed(gateway: GatewayProcess, request: dict[str, Any]) -> str | None:
     backend: str | None = explain(gateway, request)["inputs"]["claimed_backend"]
     return backend
@@ -119,7 +111,7 @@ def test_two_gateways_place_the_same_new_customer_prompt_on_the_same_replica(
             assert shown["route"] == "hash" and shown["inputs"]["claimed_backend"] is None
             computing: Future[httpx.Response] = pool.submit(send, first, earlier)
             # The first request is being prefilled (seconds); its claim is there already.
-            wait_for(functools.partial(claimed, second, later))
+            wait_until(functools.partial(claimed, second, later), "the claim, at another gateway")
             shown = explain(second, later)
             owner = shown["inputs"]["claimed_backend"]
             depths = {item["backend"]: item["matched_blocks"] for item in shown["candidates"]}
@@ -142,7 +134,10 @@ def test_explain_says_which_inputs_came_from_the_fleet(fleet: Fleet) -> None:
     assert inputs["claim"] == "fleet"
     assert inputs["prompt_share"] == "fleet"
     assert inputs["sticky_backend"] is None  # no session key
-    wait_for(lambda: explain(fleet.gateways[2], request)["inputs"]["load"] == "local + fleet")
+    wait_until(
+        lambda: explain(fleet.gateways[2], request)["inputs"]["load"] == "local + fleet",
+        "the fleet's load read",
+    )
     inputs = explain(fleet.gateways[2], request)["inputs"]
     assert inputs["pending_prefill"] == inputs["recent_requests"] == "local + fleet"
     assert inputs["fleet_exchange_ms_ago"] is not None
@@ -224,7 +219,10 @@ def test_a_prompt_is_in_the_shared_index_while_its_replica_computes_it(fleet: Fl
     with ThreadPoolExecutor(max_workers=1) as pool:
         computing: Future[httpx.Response] = pool.submit(send, first, prompt)
         # Prefill takes seconds here; the other gateway sees the prompt placed long before.
-        wait_for(lambda: any(depths(explain(second, prompt)).values()) or computing.done())
+        wait_until(
+            lambda: any(depths(explain(second, prompt)).values()) or computing.done(),
+            "the prompt in the shared index, or its answer",
+        )
         assert not computing.done(), "the prompt was not shared before its replica answered"
         shown = explain(second, prompt)
         assert shown["inputs"]["claimed_backend"] is None
@@ -277,14 +275,23 @@ def test_redis_away_leaves_every_input_local(fleet: Fleet) -> None:
     """Last: it kills the module's Redis."""
     request = body(words(1000, "aw"), words(40, "aq"))
     fleet.redis.kill()
-    wait_for(lambda: explain(fleet.gateways[0], request)["inputs"]["matched_blocks"] == "local")
+    wait_until(
+        lambda: explain(fleet.gateways[0], request)["inputs"]["matched_blocks"] == "local",
+        "matched blocks read locally",
+    )
     inputs = explain(fleet.gateways[0], request)["inputs"]
     assert inputs["claim"] is None and inputs["prompt_share"] == "local"
-    wait_for(lambda: explain(fleet.gateways[0], request)["inputs"]["load"] == "local")
+    wait_until(
+        lambda: explain(fleet.gateways[0], request)["inputs"]["load"] == "local",
+        "the load read locally",
+    )
     response = send(fleet.gateways[0], request)
     assert response.status_code == 200
     fleet.redis.start()
-    wait_for(lambda: explain(fleet.gateways[0], request)["inputs"]["claim"] == "fleet")
+    wait_until(
+        lambda: explain(fleet.gateways[0], request)["inputs"]["claim"] == "fleet",
+        "the claim read from the fleet",
+    )
 
 
 def test_gateways_sharing_nothing_place_a_customer_prompt_alike(fleet: Fleet) -> None:

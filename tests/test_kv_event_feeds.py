@@ -19,6 +19,7 @@ from engines.kv_events import load_sample
 from prefix_gateway.backends.kv_events import FeedState, KVEventFeeds, sources, subscribe_address
 from prefix_gateway.backends.pool import BackendPool
 from prefix_gateway.metrics import Metrics
+from tests.support import eventually
 
 SAMPLE = Path(__file__).parent / "data" / "vllm_kv_events.msgpack"
 
@@ -94,14 +95,6 @@ def publisher(tmp_path: Path) -> Iterator[Publisher]:
     publisher.close()
 
 
-async def until(check: object, what: str, seconds: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + seconds
-    while not check():  # type: ignore[operator]
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"not true after {seconds:.0f} s: {what}")
-        await asyncio.sleep(0.05)
-
-
 def test_sources_and_where_to_connect() -> None:
     answer = {
         "0": {
@@ -134,7 +127,7 @@ def test_a_feed_follows_the_publisher_then_falls_back_when_it_goes(
             )
             feeds.start()
             try:
-                await until(lambda: name in feeds.live(), "the feed is live")
+                await eventually(lambda: name in feeds.live(), "the feed is live")
                 # The subscription takes a moment to reach the publisher: send until heard.
                 for _ in range(50):
                     publisher.send(frames[:1])
@@ -151,7 +144,7 @@ def test_a_feed_follows_the_publisher_then_falls_back_when_it_goes(
                 publisher.send(
                     [(topic, seq + 1000, payload) for topic, seq, payload in frames[1:2]]
                 )
-                await until(lambda: name not in feeds.live(), "a skipped sequence number")
+                await eventually(lambda: name not in feeds.live(), "a skipped sequence number")
                 assert sample("gateway_kv_events_fallbacks_total", reason="missed") == 1
                 assert sample("gateway_kv_events_messages_total") == received + 1
                 assert sample("gateway_kv_events_live") == 0
@@ -193,17 +186,17 @@ def test_a_restarted_publisher_is_followed_afresh_on_its_port_then_on_a_new_one(
 
             feeds.start()
             try:
-                await until(lambda: name in feeds.live(), "the feed is live")
+                await eventually(lambda: name in feeds.live(), "the feed is live")
                 for sequence in range(3):
                     await heard(sequence)
                 assert state().last_sequence == 2 and state().blocks > 0
 
                 # Killed, then back on the same endpoint numbering from 0.
                 publisher.stop()
-                await until(lambda: not state().connected, "the disconnect is seen")
+                await eventually(lambda: not state().connected, "the disconnect is seen")
                 assert name not in feeds.live()
                 publisher.restart()
-                await until(lambda: name in feeds.live(), "live again on the same endpoint")
+                await eventually(lambda: name in feeds.live(), "live again on the same endpoint")
                 assert state().blocks == 0, "what the old engine held is forgotten"
                 await heard(0)
                 assert state().last_sequence == 0 and state().blocks > 0
@@ -212,9 +205,9 @@ def test_a_restarted_publisher_is_followed_afresh_on_its_port_then_on_a_new_one(
                 # Killed, then back on another port: its sources are read again.
                 first = state().endpoint
                 publisher.stop()
-                await until(lambda: not state().connected, "the second disconnect is seen")
+                await eventually(lambda: not state().connected, "the second disconnect is seen")
                 publisher.restart("tcp://127.0.0.1:0")
-                await until(
+                await eventually(
                     lambda: state().endpoint == publisher.endpoint and name in feeds.live(),
                     "live again on the new port",
                 )

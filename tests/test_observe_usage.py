@@ -8,7 +8,6 @@ in front of a replica that ignores the option.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -178,10 +177,11 @@ def test_something_that_is_not_sse_is_not_held_back_for_ever() -> None:
 
 def ready(gateway: GatewayProcess) -> GatewayProcess:
     """Wait until a backend is admitted: a probe slowed by a busy machine may fail the first."""
-    deadline = time.monotonic() + 10
-    while httpx.get(gateway.url + "/ready?require_backend=true", timeout=5).status_code != 200:
-        assert time.monotonic() < deadline, "no backend became healthy"
-        time.sleep(0.05)
+    wait_until(
+        lambda: httpx.get(gateway.url + "/ready?require_backend=true", timeout=5).status_code
+        == 200,
+        "a backend admitted",
+    )
     return gateway
 
 
@@ -225,12 +225,8 @@ def streamed(
 
 def counted(gateway: GatewayProcess, name: str, before: float) -> float:
     """How much `name` grew since `before`; it grows just after the response ended."""
-    deadline = time.monotonic() + 5
-    while True:
-        grown = gateway.metric(name, model=MODEL) - before
-        if grown or time.monotonic() > deadline:
-            return grown
-        time.sleep(0.02)
+    wait_until(lambda: gateway.metric(name, model=MODEL) != before, f"{name} to grow")
+    return gateway.metric(name, model=MODEL) - before
 
 
 def test_a_stream_without_include_usage_gets_none_but_feeds_the_metrics(

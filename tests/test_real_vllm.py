@@ -16,8 +16,7 @@ import json
 import os
 import random
 import shutil
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -31,7 +30,7 @@ from engines.kv_events import DEFAULT_SEED, KVEventSubscriber, block_hashes, eve
 from engines.replica import VLLMReplica
 from engines.tiny_model import ensure_model
 from engines.venv import VLLMVenv
-from tests.support import GatewayProcess, metric_value
+from tests.support import GatewayProcess, metric_value, wait_until
 from tests.test_doctor import CHECKS as DOCTOR_CHECKS
 from tests.test_doctor import by_check, doctor
 from tests.test_messages import converse
@@ -89,14 +88,6 @@ class RealFleet:
         return [replica.url for replica in self.replicas]
 
 
-def wait_until(check: Callable[[], bool], seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"still not true after {seconds:.0f} s: {what}")
-        time.sleep(0.25)
-
-
 def gateway_models(gateway: GatewayProcess) -> set[str]:
     try:
         listing = httpx.get(gateway.url + "/v1/models", timeout=5).json()
@@ -125,7 +116,7 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealFleet]:
     ]
     with VLLMFleet(replicas) as fleet, GatewayProcess(fleet.urls) as gateway:
         wanted = {MODEL, *ONLY}
-        wait_until(lambda: gateway_models(gateway) >= wanted, 60, f"the gateway serves {wanted}")
+        wait_until(lambda: gateway_models(gateway) >= wanted, f"the gateway serves {wanted}", 60)
         yield RealFleet(fleet.replicas, endpoints, gateway)
 
 
@@ -241,7 +232,7 @@ def test_streams_closed_at_done_lose_no_reported_tokens(real: RealFleet) -> None
     assert cached_tokens > 0
     expected = (before[0] + prompt, before[1] + cached_tokens)
     what = f"{prompt} prompt and {cached_tokens} cached tokens counted"
-    wait_until(lambda: counted() == expected, 30, what)
+    wait_until(lambda: counted() == expected, what)
 
 
 def test_completion(client: openai.OpenAI) -> None:
@@ -323,7 +314,7 @@ def test_client_that_hangs_up_mid_stream_aborts_generation(real: RealFleet) -> N
         idle = replica.metric("vllm:num_requests_running") == 0
         return idle and len(counts) >= 5 and counts[-1] == counts[-5]  # still for a second
 
-    wait_until(stopped, 60, "vllm:num_requests_running back to 0, no more tokens generated")
+    wait_until(stopped, "vllm:num_requests_running back to 0, no more tokens generated", 60)
     # Counted (at least what the client received) and not finished but aborted. (vLLM does not
     # count requests aborted by a client in vllm:request_success_total{abort}.)
     generated = counts[-1] - before[replica.port]
@@ -376,14 +367,24 @@ def test_kv_events_carry_block_hashes_reproducible_from_token_ids(real: RealFlee
     replica = real.replicas[0]
     rng = random.Random("kv-events")
     prompt = [rng.randrange(100, 4000) for _ in range(3 * BLOCK + 5)]
-    with KVEventSubscriber(real.endpoints[0]) as subscriber:
-        time.sleep(1)  # a SUB socket misses what is published before it has connected
+
+    def complete(tokens: list[int]) -> None:
         reply = httpx.post(
             replica.url + "/v1/completions",
-            json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "ignore_eos": True},
+            json={"model": MODEL, "prompt": tokens, "max_tokens": 2, "ignore_eos": True},
             timeout=120,
         )
         assert reply.status_code == 200, reply.text
+
+    with KVEventSubscriber(real.endpoints[0]) as subscriber:
+        # A SUB socket misses what is published before it has connected: prompts of a block
+        # of their own go first, until their events arrive.
+        def subscribed() -> bool:
+            complete([rng.randrange(100, 4000) for _ in range(BLOCK + 1)])
+            return any(event["type"] == "BlockStored" for event in subscriber.events())
+
+        wait_until(subscribed, "the subscriber receives the replica's events")
+        complete(prompt)
         # The replicas inherit this environment: PYTHONHASHSEED, when set, seeds their hashes.
         expected = block_hashes(prompt, BLOCK, seed=os.environ.get("PYTHONHASHSEED", DEFAULT_SEED))
         events = subscriber.wait_for(
@@ -513,7 +514,7 @@ def tokens_gateway(real: RealFleet) -> Iterator[GatewayProcess]:
                 metric_value(text, "gateway_kv_events_live", backend=name) == 1 for name in backends
             )
 
-        wait_until(live, 60, "both replicas' events flow into the gateway")
+        wait_until(live, "both replicas' events flow into the gateway", 60)
         yield gateway
 
 
@@ -616,7 +617,7 @@ def test_kv_events_show_blocks_the_gateway_never_sent(
         explained = httpx.post(tokens_gateway.url + "/admin/explain", json=body, timeout=10)
         return {row["backend"]: row["matched_blocks"] for row in explained.json()["candidates"]}
 
-    wait_until(lambda: matched().get(name) == full_blocks, 10, f"{name} holds {full_blocks}")
+    wait_until(lambda: matched().get(name) == full_blocks, f"{name} holds {full_blocks}")
     assert sum(matched().values()) == full_blocks  # the other replica holds none of it
 
 
@@ -640,7 +641,7 @@ def test_serve_runs_the_doctors_checks_on_real_replicas(tokens_gateway: GatewayP
         listed = httpx.get(tokens_gateway.url + "/admin/backends", timeout=10).json()["data"]
         return {row["name"]: row["checks"] for row in listed}
 
-    wait_until(lambda: None not in examined().values(), 120, "both replicas examined")
+    wait_until(lambda: None not in examined().values(), "both replicas examined", 120)
     for name, checks in examined().items():
         results = {check: result["status"] for check, result in checks["results"].items()}
         assert results == dict.fromkeys([*DOCTOR_CHECKS, "token-agreement", "kv-events"], "pass")
@@ -739,7 +740,7 @@ def test_a_restarted_replicas_events_are_followed_again(
         text = tokens_gateway.metrics()
         return metric_value(text, "gateway_kv_events_live", backend=name) == 1
 
-    wait_until(live, 60, f"{name}'s events flow")
+    wait_until(live, f"{name}'s events flow", 60)
     before = feed()
     assert before["connected"] and before["endpoint"] == real.endpoints[1]
     replica.restart()
@@ -750,7 +751,7 @@ def test_a_restarted_replicas_events_are_followed_again(
         reason="disconnected",
     )
     assert disconnects >= 1
-    wait_until(live, 30, f"{name}'s events flow again after its restart")
+    wait_until(live, f"{name}'s events flow again after its restart")
     assert feed()["live"] and feed()["connected"]
 
     # A prompt sent to the restarted replica directly is matched there from its new events.
@@ -766,15 +767,15 @@ def test_a_restarted_replicas_events_are_followed_again(
         explained = httpx.post(tokens_gateway.url + "/admin/explain", json=body, timeout=10)
         return {row["backend"]: row["matched_blocks"] for row in explained.json()["candidates"]}
 
-    wait_until(lambda: matched().get(name) == full_blocks, 10, f"{name} holds {full_blocks}")
+    wait_until(lambda: matched().get(name) == full_blocks, f"{name} holds {full_blocks}")
     after = feed()
     assert after["live"] and after["last_sequence"] is not None and after["blocks"] >= full_blocks
     # Repeated through the gateway, the prompt goes where its blocks are, once the replica is
     # back in routing (its events may flow again before its probes pass).
     wait_until(
         lambda: tokens_gateway.metric("gateway_backend_healthy", backend=name) == 1,
-        60,
         f"{name} healthy again",
+        60,
     )
     again = httpx.post(tokens_gateway.url + "/v1/chat/completions", json=body, timeout=60)
     assert again.status_code == 200

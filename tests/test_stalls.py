@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -18,7 +17,7 @@ from prefix_gateway.backends.prefill_speed import PrefillSpeed
 from prefix_gateway.backends.stalls import StallRule, StallWatch
 from prefix_gateway.emulator.replicas import EmulatedReplicas
 from prefix_gateway.metrics import Metrics
-from tests.support import GatewayProcess, metric_value
+from tests.support import GatewayProcess, metric_value, wait_until
 
 MODEL = "emulated-model"
 RULE = StallRule(min_seconds=3.0, factor=4.0)
@@ -134,13 +133,6 @@ def stall(replica_url: str, stalled: bool) -> None:
     assert answer.status_code == 200
 
 
-def wait_until(condition: Callable[[], bool], seconds: float = 60) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.1)
-
-
 @pytest.fixture
 def replicas() -> Iterator[EmulatedReplicas]:
     with EmulatedReplicas(3, MODEL, ["--decode-ms-per-token", "2"]) as started:
@@ -185,14 +177,14 @@ def test_a_stalled_replica_loses_no_request_and_comes_back_after_an_inference_pr
         for client in clients:
             client.start()
         try:
-            wait_until(lambda: name in answered)
+            wait_until(lambda: name in answered, f"{name} answering", 60)
             stall(stuck, True)
-            wait_until(lambda: bool(backends(gw)[name]["stalled"]))
+            wait_until(lambda: bool(backends(gw)[name]["stalled"]), f"{name} seen stalled", 60)
             count = len(answered)
-            wait_until(lambda: len(answered) > count + 20)  # the others carry the load
+            wait_until(lambda: len(answered) > count + 20, "the others carrying the load", 60)
             stall(stuck, False)
-            wait_until(lambda: not backends(gw)[name]["stalled"])
-            wait_until(lambda: backends(gw)[name]["healthy"] is True)
+            wait_until(lambda: not backends(gw)[name]["stalled"], f"{name} no longer stalled", 60)
+            wait_until(lambda: backends(gw)[name]["healthy"] is True, f"{name} healthy", 60)
         finally:
             running.clear()
             for client in clients:

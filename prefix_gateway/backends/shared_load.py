@@ -142,8 +142,10 @@ class SharedLoad:
         engine_load: EngineLoadScraper,
         traffic: TrafficExchange | None = None,
         interval: float = _SYNC_SECONDS,
+        stale_ms: int = _STALE_MS,
     ) -> None:
         self._link = link
+        self._stale_ms = stale_ms
         self._key = keys.fleet_load()
         self._pool = pool
         self._engine_load = engine_load
@@ -152,7 +154,7 @@ class SharedLoad:
         self.exchanged_at = -math.inf
         """`time.monotonic()` of the last exchange that answered."""
         self.gateways: int | None = None
-        """Gateway processes that wrote within `_STALE_MS`, this one included: the most seen
+        """Gateway processes that wrote within `stale_ms`, this one included: the most seen
         by the exchanges of the last `_FLEET_SIZE_SECONDS` that answered, or the last one's
         count (None before one has answered). Each gateway's share of a fleet-wide limit while
         Redis is away (docs/tenants.md)."""
@@ -181,7 +183,7 @@ class SharedLoad:
             reply = await self._link.call(
                 "load",
                 lambda: self._script(
-                    [self._key], [self.gateway_id, counts, _STALE_MS, _FORGOTTEN_MS]
+                    [self._key], [self.gateway_id, counts, self._stale_ms, _FORGOTTEN_MS]
                 ),
             )
         except RedisUnavailable:
