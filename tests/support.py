@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from prefix_gateway.processes import ChildProcess, free_port, metric_value
+from prefix_gateway.processes import ChildProcess, free_port, metric_value, start_together
 
 __all__ = [
     "GatewayProcess",
@@ -23,6 +23,7 @@ __all__ = [
     "metric_value",
     "run_script",
     "stall",
+    "start_together",
     "wait_until",
 ]
 
@@ -143,13 +144,11 @@ class GatewayProcess(ChildProcess):
 def gateways_on_redis(
     count: int, backends: Sequence[str], redis_url: str, *args: str
 ) -> Iterator[list[GatewayProcess]]:
-    """`count` gateway processes sharing `redis_url`, once each is on it; stopped after (a
-    test may have killed some)."""
-    started: list[GatewayProcess] = []
+    """`count` gateway processes sharing `redis_url`, started together, once each is on it;
+    stopped after (a test may have killed some)."""
+    started = [GatewayProcess(backends, "--redis-url", redis_url, *args) for _ in range(count)]
+    start_together(started)
     try:
-        for _ in range(count):
-            gateway = GatewayProcess(backends, "--redis-url", redis_url, *args)
-            started.append(gateway.start())
         wait_until(
             lambda: sum(gateway.metric("gateway_redis_up") for gateway in started) == count,
             "every gateway on Redis",

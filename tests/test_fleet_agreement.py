@@ -27,8 +27,10 @@ from prefix_gateway.config import Settings
 from prefix_gateway.emulator.replicas import EmulatedReplicas
 from prefix_gateway.routing.traffic import Traffic
 from tests.redis_server import PATIENT, RedisServer
-from tests.support import GatewayProcess, wait_until
+from tests.support import GatewayProcess, start_together, wait_until
 from tests.words import words
+
+pytestmark = pytest.mark.fleet
 
 MODEL = "fleet-model"
 TOKEN = "fleet-token"
@@ -49,17 +51,13 @@ class Fleet:
 def fleet() -> Iterator[Fleet]:
     slow = ["--chat-template", "plain", "--prefill-us-per-token", "2000"]
     with RedisServer() as redis, EmulatedReplicas(4, MODEL, slow) as replicas:
-        started: list[GatewayProcess] = []
+        shared = ("--redis-url", redis.url, "--admin-token", TOKEN, *PATIENT)
+        started = [GatewayProcess(replicas.urls, *shared) for _ in range(3)]
+        alone = GatewayProcess(replicas.urls, "--admin-token", TOKEN)
+        apart = GatewayProcess(replicas.urls)
+        started += [alone, apart]
+        start_together(started)
         try:
-            for _ in range(3):
-                gateway = GatewayProcess(
-                    replicas.urls, "--redis-url", redis.url, "--admin-token", TOKEN, *PATIENT
-                )
-                started.append(gateway.start())
-            alone = GatewayProcess(replicas.urls, "--admin-token", TOKEN).start()
-            started.append(alone)
-            apart = GatewayProcess(replicas.urls).start()
-            started.append(apart)
             yield Fleet(redis, started[:3], alone, apart)
         finally:
             for gateway in started:

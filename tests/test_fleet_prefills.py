@@ -22,6 +22,8 @@ from tests.support import GatewayProcess, metric_value
 from tests.test_feedback_pruning import admitted
 from tests.test_prefills import NO_STALLS, SYSTEM_TOKENS, two_requests_in_one_prefill
 
+pytestmark = pytest.mark.fleet
+
 # A wait no busy machine outlasts: the test releases the prefill.
 WAITING = ("--prefill-wait", "60", *NO_STALLS, *PATIENT)
 

@@ -36,7 +36,8 @@ from engines.tiny_model import ensure_model
 from engines.venv import VLLMVenv
 from tests.support import GatewayProcess, wait_until
 
-pytestmark = pytest.mark.real_vllm
+# An attempt may wait up to ENGINE_PATIENCE more than once on a starved machine.
+pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(1800)]
 
 MODEL = "tiny-llama"
 TENANTS = [

@@ -30,6 +30,8 @@ from tests.redis_server import PATIENT, RedisClusterServers
 from tests.support import GatewayProcess
 from tests.words import words
 
+pytestmark = pytest.mark.fleet
+
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RedisClusterServers]:

@@ -29,8 +29,10 @@ from prefix_gateway.state.index import InMemoryPrefixIndex
 from prefix_gateway.state.sessions import InMemorySessionStore
 from tests.conftest import MODEL
 from tests.redis_server import PATIENT, RedisServer
-from tests.support import GatewayProcess, eventually, metric_value, wait_until
+from tests.support import GatewayProcess, eventually, metric_value, start_together, wait_until
 from tests.words import words
+
+pytestmark = pytest.mark.fleet
 
 GATEWAYS = 3
 COOKIE = "pgw-session"
@@ -49,12 +51,12 @@ class Fleet:
 @pytest.fixture(scope="module")
 def shared(fleet: EmulatedReplicas) -> Iterator[Fleet]:
     with RedisServer() as redis:
-        started: list[GatewayProcess] = []
+        started = [
+            GatewayProcess(fleet.urls, "--redis-url", redis.url, *PATIENT, *extra)
+            for extra in [()] * GATEWAYS + [("--sticky-cookie", COOKIE)] * 2
+        ]
+        start_together(started)
         try:
-            for position in range(GATEWAYS + 2):
-                extra = ("--sticky-cookie", COOKIE) if position >= GATEWAYS else ()
-                gateway = GatewayProcess(fleet.urls, "--redis-url", redis.url, *PATIENT, *extra)
-                started.append(gateway.start())
             yield Fleet(redis, fleet, started[:GATEWAYS], started[GATEWAYS:])
         finally:
             for gateway in started:

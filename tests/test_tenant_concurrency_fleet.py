@@ -24,6 +24,8 @@ from tests.holding_replica import HoldingReplica
 from tests.redis_server import PATIENT, RedisServer
 from tests.support import GatewayProcess, gateways_on_redis, wait_until
 
+pytestmark = pytest.mark.fleet
+
 MODEL = "held-model"
 GATEWAYS = 3
 TENANTS: list[dict[str, Any]] = [

@@ -26,6 +26,8 @@ from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.redis_server import PATIENT, RedisServer
 from tests.support import GatewayProcess, gateways_on_redis, wait_until
 
+pytestmark = pytest.mark.fleet
+
 MODEL = "emulated-model"
 GATEWAYS = 3
 TENANTS: list[dict[str, Any]] = [

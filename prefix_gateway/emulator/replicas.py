@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from types import TracebackType
 
 from prefix_gateway.emulator.process import EmulatorProcess
+from prefix_gateway.processes import start_together
 
 
 class EmulatedReplicas:
@@ -36,12 +37,7 @@ class EmulatedReplicas:
         return [replica.url for replica in self.replicas]
 
     def start(self) -> EmulatedReplicas:
-        try:
-            for replica in self.replicas:
-                replica.start()
-        except BaseException:
-            self.stop()
-            raise
+        start_together(self.replicas)
         return self
 
     def stop(self) -> None:
