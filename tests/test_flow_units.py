@@ -30,7 +30,7 @@ from prefix_gateway.proxy.tenancy import Account, Tenancy
 from prefix_gateway.routing.placement import Placement
 from prefix_gateway.routing.policies import build_policy
 from prefix_gateway.routing.recorder import Stores
-from prefix_gateway.routing.router import NoRoom, Router
+from prefix_gateway.routing.router import Router
 from prefix_gateway.routing.types import Outcome
 from prefix_gateway.state.index import InMemoryPrefixIndex
 from prefix_gateway.state.redis import KeySpace, RedisLink, open_client
@@ -99,15 +99,8 @@ class Request:
         flow = gateway.flow
         ticket = self.ticket = flow.enter(*self.account.lane, self.account.reserved, MODEL)
         ticket.pinned = placing.pinned
-        while True:
-            await flow.turn(ticket, placing.holder)
-            try:
-                placement = await placing.place(flow.room_for(ticket))
-            except NoRoom:
-                continue
-            flow.placed(ticket)
-            self.placement = placement
-            return placement
+        self.placement = await flow.place(ticket, placing)
+        return self.placement
 
     def start(self) -> asyncio.Task[Placement]:
         return asyncio.create_task(self.placed())
