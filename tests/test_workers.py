@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ from prefix_gateway.config import ConfigError, load_settings
 from prefix_gateway.emulator.replicas import EmulatedReplicas
 from prefix_gateway.server import WORKER_HEADER
 from tests.conftest import MODEL
+from tests.holding_replica import HoldingReplica
 from tests.support import GatewayProcess, metric_value, wait_until
 
 
@@ -344,3 +346,53 @@ def test_a_request_larger_than_a_workers_share_of_a_token_limit_is_too_large(
             )
             assert "retry-after" not in answer.headers  # waiting would not help
     assert ask(tenant_gateway, "tokens-key", "within a share", max_tokens=300).status_code == 200
+
+
+def test_each_worker_holds_a_tenants_whole_concurrency(tmp_path: Path) -> None:
+    """Without Redis a tenant's `max_concurrency` is each worker's: with 2, two requests in
+    flight at each worker, four in all, and each worker refuses a third."""
+    config = tmp_path / "gateway.yaml"
+    capped = {"name": "capped", "api_key": "capped-key", "max_concurrency": 2}
+    config.write_text(yaml.safe_dump({"tenants": [capped]}))
+    answers: dict[str, httpx.Response] = {}
+
+    def send(url: str, text: str) -> None:
+        body = {"model": "held-model", "messages": [{"role": "user", "content": text}]}
+        answers[text] = httpx.post(
+            url + "/v1/chat/completions",
+            json=body,
+            headers={"authorization": "Bearer capped-key"},
+            timeout=120,
+        )
+
+    # The replica holds requests until the test lets them go: not a stall.
+    args = ("--workers", "2", "--config", str(config), "--stall-seconds", "600")
+    with HoldingReplica() as replica:
+        try:
+            with GatewayProcess([f"held-model={replica.url}"], *args) as pod:
+                senders: list[threading.Thread] = []
+                refused_by: set[str] = set()
+                for number in range(400):
+                    if len(refused_by) == 2:
+                        break
+                    text = f"capped {number}"
+                    senders.append(threading.Thread(target=send, args=(pod.url, text)))
+                    senders[-1].start()
+                    wait_until(
+                        lambda text=text: text in replica.arrived or text in answers,  # type: ignore[misc]
+                        f"{text} held or answered",
+                    )
+                    if text in answers:
+                        refusal = answers[text]
+                        assert refusal.status_code == 429, refusal.text
+                        assert "2 requests in flight" in refusal.json()["error"]["message"]
+                        refused_by.add(refusal.headers[WORKER_HEADER])
+                assert refused_by == {"0", "1"}
+                assert replica.held == 4
+                replica.release(4)
+                for sender in senders:
+                    sender.join(120)
+        finally:
+            replica.release(100)  # whatever still waits is let go
+    served = [answer for answer in answers.values() if answer.status_code == 200]
+    assert sorted(answer.headers[WORKER_HEADER] for answer in served) == ["0", "0", "1", "1"]
