@@ -46,6 +46,17 @@ def _add(gateway: GatewayProcess, url: str, **headers: str) -> httpx.Response:
     )
 
 
+def refused(answer: httpx.Response, code: str) -> str:
+    """The message of the admin API's refusal `answer`, a 403 with `code` and nothing else."""
+    assert answer.status_code == 403, answer.text
+    body = answer.json()
+    assert list(body) == ["error"]
+    error = body["error"]
+    assert (error["type"], error["code"]) == ("permission_error", code)
+    message: str = error["message"]
+    return message
+
+
 def test_loopback_hosts() -> None:
     for host in ("localhost", "LOCALHOST:8080", "127.0.0.1", "127.3.2.1:80", "[::1]:8080", "::1"):
         assert is_loopback(host_name(host)), host
@@ -61,8 +72,10 @@ def test_a_foreign_host_is_refused_and_changes_nothing(
     listed = httpx.get(
         gateway.url + "/admin/backends", headers={"host": "rebind.evil.example:80"}, timeout=30
     )
-    assert added.status_code == 403 and added.json()["error"]["code"] == "foreign_host"
-    assert listed.status_code == 403
+    refusal = "the admin API answers only requests addressed to a loopback host, not"
+    assert refused(added, "foreign_host") == f"{refusal} 'rebind.evil.example'"
+    # Not even the list of backends is answered.
+    assert refused(listed, "foreign_host") == f"{refusal} 'rebind.evil.example:80'"
     assert _names(gateway) == before
 
 
@@ -76,8 +89,9 @@ def test_a_foreign_origin_is_refused_and_changes_nothing(
         timeout=30,
     )
     sandboxed = _add(gateway, replicas.urls[1], origin="null")
-    assert drained.status_code == 403 and drained.json()["error"]["code"] == "foreign_origin"
-    assert sandboxed.status_code == 403 and sandboxed.json()["error"]["code"] == "foreign_origin"
+    refusal = "the admin API answers no request sent by a page from another origin"
+    assert refused(drained, "foreign_origin") == f"{refusal} ('https://evil.example')"
+    assert refused(sandboxed, "foreign_origin") == f"{refusal} ('null')"
     assert _names(gateway) == before
     assert all(item["draining"] is False for item in _listing(gateway))
 
@@ -93,12 +107,20 @@ def test_a_loopback_host_and_origin_work(
     gateway: GatewayProcess, replicas: EmulatedReplicas
 ) -> None:
     origin = f"http://localhost:{gateway.port}"
-    added = _add(gateway, replicas.urls[1], host=f"127.0.0.1:{gateway.port}", origin=origin)
+    url = replicas.urls[1]
+    name = url.removeprefix("http://")
+    added = _add(gateway, url, host=f"127.0.0.1:{gateway.port}", origin=origin)
     try:
         assert added.status_code == 201, added.text
-        assert added.json()["name"] in _names(gateway)
+        backend = added.json()
+        assert (backend["name"], backend["url"], backend["source"]) == (name, url, "admin")
+        assert backend["models"] == [MODEL] and backend["draining"] is False
+        assert backend == next(item for item in _listing(gateway) if item["name"] == name)
     finally:
-        httpx.delete(gateway.url + f"/admin/backends/{added.json()['name']}", timeout=30)
+        removed = httpx.delete(gateway.url + f"/admin/backends/{name}", timeout=30)
+    assert removed.status_code == 200
+    assert removed.json() == {**backend, "removed": True}
+    assert name not in _names(gateway)
 
 
 def test_an_oversized_explain_body_is_refused_before_it_is_read(gateway: GatewayProcess) -> None:
@@ -111,7 +133,9 @@ def test_an_oversized_explain_body_is_refused_before_it_is_read(gateway: Gateway
         while chunk := raw.recv(65536):
             answer += chunk
     assert answer.startswith(b"HTTP/1.1 413 "), answer
-    assert orjson.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "body_too_large"
+    error = orjson.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+    assert error["code"] == "body_too_large"
+    assert error["message"] == f"request body exceeds the limit of {MAX_BODY} bytes"
     assert b"connection: close" in answer.lower()
 
 
@@ -121,13 +145,20 @@ def test_a_chunked_explain_body_over_the_limit_is_refused(gateway: GatewayProces
             yield b" " * 10_000
 
     answer = httpx.post(gateway.url + "/admin/explain", content=chunks(), timeout=30)
-    assert answer.status_code == 413 and answer.json()["error"]["code"] == "body_too_large"
+    assert answer.status_code == 413
+    error = answer.json()["error"]
+    assert error["code"] == "body_too_large"
+    assert error["message"] == f"request body exceeds the limit of {MAX_BODY} bytes"
 
 
 def test_explain_still_explains(gateway: GatewayProcess) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
     answer = httpx.post(gateway.url + "/admin/explain", json=body, timeout=30)
     assert answer.status_code == 200, answer.text
+    explained = answer.json()
+    assert (explained["model"], explained["endpoint"]) == (MODEL, "/v1/chat/completions")
+    assert explained["backend"] in _names(gateway)
+    assert explained["route"] and explained["reason"]
 
 
 def test_a_trailing_slash_is_a_404_without_a_location(gateway: GatewayProcess) -> None:
@@ -139,11 +170,15 @@ def test_a_trailing_slash_is_a_404_without_a_location(gateway: GatewayProcess) -
         timeout=30,
     )
     assert answer.status_code == 404 and "location" not in answer.headers
+    assert answer.json()["error"]["code"] == "http_404"
     assert b"evil.example" not in answer.content
 
 
 def test_no_docs_page_and_the_schema_stays(gateway: GatewayProcess) -> None:
-    assert httpx.get(gateway.url + "/docs", timeout=30).status_code == 404
-    assert httpx.get(gateway.url + "/redoc", timeout=30).status_code == 404
+    for page in ("/docs", "/redoc"):
+        answer = httpx.get(gateway.url + page, timeout=30)
+        assert answer.status_code == 404
+        assert answer.headers["content-type"] == "application/json"
+        assert answer.json()["error"]["code"] == "http_404"
     schema = httpx.get(gateway.url + "/openapi.json", timeout=30)
     assert schema.status_code == 200 and "/v1/chat/completions" in schema.json()["paths"]

@@ -1,18 +1,25 @@
 """`prefix-gateway doctor`, and the same checks in the background of `serve`, against real
 processes: a healthy emulated replica, one caching blocks of another size than the gateway
-hashes, one that reports no cached tokens, and a backend on a closed port."""
+hashes, one that reports no cached tokens, and a backend on a closed port; and a replica seen
+through a front of the test's own that spoils its `/metrics` or names a KV-event publisher
+that cannot be reached or sends what is not vLLM's events."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from engines.tiny_model import Shape, make_tokenizer
 from prefix_gateway.doctor.verdicts import (
     COMMON_BLOCK_SIZES,
     block_size_verdict,
@@ -24,6 +31,7 @@ from prefix_gateway.emulator.process import EmulatorProcess
 from prefix_gateway.processes import metric_value
 from tests.conftest import MODEL
 from tests.support import ROOT, GatewayProcess, free_port, wait_until
+from tests.test_kv_event_feeds import Publisher
 
 CHECKS = ["reachable", "models", "load-metrics", "prefix-caching", "cached-tokens-reported"]
 PROBED = ["token-agreement"]
@@ -260,3 +268,168 @@ def test_the_probe_length_tells_the_block_size_apart(block_size: int) -> None:
 def test_a_count_no_block_size_explains_is_called_eviction() -> None:
     verdict = block_size_verdict(379, 100, 16)
     assert verdict is not None and "evicted" in verdict
+
+
+LOAD_SERIES = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:generation_tokens_total",
+)
+
+
+class Front:
+    """A replica as the doctor sees it through a proxy of the test's own: every request relayed
+    to `upstream`, but `/metrics` without the load series (`metrics="bare"`) or answered 500
+    (`"error"`), and `/kv_event_sources` answered `sources` when given."""
+
+    def __init__(self, upstream: str, metrics: str = "whole", sources: bytes | None = None):
+        front = self
+        self.upstream, self.metrics, self.sources = upstream, metrics, sources
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                self.relay("GET")
+
+            def do_POST(self) -> None:
+                self.relay("POST")
+
+            def relay(self, method: str) -> None:
+                length = int(self.headers.get("content-length") or 0)
+                body = self.rfile.read(length) if length else None
+                if self.path == "/kv_event_sources" and front.sources is not None:
+                    return self.answer(200, front.sources)
+                if self.path == "/metrics" and front.metrics == "error":
+                    return self.answer(500, b"metrics are broken", "text/plain")
+                headers = {"content-type": self.headers.get("content-type", "application/json")}
+                url = front.upstream + self.path
+                relayed = httpx.request(method, url, content=body, headers=headers, timeout=60)
+                content = relayed.content
+                if self.path == "/metrics" and front.metrics == "bare":
+                    lines = content.decode().splitlines()
+                    kept = [line for line in lines if not any(s in line for s in LOAD_SERIES)]
+                    content = "\n".join(kept).encode()
+                kind = relayed.headers.get("content-type", "application/json")
+                return self.answer(relayed.status_code, content, kind)
+
+            def answer(self, status: int, body: bytes, kind: str = "application/json") -> None:
+                self.send_response(status)
+                self.send_header("content-type", kind)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.http.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http.server_address[1]}"
+
+    @property
+    def name(self) -> str:
+        return self.url.removeprefix("http://")
+
+    def __enter__(self) -> Front:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+        self.thread.join(30)
+
+
+def failures(rows: list[list[str]], backend: str) -> dict[str, str]:
+    """The failed checks of `backend`, each with its detail."""
+    return {
+        check: detail
+        for check, (verdict, detail) in by_check(rows, backend).items()
+        if verdict == "FAIL"
+    }
+
+
+@pytest.mark.parametrize(
+    ("metrics", "detail"),
+    [
+        (
+            "bare",
+            f"/metrics lacks {', '.join(LOAD_SERIES)}: load and stall detection go without",
+        ),
+        ("error", "GET /metrics answered 500: metrics are broken"),
+    ],
+    ids=["without-the-load-series", "answering-500"],
+)
+def test_a_replica_whose_metrics_the_gateway_cannot_read_fails_load_metrics(
+    fleet: Fleet, metrics: str, detail: str
+) -> None:
+    with Front(fleet.healthy.url, metrics=metrics) as front:
+        status, rows = doctor("--backend", front.url)
+    assert failures(rows, front.name) == {"load-metrics": detail}
+    assert status == 1
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tokenizer for `--tokenizer`, which `--kv-events` needs: not the emulator's own, so
+    that `token-agreement` fails beside the feed's check, saying so."""
+    folder = tmp_path_factory.mktemp("tokenizer")
+    make_tokenizer(folder, Shape(corpus_words=20_000))
+    return folder
+
+
+def kv_event_failures(fleet: Fleet, tokenizer: Path, sources: bytes) -> tuple[int, dict[str, str]]:
+    with Front(fleet.healthy.url, sources=sources) as front:
+        status, rows = doctor("--backend", front.url, "--kv-events", "--tokenizer", str(tokenizer))
+    failed = failures(rows, front.name)
+    assert "tokenizer differs" in failed.pop("token-agreement")
+    return status, failed
+
+
+def test_a_kv_event_publisher_that_cannot_be_reached_fails_kv_events(
+    fleet: Fleet, tokenizer: Path
+) -> None:
+    closed = f"tcp://127.0.0.1:{free_port()}"
+    source = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": closed}
+    status, failed = kv_event_failures(fleet, tokenizer, json.dumps({"0": source}).encode())
+    assert failed == {
+        "kv-events": f"no connection to the feed's publisher at {closed}: is its port reachable"
+        " from the gateway?"
+    }
+    assert status == 1
+
+
+def test_a_kv_event_publisher_sending_garbage_fails_kv_events(
+    fleet: Fleet, tokenizer: Path, tmp_path: Path
+) -> None:
+    publisher = Publisher(tmp_path)
+    stop = threading.Event()
+
+    def publish() -> None:
+        # From before the doctor subscribes until it is done: a subscriber hears only what
+        # is sent once it has connected.
+        sequence = 0
+        while not stop.wait(0.05):
+            publisher.send([(b"kv-events", sequence, b"\xc1 not msgpack")])
+            sequence += 1
+
+    sending = threading.Thread(target=publish)
+    sending.start()
+    try:
+        status, failed = kv_event_failures(fleet, tokenizer, publisher.answer())
+    finally:
+        stop.set()
+        sending.join(30)
+        publisher.close()
+    detail = failed.pop("kv-events")
+    assert detail.startswith(f"the feed from {publisher.endpoint} sent ")
+    assert detail.endswith(
+        " messages, none of them KV-cache events the gateway can read (vLLM's msgpack batches)"
+    )
+    assert failed == {}
+    assert status == 1

@@ -2,13 +2,15 @@
 
 Three gateway processes share one redis-server in front of four emulated replicas; the turns of
 each conversation go to the gateways in rotation, as a Kubernetes Service would spread them.
-Two more gateways issue sticky cookies. The last tests are destructive, in this order: one
-replica dies (a session must move), then Redis dies under load and comes back.
+Two more gateways issue sticky cookies. Two tests break the fleet and mend it before they end:
+one kills a replica (a session must move) and starts it again, one kills Redis under load and
+starts it again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -46,6 +48,10 @@ class Fleet:
     """Three gateways in rotation."""
     cookie_gateways: list[GatewayProcess]
     """Two gateways with --sticky-cookie."""
+
+    @property
+    def every_gateway(self) -> list[GatewayProcess]:
+        return [*self.gateways, *self.cookie_gateways]
 
 
 @pytest.fixture(scope="module")
@@ -87,29 +93,33 @@ def converse_in_rotation(gateways: list[GatewayProcess], tag: str, first: int = 
 
     Every turn is served by turn 1's replica, and turn n ≥ 2 computes only its new 108 tokens.
     """
-    rotation = [
-        openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
-        for gateway in gateways
-    ]
     messages: list[dict[str, str]] = [{"role": "system", "content": words(1000, tag + "s")}]
     served: list[str] = []
     routes: list[str] = []
     computed: list[int] = []
-    for turn in range(6):
-        client = rotation[(first + turn) % len(rotation)]
-        messages.append({"role": "user", "content": words(100, f"{tag}q{turn}")})
-        raw = client.chat.completions.with_raw_response.create(
-            model=MODEL,
-            messages=messages,  # type: ignore[arg-type]
-            max_tokens=300,
-        )
-        reply = raw.parse()
-        served.append(raw.headers["x-gateway-backend"])
-        routes.append(raw.headers["x-gateway-route"])
-        assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
-        cached = reply.usage.prompt_tokens_details.cached_tokens or 0
-        computed.append(reply.usage.prompt_tokens - cached)
-        messages.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
+    with contextlib.ExitStack() as stack:
+        rotation = [
+            stack.enter_context(
+                openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+            )
+            for gateway in gateways
+        ]
+        for turn in range(6):
+            client = rotation[(first + turn) % len(rotation)]
+            messages.append({"role": "user", "content": words(100, f"{tag}q{turn}")})
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL,
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=300,
+            )
+            reply = raw.parse()
+            served.append(raw.headers["x-gateway-backend"])
+            routes.append(raw.headers["x-gateway-route"])
+            assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+            cached = reply.usage.prompt_tokens_details.cached_tokens or 0
+            computed.append(reply.usage.prompt_tokens - cached)
+            answer = reply.choices[0].message.content or ""
+            messages.append({"role": "assistant", "content": answer})
     assert served == [served[0]] * 6
     assert computed == [1100, 108, 108, 108, 108, 108]
     return routes
@@ -174,6 +184,11 @@ def test_the_cookie_is_issued_once_and_then_acts_as_the_session_key(shared: Flee
 def test_a_session_whose_backend_dies_moves_once_and_sticks_again(shared: Fleet) -> None:
     gateways = shared.cookie_gateways
     known = sessions_in(shared.redis)
+
+    def moves(**cause: str) -> float:
+        return gateways[1].metric("gateway_session_moves_total", **cause)
+
+    moves_before, unhealthy_before = moves(), moves(cause="unhealthy")
     with httpx.Client() as browser:
         bound = ask(gateways[0], browser, "mv0").headers["x-gateway-backend"]
         wait_until(lambda: sessions_in(shared.redis) > known, "the binding in Redis")
@@ -181,18 +196,28 @@ def test_a_session_whose_backend_dies_moves_once_and_sticks_again(shared: Fleet)
             replica for replica in shared.replicas.replicas if replica.url.endswith(bound)
         )
         doomed.kill()
-        wait_until(
-            lambda: gateways[1].metric("gateway_backend_healthy", backend=bound) == 0,
-            "the dead replica ejected",
-        )
-        moved = ask(gateways[1], browser, "mv1")
-        assert moved.headers["x-gateway-backend"] != bound
-        assert gateways[1].metric("gateway_session_moves_total") == 1
-        assert gateways[1].metric("gateway_session_moves_total", cause="unhealthy") == 1
-        for attempt in range(2, 5):
-            again = ask(gateways[attempt % 2], browser, f"mv{attempt}")
-            assert again.headers["x-gateway-backend"] == moved.headers["x-gateway-backend"]
-            assert again.headers["x-gateway-route"] == "session"
+        try:
+            wait_until(
+                lambda: gateways[1].metric("gateway_backend_healthy", backend=bound) == 0,
+                "the dead replica ejected",
+            )
+            moved = ask(gateways[1], browser, "mv1")
+            assert moved.headers["x-gateway-backend"] != bound
+            assert moves() - moves_before == 1
+            assert moves(cause="unhealthy") - unhealthy_before == 1
+            for attempt in range(2, 5):
+                again = ask(gateways[attempt % 2], browser, f"mv{attempt}")
+                assert again.headers["x-gateway-backend"] == moved.headers["x-gateway-backend"]
+                assert again.headers["x-gateway-route"] == "session"
+        finally:
+            doomed.start()  # on its port again, for the tests after this one
+            wait_until(
+                lambda: all(
+                    gateway.metric("gateway_backend_healthy", backend=bound) == 1
+                    for gateway in shared.every_gateway
+                ),
+                "the replica back in every gateway",
+            )
 
 
 def test_a_session_over_the_load_bound_moves_and_is_bound_again() -> None:
@@ -304,6 +329,12 @@ def test_killing_redis_under_load_fails_no_request_and_sharing_resumes(shared: F
     assert outcome.answered > 50
     assert total("gateway_redis_errors_total") > 0
     assert total("gateway_redis_fallbacks_total", operation="match") > 0
-    wait_until(lambda: total("gateway_redis_up") == GATEWAYS, "every gateway on Redis")
+    wait_until(
+        lambda: (
+            sum(gateway.metric("gateway_redis_up") for gateway in shared.every_gateway)
+            == len(shared.every_gateway)
+        ),
+        "every gateway on Redis",
+    )
     # Sharing is back: a conversation begun now is continued by gateways that never saw it.
     assert converse_in_rotation(gateways, "after")[1:] == ["owner"] * 5

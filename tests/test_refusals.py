@@ -323,11 +323,14 @@ def test_a_stalled_replica_holds_the_slot_then_is_a_504(
         answers.append(post(edge, body))
 
     def provoke() -> list[Answer]:
+        stalled_before = stalling.stalled
         stalling.mode = "stall"
         try:
             holder = threading.Thread(target=ask, args=(chat(STALLING),))
             holder.start()
-            wait_until(lambda: stalling.stalled == 1, "the stalled request holds the slot")
+            wait_until(
+                lambda: stalling.stalled == stalled_before + 1, "the stalled request holds the slot"
+            )
             waiting = [threading.Thread(target=ask, args=(chat(),)) for _ in range(2)]
             for thread in waiting:
                 thread.start()

@@ -9,6 +9,7 @@ while a request is held, from `/admin/tenants`; a charge from the tenant's token
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -165,3 +166,30 @@ def test_a_request_the_engine_refuses_is_charged_nothing(gateway: GatewayProcess
     assert answer.status_code == 400
     wait_until(lambda: tenant(gateway, "small")["reserved_tokens"] == 0, "settled")
     assert tenant(gateway, "small")["tokens"] == before
+
+
+def test_cached_prompt_tokens_count_at_the_cost_given_on_the_command_line(
+    replica: EmulatedReplicas, tmp_path: Path
+) -> None:
+    """With `--cached-token-cost 1` a prompt served from the engine's cache is charged as one
+    computed anew (the default, 0.1, would charge its cached tokens a tenth)."""
+    prompt = " ".join(f"again{number}" for number in range(300))  # about 600 tokens
+    with ExitStack() as stack:
+        gateway = gateway_for(stack, tmp_path, replica.urls[0], "--cached-token-cost", "1")
+        began = time.monotonic()
+        for _ in range(2):
+            answer = post(
+                gateway,
+                "small-key",
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=1,
+            )
+            assert answer.status_code == 200, answer.text
+        wait_until(lambda: tenant(gateway, "small")["reserved_tokens"] == 0, "settled")
+        view = tenant(gateway, "small")
+        refilled = (time.monotonic() - began) * 3000 / 60
+    used = view["tokens"]
+    assert used["cached"] > 300  # the repeat was served from the engine's cache
+    charged = used["prompt"] + used["completion"]  # cached tokens at 1: full tokens
+    remaining = view["budgets"]["tokens"]["remaining"]
+    assert 3000 - charged - 1 <= remaining <= 3000 - charged + refilled + 1

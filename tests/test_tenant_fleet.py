@@ -2,8 +2,8 @@
 redis-server in front of emulated replicas, and requests go to them in rotation, as a
 Kubernetes Service would spread them. The official client sees the fleet's limit and the
 fleet's remaining count; with Redis killed each gateway enforces its share and answers every
-request; with Redis back the budgets are the fleet's again. The last tests are destructive, in
-this order.
+request; with Redis back the budgets are the fleet's again. Each test has tenants of its own;
+the one that kills Redis starts it again, and waits for every gateway to be back on it.
 
 A budget of 6 requests a minute gets one back every 10 s, so counts are bounded by the time a
 burst took, never by assuming it was quick.
@@ -34,6 +34,7 @@ TENANTS: list[dict[str, Any]] = [
     {"name": "rpm", "api_key": "rpm-key", "requests_per_minute": 6},
     {"name": "tpm", "api_key": "tpm-key", "tokens_per_minute": 600},
     {"name": "outage", "api_key": "outage-key", "requests_per_minute": 6},
+    {"name": "used", "api_key": "used-key", "requests_per_minute": 6},
     {"name": "resumed", "api_key": "resumed-key", "requests_per_minute": 6},
 ]
 
@@ -114,6 +115,8 @@ def budget_view(gateway: GatewayProcess, tenant: str, kind: str = "requests") ->
 
 
 def test_a_limit_per_minute_is_the_fleets_and_so_is_what_remains(fleet: Fleet) -> None:
+    refused_before = fleet.total("gateway_tenant_refusals_total", tenant="rpm")
+    served_before = fleet.total("gateway_tenant_requests_total", tenant="rpm", status="200")
     sent = burst(fleet.gateways, "rpm-key", 9)
     extra = sent.refilled(6)
     # Exactly the limit within the minute, however the requests were spread: the first six,
@@ -130,11 +133,10 @@ def test_a_limit_per_minute_is_the_fleets_and_so_is_what_remains(fleet: Fleet) -
         assert "requests per minute" in refusal.message and "rpm" in refusal.message
         assert int(refusal.response.headers["retry-after"]) >= 1
         assert refusal.response.headers["x-ratelimit-remaining-requests"] == "0"
-    refused = fleet.total("gateway_tenant_refusals_total", tenant="rpm")
+    refused = fleet.total("gateway_tenant_refusals_total", tenant="rpm") - refused_before
     assert refused == len(sent.refusals) >= 9 - 6 - extra
-    assert fleet.total("gateway_tenant_requests_total", tenant="rpm", status="200") == len(
-        sent.served
-    )
+    served = fleet.total("gateway_tenant_requests_total", tenant="rpm", status="200")
+    assert served - served_before == len(sent.served)
     assert all(budget_view(gateway, "rpm")["shared"] for gateway in fleet.gateways)
 
 
@@ -167,44 +169,46 @@ def test_tokens_per_minute_are_the_fleets(fleet: Fleet) -> None:
     assert len(served_at) > 1  # gateways charged the one budget
 
 
-def test_with_redis_killed_each_gateway_enforces_its_share_and_answers_all(
+def test_with_redis_killed_each_gateway_enforces_its_share_and_with_it_back_the_fleet_does(
     fleet: Fleet,
 ) -> None:
     gateways = fleet.gateways
+    # A tenant that has used its minute, with Redis up.
+    assert len(burst(gateways, "used-key", 6).served) == 6
     before = [
         gateway.metric("gateway_redis_fallbacks_total", operation="budget_take")
         for gateway in gateways
     ]
+    errors_before = fleet.total("gateway_redis_errors_total")
     fleet.redis.kill()  # SIGKILL: every budget it held is lost
-    sent = [burst([gateway], "outage-key", 4) for gateway in gateways]
-    # A third of 6 a minute each (the gateways last seen), one more per 30 s a burst took.
-    for alone in sent:
-        assert 2 <= len(alone.served) <= 2 + alone.refilled(2)
-        assert alone.served[:2] == [0, 1]
-        for refusal in alone.refusals:
-            assert "requests per minute" in refusal.message
-    # A tenant whose minute the fleet had used goes on from where it stood; either way every
-    # request is answered with a 200 or a 429 that says why (never a 5xx).
-    for gateway in gateways:
-        burst([gateway], "rpm-key", 1)
-    for gateway, counted in zip(gateways, before, strict=True):
-        after = gateway.metric("gateway_redis_fallbacks_total", operation="budget_take")
-        assert after - counted == 5
-        view = budget_view(gateway, "outage")
-        assert not view["shared"] and view["share"] == round(1 / 3, 4)
-    assert fleet.total("gateway_redis_errors_total") > 0
-
-
-def test_with_redis_back_the_budgets_are_the_fleets_again(fleet: Fleet) -> None:
-    fleet.redis.start()  # the same port, empty
-    wait_until(lambda: fleet.total("gateway_redis_up") == GATEWAYS, "every gateway on Redis")
-    sent = burst(fleet.gateways, "resumed-key", 9)
-    extra = sent.refilled(6)
-    assert 6 <= len(sent.served) <= 6 + extra
-    remaining = [int(headers["x-ratelimit-remaining-requests"]) for headers in sent.headers]
+    try:
+        sent = [burst([gateway], "outage-key", 4) for gateway in gateways]
+        # A third of 6 a minute each (the gateways last seen), one more per 30 s a burst took.
+        for alone in sent:
+            assert 2 <= len(alone.served) <= 2 + alone.refilled(2)
+            assert alone.served[:2] == [0, 1]
+            for refusal in alone.refusals:
+                assert "requests per minute" in refusal.message
+        # A tenant whose minute the fleet had used goes on from where it stood; either way
+        # every request is answered with a 200 or a 429 that says why (never a 5xx).
+        for gateway in gateways:
+            burst([gateway], "used-key", 1)
+        for gateway, counted in zip(gateways, before, strict=True):
+            after = gateway.metric("gateway_redis_fallbacks_total", operation="budget_take")
+            assert after - counted == 5
+            view = budget_view(gateway, "outage")
+            assert not view["shared"] and view["share"] == round(1 / 3, 4)
+        assert fleet.total("gateway_redis_errors_total") > errors_before
+    finally:
+        fleet.redis.start()  # the same port, empty
+        wait_until(lambda: fleet.total("gateway_redis_up") == GATEWAYS, "every gateway on Redis")
+    sent_again = burst(gateways, "resumed-key", 9)
+    extra = sent_again.refilled(6)
+    assert 6 <= len(sent_again.served) <= 6 + extra
+    remaining = [int(headers["x-ratelimit-remaining-requests"]) for headers in sent_again.headers]
     assert remaining[0] == 5
     assert all(left <= 5 - turn + extra for turn, left in enumerate(remaining))
-    assert all(budget_view(gateway, "resumed")["shared"] for gateway in fleet.gateways)
+    assert all(budget_view(gateway, "resumed")["shared"] for gateway in gateways)
     # Redis holds the budgets under the tenants' names, never their keys.
     stored = fleet.redis.cli("--scan", "--pattern", "pgw:t:*").split()
     assert "pgw:t:{resumed}:requests" in stored

@@ -1,4 +1,5 @@
-"""`serve --workers 2`: one port, two worker processes under a supervisor, metrics summed.
+"""`serve --workers 2`: one port, two worker processes under a supervisor, metrics summed, and
+each worker enforcing its half of every tenant's limit (docs/tenants.md).
 
 Real processes throughout: emulated replicas, the gateway's supervisor and its workers, the
 official `openai` client.
@@ -6,22 +7,27 @@ official `openai` client.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
+import threading
+import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import yaml
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
 from prefix_gateway.config import ConfigError, load_settings
 from prefix_gateway.emulator.replicas import EmulatedReplicas
 from prefix_gateway.server import WORKER_HEADER
 from tests.conftest import MODEL
+from tests.holding_replica import HoldingReplica
 from tests.support import GatewayProcess, metric_value, wait_until
 
 
@@ -242,3 +248,151 @@ def test_workers_must_be_at_least_one() -> None:
     with pytest.raises(ConfigError, match="workers"):
         load_settings(environ={"GATEWAY_WORKERS": "0", "GATEWAY_BACKENDS": "http://a:1"})
     assert load_settings(environ={"GATEWAY_BACKENDS": "http://a:1"}).workers == 1
+
+
+TENANTS = [
+    {"name": "split", "api_key": "split-key", "requests_per_minute": 10},
+    {"name": "other", "api_key": "other-key", "requests_per_minute": 10},
+    {"name": "tokens", "api_key": "tokens-key", "tokens_per_minute": 1000},
+]
+
+
+@pytest.fixture(scope="module")
+def tenant_gateway(
+    replicas: EmulatedReplicas, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayProcess]:
+    config = tmp_path_factory.mktemp("tenants") / "gateway.yaml"
+    config.write_text(yaml.safe_dump({"tenants": TENANTS}))
+    with GatewayProcess(replicas.urls, "--workers", "2", "--config", str(config)) as started:
+        yield started
+
+
+def ask(gateway: GatewayProcess, key: str, text: str, max_tokens: int = 2) -> httpx.Response:
+    """One request on a connection of its own, so that any worker may accept it."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}]}
+    return httpx.post(
+        gateway.url + "/v1/chat/completions",
+        json={**body, "max_tokens": max_tokens},
+        headers={"authorization": f"Bearer {key}"},
+        timeout=60,
+    )
+
+
+def by_worker(
+    send: Callable[[int], httpx.Response], enough: Callable[[list[httpx.Response]], bool]
+) -> dict[str, list[httpx.Response]]:
+    """The answers to requests `send(0)`, `send(1)` and on, sent one after another, per worker
+    that gave them, until `enough` of each worker's answers have come."""
+    answers: dict[str, list[httpx.Response]] = {"0": [], "1": []}
+    for number in range(400):
+        if all(enough(given) for given in answers.values()):
+            return answers
+        answer = send(number)
+        answers[answer.headers[WORKER_HEADER]].append(answer)
+    raise AssertionError(f"not enough answers from each worker: {answers}")
+
+
+def refused(answers: list[httpx.Response]) -> bool:
+    return any(answer.status_code == 429 for answer in answers)
+
+
+def test_each_worker_enforces_half_a_tenants_limit_and_shows_the_whole(
+    tenant_gateway: GatewayProcess,
+) -> None:
+    began = time.monotonic()
+    answers = by_worker(lambda number: ask(tenant_gateway, "split-key", f"split {number}"), refused)
+    # A worker's half of 10 a minute comes back at one every 12 s.
+    extra = math.floor((time.monotonic() - began) * 5 / 60)
+    for worker, given in answers.items():
+        statuses = [answer.status_code for answer in given]
+        # Five each, then refusals (or one more per 12 s the requests took): ten in all.
+        assert 5 <= statuses.index(429) <= 5 + extra, (worker, statuses)
+        assert statuses[:5] == [200] * 5
+        assert statuses.count(200) <= 5 + extra
+        # The headers show the tenant's whole figures: what is left of the worker's share,
+        # scaled up to the limit.
+        assert {answer.headers["x-ratelimit-limit-requests"] for answer in given} == {"10"}
+        remaining = [int(answer.headers["x-ratelimit-remaining-requests"]) for answer in given]
+        assert remaining[0] == 8
+        assert all(left <= 8 - 2 * turn + 2 * extra for turn, left in enumerate(remaining[:5]))
+        refusal = given[statuses.index(429)]
+        message = refusal.json()["error"]["message"]
+        assert message == "rate limit reached for tenant split on requests per minute: limit 10"
+        assert int(refusal.headers["retry-after"]) >= 1
+    # Another tenant's budget is its own: each worker serves it.
+    others = by_worker(lambda number: ask(tenant_gateway, "other-key", f"other {number}"), bool)
+    assert {answer.status_code for given in others.values() for answer in given} == {200}
+    for worker, listing in each_worker(tenant_gateway, "/admin/tenants").items():
+        (split,) = [row for row in listing.json()["data"] if row["name"] == "split"]
+        assert split["limits"]["requests_per_minute"] == 10, worker
+        assert split["budgets"]["requests"]["share"] == 0.5
+        assert split["budgets"]["requests"]["shared"] is False
+
+
+def test_a_request_larger_than_a_workers_share_of_a_token_limit_is_too_large(
+    tenant_gateway: GatewayProcess,
+) -> None:
+    def large(number: int) -> httpx.Response:
+        # About 600 tokens: within the tenant's 1,000 a minute, beyond a worker's 500.
+        return ask(tenant_gateway, "tokens-key", f"large {number}", max_tokens=600)
+
+    answers = by_worker(large, bool)
+    for given in answers.values():
+        for answer in given:
+            assert answer.status_code == 429
+            message = answer.json()["error"]["message"]
+            assert message.startswith(
+                "request too large for tenant tokens on tokens per minute: limit 1000, requested"
+            )
+            assert "retry-after" not in answer.headers  # waiting would not help
+    assert ask(tenant_gateway, "tokens-key", "within a share", max_tokens=300).status_code == 200
+
+
+def test_each_worker_holds_a_tenants_whole_concurrency(tmp_path: Path) -> None:
+    """Without Redis a tenant's `max_concurrency` is each worker's: with 2, two requests in
+    flight at each worker, four in all, and each worker refuses a third."""
+    config = tmp_path / "gateway.yaml"
+    capped = {"name": "capped", "api_key": "capped-key", "max_concurrency": 2}
+    config.write_text(yaml.safe_dump({"tenants": [capped]}))
+    answers: dict[str, httpx.Response] = {}
+
+    def send(url: str, text: str) -> None:
+        body = {"model": "held-model", "messages": [{"role": "user", "content": text}]}
+        answers[text] = httpx.post(
+            url + "/v1/chat/completions",
+            json=body,
+            headers={"authorization": "Bearer capped-key"},
+            timeout=120,
+        )
+
+    # The replica holds requests until the test lets them go: not a stall.
+    args = ("--workers", "2", "--config", str(config), "--stall-seconds", "600")
+    with HoldingReplica() as replica:
+        try:
+            with GatewayProcess([f"held-model={replica.url}"], *args) as pod:
+                senders: list[threading.Thread] = []
+                refused_by: set[str] = set()
+                for number in range(400):
+                    if len(refused_by) == 2:
+                        break
+                    text = f"capped {number}"
+                    senders.append(threading.Thread(target=send, args=(pod.url, text)))
+                    senders[-1].start()
+                    wait_until(
+                        lambda text=text: text in replica.arrived or text in answers,  # type: ignore[misc]
+                        f"{text} held or answered",
+                    )
+                    if text in answers:
+                        refusal = answers[text]
+                        assert refusal.status_code == 429, refusal.text
+                        assert "2 requests in flight" in refusal.json()["error"]["message"]
+                        refused_by.add(refusal.headers[WORKER_HEADER])
+                assert refused_by == {"0", "1"}
+                assert replica.held == 4
+                replica.release(4)
+                for sender in senders:
+                    sender.join(120)
+        finally:
+            replica.release(100)  # whatever still waits is let go
+    served = [answer for answer in answers.values() if answer.status_code == 200]
+    assert sorted(answer.headers[WORKER_HEADER] for answer in served) == ["0", "0", "1", "1"]

@@ -240,8 +240,18 @@ class Doctor:
         state = feeds.state(backend.name)
         if state is None:
             why = "no feed: /kv_event_sources names no ZeroMQ publisher (vLLM --kv-events-config)"
+        elif not state.connected:
+            why = (
+                f"no connection to the feed's publisher at {state.endpoint}: is its port"
+                " reachable from the gateway?"
+            )
         elif not state.live:
-            why = f"the feed from {state.endpoint or 'its publisher'} is not live"
+            why = f"the feed from {state.endpoint} is not live"
+        elif state.messages and state.last_sequence is None:
+            why = (
+                f"the feed from {state.endpoint} sent {state.messages} messages, none of them"
+                " KV-cache events the gateway can read (vLLM's msgpack batches)"
+            )
         else:
             why = (
                 f"no event for the probe's blocks in {self._event_wait:g} s: the engine's block"

@@ -46,6 +46,8 @@ from prefix_gateway.backends.pool import BackendPool
 from prefix_gateway.config import Settings
 from prefix_gateway.metrics import Metrics
 from prefix_gateway.refusals import refused
+from prefix_gateway.routing.placement import Placement
+from prefix_gateway.routing.router import NoRoom, Placing
 
 log = logging.getLogger("prefix_gateway.flow")
 
@@ -211,6 +213,19 @@ class Flow:
             waited = time.monotonic() - ticket.since
             metrics = self._metrics
             metrics.child(metrics.tenants.wait_seconds, lane.name).observe(waited)
+
+    async def place(self, ticket: Ticket, placing: Placing) -> Placement:
+        """`ticket`'s request placed once its turn came, among the replicas with a free slot
+        then; it waits again, first in its tenant's line, when another request took the room
+        it was given its turn for."""
+        while True:
+            await self.turn(ticket, placing.holder)
+            try:
+                placement = await placing.place(self.room_for(ticket))
+            except NoRoom:
+                continue
+            self.placed(ticket)
+            return placement
 
     def room_for(self, ticket: Ticket) -> Callable[[Backend], bool]:
         """Which replicas may take `ticket`'s request as it places itself: those with a free

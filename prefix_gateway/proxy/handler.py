@@ -51,7 +51,7 @@ from prefix_gateway.proxy.reply import Headers, Reply
 from prefix_gateway.proxy.tenancy import Account, Tenancy, TenantFleet
 from prefix_gateway.refusals import refused
 from prefix_gateway.routing.placement import Placement
-from prefix_gateway.routing.router import NoRoom, Placing, Router
+from prefix_gateway.routing.router import Placing, Router
 from prefix_gateway.routing.types import Decision, Outcome
 
 log = logging.getLogger("prefix_gateway.proxy")
@@ -257,14 +257,7 @@ class RequestLife:
             name, priority, weight, account.reserved, placing.request.model
         )
         ticket.pinned = placing.pinned
-        while True:
-            await flow.turn(ticket, placing.holder)
-            try:
-                placement = await placing.place(flow.room_for(ticket))
-            except NoRoom:
-                continue  # another request took the room it was given its turn for
-            flow.placed(ticket)
-            return placement
+        return await flow.place(ticket, placing)
 
     async def _forward(self, placement: Placement, body: bytes, path: str) -> Outcome:
         parts, scope = self._parts, self._scope
