@@ -228,10 +228,14 @@ class VLLMReplica:
         if process is None:
             return None
         group = process.pid  # start_new_session made the server its group's leader
-        _signal_group(group, signal.SIGTERM)
+        # The API server first: it stops its engine core itself. A SIGTERM to the whole group
+        # would end the engine core under it, which it logs as an error (EngineDeadError).
+        with contextlib.suppress(ProcessLookupError):
+            process.terminate()
         deadline = time.monotonic() + self.stop_seconds
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(max(0.0, deadline - time.monotonic()))
+        _signal_group(group, signal.SIGTERM)
         while _group_alive(group) and time.monotonic() < deadline:
             time.sleep(0.1)
         if _group_alive(group) or process.poll() is None:

@@ -38,6 +38,9 @@ class LogFormat:
     error_levels: frozenset[str] = frozenset({"ERROR", "CRITICAL"})
     markers: tuple[str, ...] = (TRACEBACK,)
     json_lines: bool = False
+    same_record: re.Pattern[str] | None = None
+    """A line's head which, when the line before had the same one, continues its record: a
+    program that writes each line of a record with the record's own head."""
 
     def starts_record(self, line: str) -> bool:
         return self.record.match(line) is not None or (self.json_lines and line.startswith("{"))
@@ -45,11 +48,19 @@ class LogFormat:
     def records(self, text: str) -> list[str]:
         """`text` cut into records: each from a record's first line to the next one's."""
         records: list[list[str]] = [[]]
+        head: str | None = None
         for line in text.splitlines():
-            if self.starts_record(line) and records[-1]:
-                records.append([])
+            if self.starts_record(line):
+                own = self._head(line)
+                if records[-1] and (own is None or own != head):
+                    records.append([])
+                head = own
             records[-1].append(line)
         return ["\n".join(lines) for lines in records if lines]
+
+    def _head(self, line: str) -> str | None:
+        found = self.same_record.match(line) if self.same_record is not None else None
+        return found.group(0) if found is not None else None
 
     def errors(self, text: str) -> list[str]:
         """The error records of a whole log."""
@@ -93,6 +104,8 @@ VLLM_LOG = LogFormat(
     record=re.compile(
         r"^(?:\([^)]*pid=\d+\) )?(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL)(?::| \d\d-\d\d )"
     ),
+    # `logger.exception` writes each line of its traceback behind the record's own head.
+    same_record=re.compile(r"^(?:\([^)]*pid=\d+\) )?[A-Z]+ \d\d-\d\d [\d:]+ \[[^\]]+\]"),
 )
 REDIS_LOG = LogFormat(
     # `12:M 07 Dec 2026 09:41:00.000 # ...`: `#` is a warning, the most Redis says of a record;

@@ -39,6 +39,11 @@ VLLM = """\
 (EngineCore_DP0 pid=90)   File "core.py", line 3, in run
 (EngineCore_DP0 pid=90) RuntimeError: oops
 (APIServer pid=71) INFO 12-07 09:41:03 [launcher.py:4] Shutting down FastAPI HTTP server.
+(APIServer pid=71) ERROR 12-07 09:41:04 [async_llm.py:906] AsyncLLM output_handler failed.
+(APIServer pid=71) ERROR 12-07 09:41:04 [async_llm.py:906] Traceback (most recent call last):
+(APIServer pid=71) ERROR 12-07 09:41:04 [async_llm.py:906]   File "async_llm.py", line 849
+(APIServer pid=71) ERROR 12-07 09:41:04 [async_llm.py:906] EngineDeadError: EngineCore gone.
+(APIServer pid=71) ERROR 12-07 09:41:05 [async_llm.py:906] another error, a second later
 """
 
 REDIS = """\
@@ -88,9 +93,12 @@ def test_errors_are_tracebacks_asgi_exceptions_and_error_records() -> None:
 def test_vllm_records_carry_their_process_and_the_engine_core_traceback_stays_with_its_error() -> (
     None
 ):
-    assert len(heads(VLLM_LOG, VLLM)) == 5
-    assert errors(VLLM_LOG, VLLM) == [False, False, False, True, False]
-    assert VLLM_LOG.records(VLLM)[3].endswith("RuntimeError: oops")
+    assert len(heads(VLLM_LOG, VLLM)) == 7
+    assert errors(VLLM_LOG, VLLM) == [False, False, False, True, False, True, True]
+    records = VLLM_LOG.records(VLLM)
+    assert records[3].endswith("RuntimeError: oops")
+    # A traceback logged a line at a time behind its record's head stays one record.
+    assert records[5].endswith("EngineDeadError: EngineCore gone.")
 
 
 def test_redis_warnings_pass_and_a_crash_report_is_an_error() -> None:
