@@ -60,6 +60,9 @@ _ORPHAN_GUARD = (
     "os.execv(sys.argv[2], sys.argv[2:])"
 )
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
+# While its API server shuts down, vLLM may log its engine core's end as an error: the output
+# handler still waits on the engine core the shutdown has just stopped.
+_SHUTDOWN_RACE = re.compile(r"EngineDeadError|AsyncLLM output_handler failed")
 _ERROR_LINE = re.compile(r"\b[A-Z][A-Za-z]*(Error|Exception): ")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
@@ -134,6 +137,8 @@ class VLLMReplica:
         self._process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         self._watch = LogWatch(VLLM_LOG)
+        self._stopping = False
+        self._logged_before_stop: list[str] = []
         self._started_at = 0.0
 
     @property
@@ -228,6 +233,8 @@ class VLLMReplica:
         if process is None:
             return None
         group = process.pid  # start_new_session made the server its group's leader
+        self._logged_before_stop += self.unexpected_errors()
+        self._stopping = True
         # The API server first: it stops its engine core itself. A SIGTERM to the whole group
         # would end the engine core under it, which it logs as an error (EngineDeadError).
         with contextlib.suppress(ProcessLookupError):
@@ -245,6 +252,7 @@ class VLLMReplica:
             while _group_alive(group) and time.monotonic() < deadline:
                 time.sleep(0.05)
         logwatch.ended(self)
+        self._stopping = False
         return process.returncode
 
     @property
@@ -262,8 +270,15 @@ class VLLMReplica:
         return self
 
     def unexpected_errors(self) -> list[str]:
-        """The error records logged since the last call that no `expect_log` pattern allows."""
-        return [] if self._log is None else self._watch.errors(self._log)
+        """The error records logged since the last call that no `expect_log` pattern allows;
+        once the replica is being stopped, its engine core's end is not one of them."""
+        found, self._logged_before_stop = self._logged_before_stop, []
+        if self._log is None:
+            return found
+        fresh = self._watch.errors(self._log)
+        if self._stopping:
+            fresh = [record for record in fresh if not _SHUTDOWN_RACE.search(record)]
+        return found + fresh
 
     def log_tail(self, characters: int = 4000) -> str:
         """The log's last characters, after the first lines that name an error (the cause)."""
