@@ -180,7 +180,7 @@ def test_prompts_and_answers_never_reach_logs_or_metrics(
 ) -> None:
     marker = f"secret-{uuid.uuid4().hex}"
     answer = f"answer-{uuid.uuid4().hex}"
-    replica.answer = answer
+    usual, replica.answer = replica.answer, answer
     bodies = [
         _chat(f"{marker} plain"),
         _chat(f"{marker} streamed", stream=True),
@@ -196,7 +196,7 @@ def test_prompts_and_answers_never_reach_logs_or_metrics(
     try:
         assert _post(guarded, _chat(f"{marker} failing")).status_code == 500
     finally:
-        replica.mode = "ok"
+        replica.mode, replica.answer = "ok", usual
     assert marker in replica.seen[-1].body.decode()  # it did go through the gateway
     metrics = guarded.metrics()
     assert metric_value(metrics, "gateway_requests_total") > 0

@@ -146,8 +146,8 @@ def test_a_session_bound_on_one_gateway_sticks_on_the_others(shared: Fleet) -> N
             if attempt == 0:
                 # The binding reaches Redis behind the response; a human's next turn comes later.
                 wait_until(lambda: sessions_in(shared.redis) > known, "the binding in Redis")
-    assert len({backend for backend, _ in seen}) == 1
-    assert [route for _, route in seen[1:]] == ["session"] * 5
+    assert len({backend for backend, _ in seen}) == 1, seen
+    assert [route for _, route in seen[1:]] == ["session"] * 5, seen
 
 
 def test_a_session_binding_in_redis_expires(shared: Fleet) -> None:
