@@ -107,6 +107,10 @@ REFUSALS: dict[str, Refusal] = {
     "foreign_origin": Refusal(
         Forbidden, "the admin API answers no request sent by a page from another origin ({0!r})"
     ),
+    "foreign_client": Refusal(
+        Forbidden,
+        "without --admin-token the admin API answers only clients on this machine, not {0!r}",
+    ),
     # Admission (proxy/admission.py).
     "overloaded": Refusal(
         Overloaded,
