@@ -131,8 +131,8 @@ REFUSALS: dict[str, Refusal] = {
         (RETRY_AFTER,),
     ),
     # A LoRA adapter of `lora_adapters` that no replica tried loaded (backends/adapters.py).
-    "adapter_load_failed": Refusal(
-        UpstreamFailed, "no replica loaded LoRA adapter `{0}`; the last one tried said: {1}"
+    "adapter_unavailable": Refusal(
+        NoHealthyBackend, "adapter unavailable: LoRA adapter `{0}` could not be loaded; retry later"
     ),
     # The replicas (proxy/upstream.py) and the deadlines (proxy/deadlines.py).
     "upstream_unreachable": Refusal(UpstreamFailed, "the replica could not be reached"),

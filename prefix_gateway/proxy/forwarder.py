@@ -133,7 +133,7 @@ class Forwarder:
                             backend.url + forwarding.path,
                             forwarding.body,
                             forwarding.headers,
-                            backend.source != "admin",
+                            backend.credentialed,
                             forwarding.method,
                         )
                 except UpstreamError as unsent:
