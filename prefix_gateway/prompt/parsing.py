@@ -148,6 +148,10 @@ class RoutingInput:
     (reserved ahead against budgets)."""
     choices: int = 1
     """Answers generated for it (`n`, or `best_of` where larger)."""
+    owner: str | None = None
+    """Whose stored responses it may name, and whose it stores: its cache namespace under
+    tenant isolation, else its named tenant's (set once the tenant is known); None for
+    anonymous requests, which share theirs."""
 
     def estimated_tokens(self, chars_per_token: float) -> float:
         """The prompt's tokens: counted with the engine's tokenizer, else estimated."""
@@ -226,6 +230,7 @@ def parse_request(
         first_turn=first_turn,
         max_tokens=completion_limit(payload),
         choices=answers_asked(payload),
+        owner=tenant,
     )
 
 
@@ -251,6 +256,7 @@ def stored_response_request(
         wants_usage=False,
         tenant=tenant,
         response_id=checked_response_id(response_id, "response_id"),
+        owner=tenant,
     )
 
 

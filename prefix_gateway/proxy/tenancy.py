@@ -84,7 +84,7 @@ class Account:
 
     async def admit(self, request: RoutingInput) -> None:
         """Reserve its tokens; a named tenant's place in flight and budgets take them, or a
-        429 says which limit refused them."""
+        429 says which limit refused them. A named tenant's request owns what it stores."""
         tenancy = self._tenancy
         self.reserved = tokens_reserved(
             request,
@@ -93,6 +93,9 @@ class Account:
             tenancy.completion_default,
         )
         gate, tenant = tenancy.gate, self.tenant
+        if tenant is not None and request.owner is None:
+            # Its stored responses are its tenant's, isolated or not.
+            request.owner = tenant.name
         if gate is not None and tenant is not None:
             self.reservation = await gate.admit(tenant, self.reserved)
 

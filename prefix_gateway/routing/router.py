@@ -152,7 +152,7 @@ class Router:
         """The replica holding `response_id`: a 404 when no gateway saw it produced for this
         tenant (no replica is tried: one might hold another tenant's), or its replica is gone."""
         param = "response_id" if request.response_id is not None else "previous_response_id"
-        holder = await self.memory.responses.holder(response_id, request.tenant, param)
+        holder = await self.memory.responses.holder(response_id, request.owner, param)
         if holder is None:
             raise not_found(response_id, param)
         return holder
