@@ -8,7 +8,6 @@ emulated replicas that store responses, driven with the official `openai` client
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
