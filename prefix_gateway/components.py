@@ -31,7 +31,7 @@ from prefix_gateway.proxy.handler import ProxyHandler
 from prefix_gateway.proxy.http1 import client_tls
 from prefix_gateway.proxy.prefills import Prefills
 from prefix_gateway.proxy.tenancy import TenantFleet
-from prefix_gateway.proxy.upstream import Upstream
+from prefix_gateway.proxy.upstream import Upstream, engine_headers_dropped
 from prefix_gateway.routing.policies import build_policy
 from prefix_gateway.routing.recorder import Stores
 from prefix_gateway.routing.router import Router
@@ -132,6 +132,9 @@ class Components:
             settings.forward_client_auth,
             tls=tls,
             on_resend=lambda reason: metrics.child(metrics.upstream_resends, reason).inc(),
+            engine_headers=engine_headers_dropped(
+                settings.engine_control, settings.forward_priority
+            ),
         )
         fleet_prefills = None
         if shared is not None and "prefills" in settings.fleet_share:

@@ -117,7 +117,6 @@ class ChildProcess:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-
     @property
     def pid(self) -> int:
         if self._process is None:

@@ -157,6 +157,12 @@ def refused(
     return refusal.kind(text, code=code, headers=headers)
 
 
+def model_not_found(model: str) -> NotFound:
+    """OpenAI's answer for a model that does not exist: also a tenant's for one it may not use
+    (a model it may not use does not exist for it)."""
+    return NotFound(f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
 _BY_STATUS: dict[int, type[GatewayError]] = {
     400: BadRequest,
     401: Unauthorized,

@@ -43,6 +43,10 @@ def _tenant(tenant: TenantSpec) -> dict[str, Any]:
     """A tenant as the file gives it: the variable its key is read from, else the key
     redacted (which the file refuses, rather than take it as the key)."""
     entry = dataclasses.asdict(tenant)
+    if tenant.priority_range is not None:
+        entry["priority_range"] = list(tenant.priority_range)
+    if tenant.models is not None:
+        entry["models"] = sorted(tenant.models)
     if tenant.api_key_env:
         del entry["api_key"]
     else:

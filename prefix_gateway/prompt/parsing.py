@@ -148,6 +148,9 @@ class RoutingInput:
     (reserved ahead against budgets)."""
     choices: int = 1
     """Answers generated for it (`n`, or `best_of` where larger)."""
+    engine_fields: dict[str, Any] | None = None
+    """The engine-control fields its body sets (`priority`, `request_id`,
+    `kv_transfer_params`), as the client gave them; None when it sets none (most requests)."""
     owner: str | None = None
     """Whose stored responses it may name, and whose it stores: its cache namespace under
     tenant isolation, else its named tenant's (set once the tenant is known); None for
@@ -230,6 +233,7 @@ def parse_request(
         first_turn=first_turn,
         max_tokens=completion_limit(payload),
         choices=answers_asked(payload),
+        engine_fields=_engine_fields(payload),
         owner=tenant,
     )
 
@@ -258,6 +262,21 @@ def stored_response_request(
         response_id=checked_response_id(response_id, "response_id"),
         owner=tenant,
     )
+
+
+ENGINE_FIELDS = ("priority", "request_id", "kv_transfer_params")
+"""Body fields that steer vLLM's engine rather than the answer: its queue order, its request
+(and stored response) id, its KV-cache transfer between replicas."""
+
+
+def _engine_fields(payload: dict[str, Any]) -> dict[str, Any] | None:
+    found = None
+    for name in ENGINE_FIELDS:
+        if name in payload:
+            if found is None:
+                found = {}
+            found[name] = payload[name]
+    return found
 
 
 def _client_salt(endpoint: Endpoint, payload: dict[str, Any]) -> str | None:

@@ -285,6 +285,7 @@ class RequestLife:
             scope["method"].encode(),
             path,
             tenant_priority=0 if account is None else account.priority,
+            own_priority=None if account is None else account.own_priority,
             needs_usage=account is not None and account.needs_usage,
             counts_tokens=account is not None,
         )
