@@ -76,15 +76,15 @@ def owned_by_one_tenant(
     stored = owner.responses.create(model=MODEL, input="keep this between us", max_output_tokens=4)
     theirs = stored.id
     unknown = "resp_" + "0" * 32
-    for path_of in (lambda i: f"/v1/responses/{i}", lambda i: f"/v1/responses/{i}/input_items"):
-        for method in ("GET", "DELETE") if "input_items" not in path_of("x") else ("GET",):
-            assert not_found(raw(gateway, stranger, method, path_of(theirs)), theirs) == not_found(
-                raw(gateway, stranger, method, path_of(unknown)), unknown
-            )
-    cancel = "/v1/responses/{}/cancel"
-    assert not_found(raw(gateway, stranger, "POST", cancel.format(theirs)), theirs) == not_found(
-        raw(gateway, stranger, "POST", cancel.format(unknown)), unknown
-    )
+    for method, path in (
+        ("GET", "/v1/responses/{}"),
+        ("DELETE", "/v1/responses/{}"),
+        ("POST", "/v1/responses/{}/cancel"),
+        ("GET", "/v1/responses/{}/input_items"),
+    ):
+        theirs_answer = raw(gateway, stranger, method, path.format(theirs))
+        unknown_answer = raw(gateway, stranger, method, path.format(unknown))
+        assert not_found(theirs_answer, theirs) == not_found(unknown_answer, unknown), path
     with pytest.raises(openai.NotFoundError) as follow_up:
         other.responses.create(
             model=MODEL, input="and then?", previous_response_id=theirs, max_output_tokens=4
