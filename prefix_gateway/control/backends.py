@@ -94,7 +94,10 @@ def build_backends_router(components: Components, guard: Guard) -> APIRouter:
         feed = feeds.state(backend.name) if feeds is not None else None
         doctor = components.doctor
         examined = doctor.examinations.get(backend.name) if doctor is not None else None
-        return backend_view(backend, feed, examined)
+        return {
+            **backend_view(backend, feed, examined),
+            "public_name": components.proxy.public_names.name_of(backend.name),
+        }
 
     def find(name: str) -> Backend:
         backend = pool.get(name)

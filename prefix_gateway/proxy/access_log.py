@@ -79,8 +79,15 @@ class AccessLog:
         self._text = settings.log_format == "text"
 
     def answered(
-        self, placement: Placement, outcome: Outcome, request_id: str, began: float
+        self,
+        placement: Placement,
+        outcome: Outcome,
+        request_id: str,
+        began: float,
+        tenant: str | None = None,
     ) -> None:
+        """A request a replica answered; `tenant`: its tenant's name where tenants are named
+        (or flow control is on), else left out."""
         if not (self._enabled and self._logger.isEnabledFor(logging.INFO)):
             return
         request = placement.request
@@ -89,6 +96,7 @@ class AccessLog:
         self._write(
             {
                 "request_id": request_id,
+                **({} if tenant is None else {"tenant": tenant}),
                 "endpoint": request.endpoint.value,
                 "model": request.model,
                 "backend": decision.backend,
@@ -107,11 +115,16 @@ class AccessLog:
             }
         )
 
-    def rejected(self, request_id: str, path: str, status: int, code: str) -> None:
+    def rejected(
+        self, request_id: str, path: str, status: int, code: str, tenant: str | None = None
+    ) -> None:
         """A request no replica answered: refused, failed or left before it was sent."""
         if not (self._enabled and self._logger.isEnabledFor(logging.INFO)):
             return
-        self._write({"request_id": request_id, "endpoint": path, "status": status, "error": code})
+        fields: dict[str, Any] = {"request_id": request_id}
+        if tenant is not None:
+            fields["tenant"] = tenant
+        self._write({**fields, "endpoint": path, "status": status, "error": code})
 
     def _write(self, fields: dict[str, Any]) -> None:
         logger = self._logger

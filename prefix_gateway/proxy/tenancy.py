@@ -126,6 +126,12 @@ class Account:
             self.own_priority = asked
 
     @property
+    def name(self) -> str:
+        """Its tenant's name (`anonymous` for a key of `--api-key`, or none)."""
+        tenant = self.tenant
+        return ANONYMOUS if tenant is None else tenant.name
+
+    @property
     def lane(self) -> tuple[str, int, float]:
         """Its tenant's line in the fair queue: name, priority, weight."""
         tenant = self.tenant
