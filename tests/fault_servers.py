@@ -15,7 +15,8 @@ the mode is `stall`, and other GETs 404. The mode can change while it runs.
 
 Every inference request is kept (`seen`), and every request of any kind (`every`: probes,
 model listings, scrapes, adapter loads...), so tests can check what a replica is sent. With
-`models`, `GET /v1/models` lists them (else it is a 404 as any other GET).
+`models`, `GET /v1/models` lists them (else it is a 404 as any other GET), and the LoRA
+adapters loaded (`POST /v1/load_lora_adapter` in mode `ok`) until they are unloaded.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class FaultServer:
     """Every request received, whatever its method and path."""
     models: list[str] = field(default_factory=list)
     """Listed by `GET /v1/models` (none: a 404)."""
+    adapters: list[str] = field(default_factory=list)
+    """LoRA adapters loaded, listed with the first model as their parent."""
     probe_headers: dict[str, str] = field(default_factory=dict)
     """The headers of the last health probe."""
     stalled: int = 0
@@ -127,8 +130,18 @@ class FaultServer:
                     return
                 self.every.append(request)
                 if request.method == "GET" and request.path == "/v1/models" and self.models:
-                    listing = {"object": "list", "data": [_card(name) for name in self.models]}
+                    cards = [_card(name) for name in self.models]
+                    cards += [_card(name, self.models[0]) for name in self.adapters]
+                    listing = {"object": "list", "data": cards}
                     await _respond(writer, 200, json.dumps(listing).encode(), _JSON)
+                    continue
+                if request.path in _ADAPTER_PATHS and self.mode == "ok":
+                    name = json.loads(request.body)["lora_name"]
+                    if request.path == "/v1/load_lora_adapter":
+                        self.adapters.append(name)
+                    elif name in self.adapters:
+                        self.adapters.remove(name)
+                    await _respond(writer, 200, b"Success")
                     continue
                 if request.method == "GET" and request.path == "/health":
                     self.probes += 1
@@ -232,8 +245,11 @@ async def _respond(
         await writer.drain()
 
 
-def _card(model: str) -> dict[str, object]:
-    return {"id": model, "object": "model", "created": 0, "owned_by": "fault", "parent": None}
+_ADAPTER_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
+
+def _card(model: str, parent: str | None = None) -> dict[str, object]:
+    return {"id": model, "object": "model", "created": 0, "owned_by": "fault", "parent": parent}
 
 
 def _error(message: str) -> bytes:

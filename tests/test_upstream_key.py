@@ -2,8 +2,10 @@
 on the command line (or found by discovery), and one added through the admin API only when its
 entry asks (`"upstream_key": true`). Three recording replicas, one of each, see every kind of
 request the gateway makes of its own accord (health probes, model listings, `/metrics`
-scrapes, the doctor's checks, on-demand adapter loads) besides the clients' requests; each
-request either carries the key or does not, as its replica's entry says.
+scrapes, the doctor's checks, on-demand adapter loads and idle unloads) besides the clients'
+requests; each request either carries the key or does not, as its replica's entry says. (A
+request the gateway gives up, its client gone, is aborted by closing its connection: no request
+of its own is sent for that.)
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from tests.support import GatewayProcess, wait_until
 
 MODEL = "keyed-model"
 ADAPTER = "sql-lora"
+IDLE_ADAPTER = "idle-lora"
 KEY = "replica-key"
 TOKEN = "admin-token"
 ADMIN = {"authorization": f"Bearer {TOKEN}"}
@@ -40,8 +43,11 @@ def _kinds(replica: FaultServer) -> set[tuple[str, str]]:
 @pytest.fixture(scope="module")
 def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("upstream-key") / "gateway.yaml"
-    adapters = [{"name": ADAPTER, "path": "/adapters/sql", "base_model": MODEL}]
-    path.write_text(yaml.safe_dump({"lora_adapters": adapters}))
+    adapters = [
+        {"name": ADAPTER, "path": "/adapters/sql", "base_model": MODEL},
+        {"name": IDLE_ADAPTER, "path": "/adapters/idle", "base_model": MODEL},
+    ]
+    path.write_text(yaml.safe_dump({"lora_adapters": adapters, "lora_idle_unload": 1}))
     return path
 
 
@@ -103,6 +109,17 @@ def test_the_key_reaches_only_the_replicas_configured_with_it(
                 for r in every
             ),
             "probes, listings, scrapes and the doctor's checks at every replica",
+        )
+        # One loads the idle adapter, and unloads it once it has gone unused.
+        loaded = httpx.post(
+            gateway.url + "/v1/chat/completions",
+            json={"model": IDLE_ADAPTER, "messages": [{"role": "user", "content": "hi"}]},
+            timeout=30,
+        )
+        assert loaded.status_code == 200, loaded.text
+        wait_until(
+            lambda: any(("POST", "/v1/unload_lora_adapter") in _kinds(r) for r in every),
+            "the idle adapter unloaded",
         )
         # Each replica refuses the load: it is tried on every one of them.
         for replica in every:

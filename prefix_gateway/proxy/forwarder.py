@@ -87,24 +87,21 @@ class Forwarder:
         """Forward the request to its placement's replica, and to the next ones after a
         failure before the first byte; what came of it, whatever happened."""
         request = forwarding.placement.request
-        setting: dict[str, Any] = {}
-        dropping: list[str] = []
-        usage = False
-        if (
+        usage = (
             (self._observe_usage or forwarding.needs_usage)
             and request.stream
             and not request.wants_usage
             and request.endpoint in _USAGE_ASKED
-        ):
-            forwarding.strip_usage = usage = True
+        )
         # A stored response's `cancel` computes nothing: its body (usually none) goes as sent.
-        salted = request.endpoint.salted and request.response_id is None
-        if request.tenant is not None and salted and forwarding.method == b"POST":
-            setting["cache_salt"] = request.tenant
-        if request.engine_fields is not None or self._forward_priority:
-            self._engine_controls(forwarding, setting, dropping)
-        if usage or setting or dropping:
-            forwarding.body = edited(forwarding.body, setting, dropping, usage)
+        salted = (
+            request.tenant is not None
+            and request.endpoint.salted
+            and request.response_id is None
+            and forwarding.method == b"POST"
+        )
+        if usage or salted or request.engine_fields is not None or self._forward_priority:
+            self._edit(forwarding, usage, salted)
         tries = _Tries(forwarding)
         exchange = forwarding.exchange
         try:
@@ -118,6 +115,22 @@ class Forwarder:
         finally:
             exchange.finish()
         return forwarding.outcome(relayed.status)
+
+    def _edit(self, forwarding: Forwarding, usage: bool, salted: bool) -> None:
+        """The body's changes, made in one pass (`edited`): its stream asking for usage, its
+        tenant's salt, and the engine's controls as the gateway decides them."""
+        request = forwarding.placement.request
+        setting: dict[str, Any] = {}
+        dropping: list[str] = []
+        if usage:
+            forwarding.strip_usage = True
+        if salted:
+            assert request.tenant is not None
+            setting["cache_salt"] = request.tenant
+        if request.engine_fields is not None or self._forward_priority:
+            self._engine_controls(forwarding, setting, dropping)
+        if usage or setting or dropping:
+            forwarding.body = edited(forwarding.body, setting, dropping, usage)
 
     def _engine_controls(
         self, forwarding: Forwarding, setting: dict[str, Any], dropping: list[str]
