@@ -49,7 +49,6 @@ _PRIORITISED = frozenset(Endpoint) - {
     Endpoint.COUNT_TOKENS,
     Endpoint.MESSAGES,
 }
-_PRIORITY_HEADER = ENGINE_PRIORITY_HEADER
 
 
 class Forwarder:
@@ -157,7 +156,10 @@ class Forwarder:
                 # vLLM's Messages request has no such field (its body goes as sent), but the
                 # chat path it hands the request to reads the header.
                 if priority is not None:
-                    forwarding.headers = [*forwarding.headers, (_PRIORITY_HEADER, b"%d" % priority)]
+                    forwarding.headers = [
+                        *forwarding.headers,
+                        (ENGINE_PRIORITY_HEADER, b"%d" % priority),
+                    ]
             elif priority is not None:
                 asked = given.get("priority")
                 if type(asked) is not int or asked != priority:  # else the body stays as sent
