@@ -233,7 +233,11 @@ def parse_request(
         first_turn=first_turn,
         max_tokens=completion_limit(payload),
         choices=answers_asked(payload),
-        engine_fields=_engine_fields(payload),
+        engine_fields=(
+            _engine_fields(payload)
+            if "priority" in payload or "request_id" in payload or "kv_transfer_params" in payload
+            else None
+        ),
         owner=tenant,
     )
 
@@ -269,14 +273,9 @@ ENGINE_FIELDS = ("priority", "request_id", "kv_transfer_params")
 (and stored response) id, its KV-cache transfer between replicas."""
 
 
-def _engine_fields(payload: dict[str, Any]) -> dict[str, Any] | None:
-    found = None
-    for name in ENGINE_FIELDS:
-        if name in payload:
-            if found is None:
-                found = {}
-            found[name] = payload[name]
-    return found
+def _engine_fields(payload: dict[str, Any]) -> dict[str, Any]:
+    """The `ENGINE_FIELDS` the body sets (looked for inline first: most set none)."""
+    return {name: payload[name] for name in ENGINE_FIELDS if name in payload}
 
 
 def _client_salt(endpoint: Endpoint, payload: dict[str, Any]) -> str | None:
