@@ -93,27 +93,27 @@ class AccessLog:
         request = placement.request
         decision = outcome.decision
         first_byte = outcome.first_byte_at
-        self._write(
-            {
-                "request_id": request_id,
-                **({} if tenant is None else {"tenant": tenant}),
-                "endpoint": request.endpoint.value,
-                "model": request.model,
-                "backend": decision.backend,
-                "route": decision.route.value,
-                "status": outcome.status,
-                "stream": request.stream,
-                "attempts": len(outcome.tried),
-                "prompt_tokens_estimated": round(request.estimated_tokens(self._chars_per_token)),
-                "matched_tokens_estimated": decision.matched_blocks * self._block_tokens,
-                "prompt_tokens": outcome.prompt_tokens,
-                "cached_tokens": outcome.cached_tokens,
-                "affinity": placement.affinity(decision.backend),
-                "cache_break": placement.cache_break,
-                "ttft_s": round(first_byte - began, 6) if first_byte else None,
-                "duration_s": round(time.perf_counter() - began, 6),
-            }
-        )
+        fields = {
+            "request_id": request_id,
+            "endpoint": request.endpoint.value,
+            "model": request.model,
+            "backend": decision.backend,
+            "route": decision.route.value,
+            "status": outcome.status,
+            "stream": request.stream,
+            "attempts": len(outcome.tried),
+            "prompt_tokens_estimated": round(request.estimated_tokens(self._chars_per_token)),
+            "matched_tokens_estimated": decision.matched_blocks * self._block_tokens,
+            "prompt_tokens": outcome.prompt_tokens,
+            "cached_tokens": outcome.cached_tokens,
+            "affinity": placement.affinity(decision.backend),
+            "cache_break": placement.cache_break,
+            "ttft_s": round(first_byte - began, 6) if first_byte else None,
+            "duration_s": round(time.perf_counter() - began, 6),
+        }
+        if tenant is not None:
+            fields["tenant"] = tenant
+        self._write(fields)
 
     def rejected(
         self, request_id: str, path: str, status: int, code: str, tenant: str | None = None
@@ -121,10 +121,15 @@ class AccessLog:
         """A request no replica answered: refused, failed or left before it was sent."""
         if not (self._enabled and self._logger.isEnabledFor(logging.INFO)):
             return
-        fields: dict[str, Any] = {"request_id": request_id}
+        fields: dict[str, Any] = {
+            "request_id": request_id,
+            "endpoint": path,
+            "status": status,
+            "error": code,
+        }
         if tenant is not None:
             fields["tenant"] = tenant
-        self._write({**fields, "endpoint": path, "status": status, "error": code})
+        self._write(fields)
 
     def _write(self, fields: dict[str, Any]) -> None:
         logger = self._logger
