@@ -103,7 +103,13 @@ def test_a_client_elsewhere_named_by_the_proxy_is_refused_and_changes_nothing(
             json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
             timeout=30,
         )
-    for answer in (tenants, added, explained):
+    # A proxy that says so in RFC 7239's header is believed as much.
+    forwarded = httpx.get(
+        gateway.url + "/admin/tenants",
+        headers={"forwarded": f'for="{OUTSIDE}:4711";proto=https, for=127.0.0.1'},
+        timeout=30,
+    )
+    for answer in (tenants, added, explained, forwarded):
         assert answer.status_code == 403, answer.text
         error = answer.json()["error"]
         assert error["code"] == "foreign_client"
