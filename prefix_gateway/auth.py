@@ -2,8 +2,11 @@
 
 Compared in constant time against every key, so that neither timing nor position tells a
 caller anything. Without a token the admin API is open on a loopback listener only, and only to
-requests addressed to a loopback host and sent by no page of another origin: a browser on the
-machine would otherwise let any web page post to it (a form, or DNS rebinding).
+requests from this machine: its client (the one a `--trusted-proxies` proxy names, as for the
+forwarding headers) and every address its forwarding headers name on loopback, addressed to a
+loopback host and sent by no page of another origin. A reverse proxy on the same host would
+otherwise hand the admin API to everyone it serves, and a browser on the machine would let any
+web page post to it (a form, or DNS rebinding).
 """
 
 from __future__ import annotations
@@ -80,10 +83,22 @@ class AdminAccess:
         self.disabled = not token and not self.open
 
     def check(
-        self, authorization: bytes | None, host: str | None = None, origin: str | None = None
+        self,
+        authorization: bytes | None,
+        host: str | None = None,
+        origin: str | None = None,
+        client: str | None = None,
+        forwarded: Iterable[str] = (),
     ) -> None:
-        """Refuse unless allowed; `host` and `origin` are the request's headers of those names."""
+        """Refuse unless allowed; `host` and `origin` are the request's headers of those names,
+        `client` the address of its client (a trusted proxy's word for it, else the peer's),
+        `forwarded` its `X-Forwarded-For` and `Forwarded` headers."""
         if self.open:
+            if client is not None and not is_loopback(client):
+                raise refused("foreign_client", client)
+            relayed_for = _forwarded_clients(forwarded)
+            if relayed_for is not None:
+                raise refused("foreign_client", relayed_for)
             if host is not None and not is_loopback(host_name(host)):
                 raise refused("foreign_host", host)
             if origin is not None and not is_loopback(urlsplit(origin).hostname or ""):
@@ -102,6 +117,22 @@ class AdminAccess:
             )
         if not hmac.compare_digest(given, self._token):
             raise Forbidden("the admin token is not valid", code="invalid_token")
+
+
+def _forwarded_clients(headers: Iterable[str]) -> str | None:
+    """The first address beyond loopback that forwarding headers name (`X-Forwarded-For`'s
+    entries, `Forwarded`'s `for=`), if any: a proxy relayed the request for someone else."""
+    for value in headers:
+        for entry in value.split(","):
+            for part in entry.split(";"):
+                name, equals, given = part.strip().partition("=")
+                address = given if equals else name
+                if equals and name.strip().lower() != "for":
+                    continue
+                address = address.strip().strip('"')
+                if address and not is_loopback(host_name(address)):
+                    return address
+    return None
 
 
 def host_name(host: str) -> str:

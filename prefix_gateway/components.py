@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import ssl
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import httpx
@@ -30,7 +31,7 @@ from prefix_gateway.proxy.handler import ProxyHandler
 from prefix_gateway.proxy.http1 import client_tls
 from prefix_gateway.proxy.prefills import Prefills
 from prefix_gateway.proxy.tenancy import TenantFleet
-from prefix_gateway.proxy.upstream import Upstream
+from prefix_gateway.proxy.upstream import Upstream, engine_headers_dropped
 from prefix_gateway.routing.policies import build_policy
 from prefix_gateway.routing.recorder import Stores
 from prefix_gateway.routing.router import Router
@@ -80,7 +81,7 @@ class Components:
             )
             index, sessions, responses = shared.index, shared.sessions, shared.responses
         tls = client_tls(settings.upstream_ca_file, settings.upstream_tls_verify)
-        probes = probe_client(settings, tls)
+        probes = probe_client(settings, tls, pool.credentialed)
         feeds = None
         event_index = None
         routing_index = index
@@ -131,6 +132,9 @@ class Components:
             settings.forward_client_auth,
             tls=tls,
             on_resend=lambda reason: metrics.child(metrics.upstream_resends, reason).inc(),
+            engine_headers=engine_headers_dropped(
+                settings.engine_control, settings.forward_priority
+            ),
         )
         fleet_prefills = None
         if shared is not None and "prefills" in settings.fleet_share:
@@ -211,20 +215,36 @@ class Components:
             await self.redis.close()
 
 
-def probe_client(settings: Settings, tls: ssl.SSLContext | None = None) -> httpx.AsyncClient:
-    """The client of health probes, scrapes and the doctor's checks."""
+def probe_client(
+    settings: Settings,
+    tls: ssl.SSLContext | None = None,
+    credentialed: Callable[[str], bool] | None = None,
+) -> httpx.AsyncClient:
+    """The client of health probes, model listings, scrapes, adapter loads and the doctor's
+    checks. They carry `--upstream-api-key` (vLLM guards /v1/models and the rest) where
+    `credentialed(url)` says the replica gets it (every URL when None: the operator gave
+    them all)."""
     # Requests and probes check replicas' certificates alike, and reach them directly (no
-    # proxy from the environment). Probes and model listings carry the replicas' key too
-    # (vLLM guards /v1/models).
+    # proxy from the environment).
     if tls is None:
         tls = client_tls(settings.upstream_ca_file, settings.upstream_tls_verify)
+    key = settings.upstream_api_key
     return httpx.AsyncClient(
         timeout=httpx.Timeout(settings.health_timeout, connect=settings.connect_timeout),
-        headers=_bearer(settings.upstream_api_key),
+        auth=UpstreamKey(key, credentialed) if key else None,
         verify=tls,
         trust_env=False,
     )
 
 
-def _bearer(key: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {key}"} if key else {}
+class UpstreamKey(httpx.Auth):
+    """The upstream key on requests to the replicas that get it, and on no others."""
+
+    def __init__(self, key: str, credentialed: Callable[[str], bool] | None) -> None:
+        self._header = f"Bearer {key}"
+        self._credentialed = credentialed
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        if self._credentialed is None or self._credentialed(str(request.url)):
+            request.headers["authorization"] = self._header
+        yield request

@@ -107,6 +107,10 @@ REFUSALS: dict[str, Refusal] = {
     "foreign_origin": Refusal(
         Forbidden, "the admin API answers no request sent by a page from another origin ({0!r})"
     ),
+    "foreign_client": Refusal(
+        Forbidden,
+        "without --admin-token the admin API answers only clients on this machine, not {0!r}",
+    ),
     # Admission (proxy/admission.py).
     "overloaded": Refusal(
         Overloaded,
@@ -127,8 +131,8 @@ REFUSALS: dict[str, Refusal] = {
         (RETRY_AFTER,),
     ),
     # A LoRA adapter of `lora_adapters` that no replica tried loaded (backends/adapters.py).
-    "adapter_load_failed": Refusal(
-        UpstreamFailed, "no replica loaded LoRA adapter `{0}`; the last one tried said: {1}"
+    "adapter_unavailable": Refusal(
+        NoHealthyBackend, "adapter unavailable: LoRA adapter `{0}` could not be loaded; retry later"
     ),
     # The replicas (proxy/upstream.py) and the deadlines (proxy/deadlines.py).
     "upstream_unreachable": Refusal(UpstreamFailed, "the replica could not be reached"),
@@ -151,6 +155,12 @@ def refused(
     refusal = REFUSALS[code]
     text = refusal.message.format(*values) if message is None else message
     return refusal.kind(text, code=code, headers=headers)
+
+
+def model_not_found(model: str) -> NotFound:
+    """OpenAI's answer for a model that does not exist: also a tenant's for one it may not use
+    (a model it may not use does not exist for it)."""
+    return NotFound(f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
 
 _BY_STATUS: dict[int, type[GatewayError]] = {

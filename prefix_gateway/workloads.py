@@ -21,9 +21,7 @@ class Session:
 
 def text(rng: random.Random, words: int) -> str:
     letters = string.ascii_lowercase
-    return " ".join(
-        "".join(rng.choices(letters, k=rng.randint(2, 6))) for _ in range(words)
-    )
+    return " ".join("".join(rng.choices(letters, k=rng.randint(2, 6))) for _ in range(words))
 
 
 def shared_prompt(rng: random.Random, scale: float = 1.0) -> list[Session]:

@@ -13,7 +13,10 @@ the mode is `stall`, and other GETs 404. The mode can change while it runs.
 - `quiet`: a 200 stream of `cut_after` events, then silence on an open connection;
 - `status`: `status` with `extra_headers` and a JSON error body (429s, 503s).
 
-Every request's headers are kept (`seen`), so tests can check what a replica is sent.
+Every inference request is kept (`seen`), and every request of any kind (`every`: probes,
+model listings, scrapes, adapter loads...), so tests can check what a replica is sent. With
+`models`, `GET /v1/models` lists them (else it is a 404 as any other GET), and the LoRA
+adapters loaded (`POST /v1/load_lora_adapter` in mode `ok`) until they are unloaded.
 """
 
 from __future__ import annotations
@@ -51,6 +54,12 @@ class FaultServer:
     port: int = 0
     seen: list[Request] = field(default_factory=list)
     probes: int = 0
+    every: list[Request] = field(default_factory=list)
+    """Every request received, whatever its method and path."""
+    models: list[str] = field(default_factory=list)
+    """Listed by `GET /v1/models` (none: a 404)."""
+    adapters: list[str] = field(default_factory=list)
+    """LoRA adapters loaded, listed with the first model as their parent."""
     probe_headers: dict[str, str] = field(default_factory=dict)
     """The headers of the last health probe."""
     stalled: int = 0
@@ -119,6 +128,21 @@ class FaultServer:
                 request = await read_request(reader)
                 if request is None:
                     return
+                self.every.append(request)
+                if request.method == "GET" and request.path == "/v1/models" and self.models:
+                    cards = [_card(name) for name in self.models]
+                    cards += [_card(name, self.models[0]) for name in self.adapters]
+                    listing = {"object": "list", "data": cards}
+                    await _respond(writer, 200, json.dumps(listing).encode(), _JSON)
+                    continue
+                if request.path in _ADAPTER_PATHS and self.mode == "ok":
+                    name = json.loads(request.body)["lora_name"]
+                    if request.path == "/v1/load_lora_adapter":
+                        self.adapters.append(name)
+                    elif name in self.adapters:
+                        self.adapters.remove(name)
+                    await _respond(writer, 200, b"Success")
+                    continue
                 if request.method == "GET" and request.path == "/health":
                     self.probes += 1
                     self.probe_headers = request.headers
@@ -219,6 +243,13 @@ async def _respond(
     writer.write(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
     with contextlib.suppress(ConnectionError):
         await writer.drain()
+
+
+_ADAPTER_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
+
+def _card(model: str, parent: str | None = None) -> dict[str, object]:
+    return {"id": model, "object": "model", "created": 0, "owned_by": "fault", "parent": parent}
 
 
 def _error(message: str) -> bytes:

@@ -112,7 +112,13 @@ class GatewayProcess(ChildProcess):
             # The doctor's probes are requests at the replicas: tests that count what a replica
             # served, or fill its cache, turn them on (`--doctor-interval`) only where they look
             # at them. A variable, not a flag: another checkout's gateway may not know it.
-            env={"GATEWAY_DOCTOR_INTERVAL": "0", **(env or {})},
+            # Tests tell the replica that answered by its address in `x-gateway-backend`,
+            # which clients are not told by default (a variable: as above).
+            env={
+                "GATEWAY_DOCTOR_INTERVAL": "0",
+                "GATEWAY_BACKEND_HEADER": "address",
+                **(env or {}),
+            },
             cwd=checkout,
             startup_seconds=startup_seconds,
         )

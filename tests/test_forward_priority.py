@@ -150,13 +150,19 @@ def test_every_endpoint_that_runs_the_model_carries_it(
             assert json.loads(seen.body) == {"model": MODEL, **fields, "priority": -2}, path
 
 
-def test_without_the_flag_the_body_and_header_go_as_sent(
+def test_without_the_flag_a_clients_priority_is_dropped_unless_the_operator_allows_it(
     replica: FaultServer, config: Path
 ) -> None:
+    body = json.dumps({**CHAT, "priority": -1000}).encode()
     with GatewayProcess([f"{MODEL}={replica.url}"], *gateway_args(config)) as plain:
-        body = json.dumps({**CHAT, "priority": -1000}).encode()
         for key in SENT_AS:
             seen = post(plain, replica, key, body, headers={"x-vllm-priority": "-1000"})
+            assert json.loads(seen.body) == CHAT, key
+            assert "x-vllm-priority" not in seen.headers, key
+    allowing = gateway_args(config, "--engine-control", "priority")
+    with GatewayProcess([f"{MODEL}={replica.url}"], *allowing) as open_to_clients:
+        for key in SENT_AS:
+            seen = post(open_to_clients, replica, key, body, headers={"x-vllm-priority": "-1000"})
             assert seen.body == body, key
             assert seen.headers["x-vllm-priority"] == "-1000", key
 

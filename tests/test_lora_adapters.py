@@ -212,24 +212,30 @@ def test_an_idle_adapter_is_unloaded_and_loaded_again_when_asked_for(
     assert loads == 2
 
 
-def test_an_adapter_no_replica_loads_is_a_502_and_is_tried_again(gateway: GatewayProcess) -> None:
+def test_an_adapter_no_replica_loads_is_unavailable_and_not_tried_again_at_once(
+    gateway: GatewayProcess,
+) -> None:
     def ask() -> httpx.Response:
         body = {"model": "broken", "prompt": "anything", "max_tokens": 2}
         return httpx.post(gateway.url + "/v1/completions", json=body, timeout=30)
 
-    for attempt in (1, 2):
+    for _ in range(3):
         answer = ask()
-        assert answer.status_code == 502
+        assert answer.status_code == 503
         error = answer.json()["error"]
-        assert error["code"] == "adapter_load_failed"
-        assert "broken" in error["message"] and "HTTP 404" in error["message"]
+        assert error["code"] == "adapter_unavailable"
+        assert error["message"].startswith("adapter unavailable")
+        # What the replica said (its 404, the adapter's path) stays in the gateway's log.
+        assert "404" not in error["message"] and "/a/broken" not in error["message"]
+        assert int(answer.headers["retry-after"]) >= 1
+        # One load tried: the later requests are answered from the remembered failure.
         failed = metric_value(
             gateway.metrics(),
             "gateway_lora_adapter_loads_total",
             adapter="broken",
             outcome="failed",
         )
-        assert failed == attempt
+        assert failed == 1
 
 
 def test_the_emulated_replica_swaps_loads_and_unloads_as_vllm_does(

@@ -185,6 +185,8 @@ def test_config_prints_the_effective_settings_with_secrets_redacted(tmp_path: Pa
         "upstream-secret-key",
         "--redis-url",
         "redis://cache:redis-password@10.0.0.3:6379/0",
+        "--k8s-api-url",
+        "https://admin:k8s-password@10.0.0.4:6443/?token=k8s-token&x=1",
         env={"GATEWAY_BACKEND": "http://10.0.0.9:8000", "GATEWAY_QUEUE_TIMEOUT": "9"},
     )
     assert ended.returncode == 0, ended.stderr
@@ -202,7 +204,11 @@ def test_config_prints_the_effective_settings_with_secrets_redacted(tmp_path: Pa
     assert printed["redis_url"] == f"redis://cache:{REDACTED}@10.0.0.3:6379/0"
     assert printed["tenants"][0]["name"] == "search"
     assert printed["tenants"][0]["api_key"] == REDACTED
+    assert printed["k8s_api_url"] == (
+        f"https://admin:{REDACTED}@10.0.0.4:6443/?token={REDACTED}&x=1"
+    )
     assert "-secret-key" not in ended.stdout and "redis-password" not in ended.stdout
+    assert "k8s-password" not in ended.stdout and "k8s-token" not in ended.stdout
 
 
 @pytest.mark.parametrize(
@@ -263,6 +269,10 @@ def test_configs_output_reads_back_as_the_same_configuration(tmp_path: Path) -> 
         ("admin_token: admin-secret\n", "admin_token is '<redacted>'"),
         ("upstream_api_key: upstream-secret\n", "upstream_api_key is '<redacted>'"),
         ("redis_url: redis://:pass@cache:6379/0\n", "the password in redis_url is '<redacted>'"),
+        (
+            "k8s_api_url: https://token-user@10.0.0.4:6443\n",
+            "the credentials in k8s_api_url is '<redacted>'",
+        ),
     ],
 )
 def test_a_redacted_secret_read_back_is_refused_not_taken_as_the_secret(

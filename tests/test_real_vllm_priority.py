@@ -40,7 +40,7 @@ from tests.support import GatewayProcess, wait_until
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(1800)]
 
 MODEL = "tiny-llama"
-TENANTS = [
+TENANTS: list[dict[str, Any]] = [
     {"name": "interactive", "api_key": "interactive-key", "priority": 2},
     {"name": "batch", "api_key": "batch-key"},
 ]
@@ -221,19 +221,27 @@ def warm_up(gateway: GatewayProcess) -> None:
             assert answer.status_code == 200, answer.text
 
 
-def served_order(gateway: GatewayProcess, replica: VLLMReplica, **batch_extra: Any) -> list[str]:
+def served_order(
+    gateway: GatewayProcess,
+    replica: VLLMReplica,
+    interactive_extra: dict[str, Any] | None = None,
+    **batch_extra: Any,
+) -> list[str]:
     """Which of two queued requests the engine serves first: `batch` queued before
     `interactive`, both behind a running request that is then closed."""
     warm_up(gateway)
     for _ in range(ATTEMPTS):
-        order = attempt_order(gateway, replica, **batch_extra)
+        order = attempt_order(gateway, replica, interactive_extra, **batch_extra)
         if order is not None:
             return order
     raise AssertionError(f"the holder ended before two requests queued, {ATTEMPTS} times")
 
 
 def attempt_order(
-    gateway: GatewayProcess, replica: VLLMReplica, **batch_extra: Any
+    gateway: GatewayProcess,
+    replica: VLLMReplica,
+    interactive_extra: dict[str, Any] | None = None,
+    **batch_extra: Any,
 ) -> list[str] | None:
     """The order of first tokens, or None when the holder ended before both others waited."""
     order: list[str] = []
@@ -243,7 +251,9 @@ def attempt_order(
     wait_until(
         lambda: queued(replica, 1) or holder.ended, "batch waiting in the engine", ENGINE_PATIENCE
     )
-    interactive = Queued(gateway, "interactive-key", "interactive", order)
+    interactive = Queued(
+        gateway, "interactive-key", "interactive", order, **(interactive_extra or {})
+    )
     wait_until(
         lambda: queued(replica, 2) or holder.ended, "both waiting in the engine", ENGINE_PATIENCE
     )
@@ -269,8 +279,19 @@ def test_the_higher_priority_tenant_is_served_before_one_queued_earlier(
 def test_without_the_flag_the_engine_serves_them_as_they_came(
     replica: VLLMReplica, config: Path
 ) -> None:
+    # The later client asks for the front of the queue: its priority does not reach the engine.
     with GatewayProcess([replica.url], "--config", str(config), *NOT_STALLS) as plain:
-        assert served_order(plain, replica) == ["batch", "interactive"]
+        assert served_order(plain, replica, {"priority": -1000}) == ["batch", "interactive"]
+
+
+def test_a_tenant_given_a_range_orders_its_own_requests_within_it(
+    replica: VLLMReplica, tmp_path: Path
+) -> None:
+    ranged = [{**TENANTS[0], "priority_range": [-5, 5]}, TENANTS[1]]
+    config = tmp_path / "gateway.yaml"
+    config.write_text(yaml.safe_dump({"tenants": ranged}))
+    with GatewayProcess([replica.url], "--config", str(config), *NOT_STALLS) as plain:
+        assert served_order(plain, replica, {"priority": -5}) == ["interactive", "batch"]
 
 
 def test_the_engine_takes_the_rewritten_priority_on_every_generating_endpoint(

@@ -1,16 +1,24 @@
 """LoRA adapters loaded on demand: those of `lora_adapters` that no replica serves yet are
 loaded, through vLLM's `POST /v1/load_lora_adapter`, on the replica the routing policy picks
-for them, once however many requests wait for it; they are unloaded (`POST
-/v1/unload_lora_adapter`) from a replica that has not been sent a request for them in
-`lora_idle_unload` seconds. Engines must run with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`
+for them, once however many requests wait for it (one load of an adapter at a time); they are
+unloaded (`POST /v1/unload_lora_adapter`) from a replica that has not been sent a request for
+them in `lora_idle_unload` seconds. Engines must run with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`
 (docs/adapters.md).
+
+A replica that failed to load an adapter is not asked again for it until its backoff has passed
+(5 s, doubling with each failure there up to 5 minutes); while every replica that could host
+it is backing off, a request for it is answered at once from that remembered failure: 503
+`adapter unavailable` with `Retry-After`. What a replica said goes to the log, never to the
+client (it names paths on the replica's disk).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import httpx
 
@@ -18,6 +26,7 @@ from prefix_gateway.backends.backend import Backend, ModelPool
 from prefix_gateway.backends.pool import BackendPool
 from prefix_gateway.clock import Clock, monotonic
 from prefix_gateway.config.adapters import AdapterSpec
+from prefix_gateway.errors import GatewayError
 from prefix_gateway.metrics import Metrics
 from prefix_gateway.prompt.hashing import key_hash
 from prefix_gateway.refusals import refused
@@ -29,6 +38,16 @@ _LOAD_SECONDS = 120.0
 is for answers that read nothing)."""
 _ALREADY_LOADED = "has already been loaded"
 """vLLM's 400 for a load of an adapter it holds (loaded meanwhile by another gateway)."""
+_FIRST_BACKOFF = 5.0
+_LONGEST_BACKOFF = 300.0
+
+
+@dataclass(slots=True)
+class _Failure:
+    """An adapter's last failed load on one replica: not tried there again before `until`."""
+
+    until: float
+    pause: float
 
 
 class AdapterLoader:
@@ -50,6 +69,8 @@ class AdapterLoader:
         self._loading: dict[str, asyncio.Task[None]] = {}
         self._last_sent: dict[tuple[str, str], float] = {}
         """(backend, adapter) to when a request for the adapter was last sent there."""
+        self._failed: dict[tuple[str, str], _Failure] = {}
+        """(backend, adapter) to its last failed load there, while it is remembered."""
         self._task: asyncio.Task[None] | None = None
         pool.removed.append(self._forget)
 
@@ -91,7 +112,9 @@ class AdapterLoader:
 
     async def _load(self, spec: AdapterSpec, pick: Callable[[ModelPool], Backend]) -> None:
         """Load on the replica `pick` chooses; where that fails, on its next choice among the
-        others, until one loads it or none is left."""
+        others not backing off from a failure of their own, until one loads it or none is
+        left."""
+        now = self._clock()
         hosts = [
             backend
             for backend in self._pool.backends
@@ -99,9 +122,9 @@ class AdapterLoader:
         ]
         if not hosts:
             raise refused("no_healthy_backend", spec.name)
-        why = ""
-        while hosts:
-            backend = pick(ModelPool(hosts, key_hash(spec.name)))
+        ready = [backend for backend in hosts if not self._backing_off(backend, spec, now)]
+        while ready:
+            backend = pick(ModelPool(ready, key_hash(spec.name)))
             why = await self._loads_on(backend, spec)
             loaded = not why
             self._metrics.child(
@@ -109,12 +132,40 @@ class AdapterLoader:
             ).inc()
             if loaded:
                 log.info("LoRA adapter %s loaded on %s", spec.name, backend.name)
+                self._failed.pop((backend.name, spec.name), None)
                 self._last_sent[(backend.name, spec.name)] = self._clock()
                 self._pool.adapter_loaded(backend, spec.name, spec.base_model or _base_of(backend))
                 return
-            log.warning("LoRA adapter %s not loaded on %s: %s", spec.name, backend.name, why)
-            hosts.remove(backend)
-        raise refused("adapter_load_failed", spec.name, why)
+            failure = self._remember_failure(backend, spec)
+            log.warning(
+                "LoRA adapter %s not loaded on %s (not tried there again for %g s): %s",
+                spec.name,
+                backend.name,
+                failure.pause,
+                why,
+            )
+            ready.remove(backend)
+        raise self._unavailable(spec, hosts)
+
+    def _backing_off(self, backend: Backend, spec: AdapterSpec, now: float) -> bool:
+        failure = self._failed.get((backend.name, spec.name))
+        return failure is not None and failure.until > now
+
+    def _remember_failure(self, backend: Backend, spec: AdapterSpec) -> _Failure:
+        key = (backend.name, spec.name)
+        earlier = self._failed.get(key)
+        pause = _FIRST_BACKOFF if earlier is None else min(earlier.pause * 2, _LONGEST_BACKOFF)
+        failure = self._failed[key] = _Failure(self._clock() + pause, pause)
+        return failure
+
+    def _unavailable(self, spec: AdapterSpec, hosts: list[Backend]) -> GatewayError:
+        """The refusal of a request for `spec` while every one of `hosts` backs off."""
+        now = self._clock()
+        next_try = min(self._failed[(backend.name, spec.name)].until for backend in hosts)
+        seconds = max(1, math.ceil(next_try - now))
+        return refused(
+            "adapter_unavailable", spec.name, headers=((b"retry-after", str(seconds).encode()),)
+        )
 
     async def _loads_on(self, backend: Backend, spec: AdapterSpec) -> str:
         """Why `backend` did not load the adapter; empty when it did."""
@@ -175,6 +226,8 @@ class AdapterLoader:
     def _forget(self, backend: str) -> None:
         for key in [key for key in self._last_sent if key[0] == backend]:
             del self._last_sent[key]
+        for key in [key for key in self._failed if key[0] == backend]:
+            del self._failed[key]
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:

@@ -55,6 +55,9 @@ class Backend:
     healthy: bool = False
     source: str = "static"
     """Who added it: `static`, `admin`, or the discovery source that found it."""
+    credentialed: bool = True
+    """It gets `--upstream-api-key`: the operator configured it (flags, config, discovery),
+    or its admin entry asked for the key."""
     draining: bool = False
     idle: asyncio.Event | None = field(default=None, repr=False)
     """Set when a draining backend's last request in flight ends."""

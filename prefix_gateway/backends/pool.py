@@ -41,6 +41,13 @@ class BackendPool:
         self.backends.sort(key=lambda item: item.name)
         self.rebuild()
 
+    def credentialed(self, url: str) -> bool:
+        """Whether `url` is at a backend that gets the upstream key (`Backend.credentialed`)."""
+        return any(
+            backend.credentialed and (url == backend.url or url.startswith(backend.url + "/"))
+            for backend in self.backends
+        )
+
     def get(self, name: str) -> Backend | None:
         return next((backend for backend in self.backends if backend.name == name), None)
 

@@ -129,7 +129,6 @@ class FleetLoad:
             return
 
 
-
 class SharedLoad:
     """Writes this gateway's in-flight counts and hands the others' to the load picture."""
 

@@ -25,8 +25,10 @@ def effective(settings: Settings) -> dict[str, Any]:
             value = redacted(value)
         elif f.name == "tenants":
             value = [_tenant(tenant) for tenant in value]
-        elif f.name == "redis_url":
-            value = without_password(value)
+        elif isinstance(value, str):
+            value = without_password(value)  # a URL's credentials: Redis's, the API server's
+        elif isinstance(value, tuple) and value and isinstance(value[0], str):
+            value = tuple(without_password(item) for item in value)  # backends' URLs
         elif isinstance(value, tuple) and value and dataclasses.is_dataclass(value[0]):
             value = [dataclasses.asdict(entry) for entry in value]  # lora_adapters and the like
         values[f.name] = list(value) if isinstance(value, tuple) else value
@@ -41,6 +43,10 @@ def _tenant(tenant: TenantSpec) -> dict[str, Any]:
     """A tenant as the file gives it: the variable its key is read from, else the key
     redacted (which the file refuses, rather than take it as the key)."""
     entry = dataclasses.asdict(tenant)
+    if tenant.priority_range is not None:
+        entry["priority_range"] = list(tenant.priority_range)
+    if tenant.models is not None:
+        entry["models"] = sorted(tenant.models)
     if tenant.api_key_env:
         del entry["api_key"]
     else:

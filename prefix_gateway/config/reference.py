@@ -29,10 +29,12 @@ Mistakes are reported at start: a file that is not YAML, an unknown key of the f
 that cannot be used are errors (exit status 2, one line); an unknown key and an unknown
 `GATEWAY_*` variable (a warning) name the closest known one. `prefix-gateway config` takes the
 same flags as `serve` and prints the configuration they give, as YAML the file accepts, secrets
-(`api_key`, `upstream_api_key`, `admin_token`, tenants' keys, a password in `redis_url`)
-redacted; `serve` logs the same at start. A tenant whose key comes from `api_key_env` is printed
-with its variable, so it reads back as it was; a secret printed as `<redacted>` is refused when
-read back (exit status 2) until the secret itself, or its variable, takes its place.
+(`api_key`, `upstream_api_key`, `admin_token`, tenants' keys, and the credentials inside any
+URL: its password, a user name given alone, a query value named like a secret, as in
+`redis_url`, `k8s_api_url` or a backend's URL) redacted; `serve` logs the same at start. A
+tenant whose key comes from `api_key_env` is printed with its variable, so it reads back as it
+was; a secret printed as `<redacted>` is refused when read back (exit status 2) until the
+secret itself, or its variable, takes its place.
 `prefix-gateway serve --help` lists the flags in the sections below.
 """
 

@@ -123,6 +123,7 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "upstream_api_key",
             "forward_client_auth",
             "trusted_proxies",
+            "engine_control",
             "upstream_ca_file",
             "upstream_tls_verify",
         ),

@@ -239,6 +239,13 @@ class Settings:
         " serves lower values first; 0 for anonymous requests, whatever the client sent), for"
         " replicas run with --scheduling-policy priority",
     )
+    engine_control: tuple[str, ...] = _opt(
+        (),
+        "a client's engine-control field or header passed to replicas as sent: priority (body"
+        " `priority`, header X-Vllm-Priority), request_id, kv_transfer_params,"
+        " data_parallel_rank (header X-Data-Parallel-Rank); repeat for several (none: each"
+        " is dropped, request_id is prefixed with the request's tenant; docs/endpoints.md)",
+    )
     cached_token_cost: float = _opt(
         0.1, "what a cached prompt token counts for in tenants' token budgets (1: a full token)"
     )
@@ -331,6 +338,11 @@ class Settings:
         "", "cookie name: issue a session key as a cookie that then acts like x-session-id"
     )
     log_level: str = _opt("info", "log level")
+    backend_header: str = _opt(
+        "name",
+        "what the x-gateway-backend response header tells clients of the replica that"
+        " answered: name (its name in the pool), address (its URL's host and port) or off",
+    )
     log_format: str = _opt(
         "json",
         "json (one object a line, for a log collector) or text, for every line the gateway"

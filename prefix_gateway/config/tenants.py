@@ -9,6 +9,8 @@ key, priority, share and limits. Read once at start-up; a bad entry is an error 
         requests_per_minute: 600  # absent or 0: no limit
         tokens_per_minute: 200000
         max_concurrency: 32
+        priority_range: [0, 10]   # may set vLLM's `priority` itself within it (absent: may not)
+        models: [llama-3-8b, sql-lora]  # the models and adapters it may use (absent: all)
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ _FIELDS = frozenset(
         "requests_per_minute",
         "tokens_per_minute",
         "max_concurrency",
+        "priority_range",
+        "models",
     }
 )
 _LIMITS = ("requests_per_minute", "tokens_per_minute", "max_concurrency")
@@ -52,6 +56,11 @@ class TenantSpec:
     tokens_per_minute: int = 0
     max_concurrency: int = 0
     """0 for any of the three limits: none."""
+    priority_range: tuple[int, int] | None = None
+    """The lowest and highest `priority` it may send the engine itself, in vLLM's terms (lower
+    is served first); None: the client's own priority is not passed on."""
+    models: frozenset[str] | None = None
+    """The models and adapters it may use; None: every one."""
 
     @property
     def limited(self) -> bool:
@@ -113,6 +122,8 @@ def _tenant(position: int, entry: object, environ: Mapping[str, str]) -> TenantS
         priority=_integer(where, entry, "priority", 0, minimum=None),
         weight=_weight(where, entry.get("weight", 1)),
         **{limit: _integer(where, entry, limit, 0, minimum=0) for limit in _LIMITS},
+        priority_range=_priority_range(where, entry.get("priority_range")),
+        models=_models(where, entry.get("models")),
     )
 
 
@@ -143,6 +154,40 @@ def _integer(
     if minimum is not None and value < minimum:
         raise ConfigError(f"{where}: {name} must be at least {minimum}, not {value}")
     return value
+
+
+_ENGINE_PRIORITY = (-(2**63), 2**63 - 1)
+"""vLLM's `priority` is a 64-bit integer."""
+
+
+def _priority_range(where: str, value: object) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if (
+        not isinstance(value, list)
+        or len(value) != 2
+        or any(isinstance(bound, bool) or not isinstance(bound, int) for bound in value)
+        or value[0] > value[1]
+        or value[0] < _ENGINE_PRIORITY[0]
+        or value[1] > _ENGINE_PRIORITY[1]
+    ):
+        raise ConfigError(
+            f"{where}: priority_range must be [lowest, highest], two 64-bit integers in order,"
+            f" not {value!r}"
+        )
+    return value[0], value[1]
+
+
+def _models(where: str, value: object) -> frozenset[str] | None:
+    if value is None:
+        return None
+    if (
+        not isinstance(value, list)
+        or not value
+        or any(not isinstance(model, str) or not model for model in value)
+    ):
+        raise ConfigError(f"{where}: models must be a list of model names, not {value!r}")
+    return frozenset(value)
 
 
 def _weight(where: str, value: object) -> float:

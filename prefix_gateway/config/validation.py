@@ -12,6 +12,10 @@ from prefix_gateway.config.redaction import refuse_placeholders
 from prefix_gateway.config.tenants import check_tenants
 from prefix_gateway.logs import LOG_FORMATS
 
+ENGINE_CONTROLS = ("priority", "request_id", "kv_transfer_params", "data_parallel_rank")
+"""What a client may be allowed to steer in the engine (`--engine-control`)."""
+BACKEND_HEADERS = ("name", "address", "off")
+
 if TYPE_CHECKING:
     from prefix_gateway.config.settings import Settings
 
@@ -28,6 +32,13 @@ def validated(settings: Settings) -> Settings:
     if settings.load_factor < 1.0:
         raise ConfigError("load_factor must be at least 1.0")
     _check_policy(settings)
+    unknown = set(settings.engine_control) - set(ENGINE_CONTROLS)
+    if unknown:
+        raise ConfigError(
+            f"engine_control: unknown {sorted(unknown)}; known: {', '.join(ENGINE_CONTROLS)}"
+        )
+    if settings.backend_header not in BACKEND_HEADERS:
+        raise ConfigError(f"backend_header must be {', '.join(BACKEND_HEADERS)}")
     if settings.lora_idle_unload < 0:
         raise ConfigError("lora_idle_unload must not be negative")
     if settings.block_tokens < 1 or settings.chars_per_token <= 0:

@@ -47,6 +47,18 @@ def admin_guard(access: AdminAccess) -> Guard:
         headers = request.headers
         header = headers.get("authorization")
         authorization = header.encode("latin-1") if header is not None else None
-        access.check(authorization, headers.get("host"), headers.get("origin"))
+        client = request.client
+        forwarded = [
+            value.decode("latin-1")
+            for name, value in request.scope["headers"]
+            if name == b"x-forwarded-for" or name == b"forwarded"
+        ]
+        access.check(
+            authorization,
+            headers.get("host"),
+            headers.get("origin"),
+            client.host if client is not None else None,
+            forwarded,
+        )
 
     return require_admin

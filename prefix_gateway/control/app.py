@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from prefix_gateway.auth import AdminAccess
+from prefix_gateway.auth import KEY_POSITION, AdminAccess
 from prefix_gateway.components import Components
 from prefix_gateway.control.access import admin_guard, error_response
 from prefix_gateway.control.backends import build_backends_router
@@ -51,10 +51,13 @@ def build_control_app(components: Components) -> FastAPI:
     async def validation_error(_: Request, exc: RequestValidationError) -> Response:
         return error_response(BadRequest(str(exc.errors()), code="invalid_request"))
 
+    first_tenant_key = len(settings.api_key)
+
     @app.get("/v1/models")
-    async def list_models() -> JSONResponse:
+    async def list_models(request: Request) -> JSONResponse:
         """The models served now, each LoRA adapter with its base model as `parent` (those of
-        `lora_adapters` too, loaded on a replica by their first request)."""
+        `lora_adapters` too, loaded on a replica by their first request); to a named tenant
+        with a `models:` list, those of them alone."""
         created = int(time.time())
         parents: dict[str, str | None] = dict.fromkeys(pool.served_models())
         parents.update(
@@ -62,6 +65,10 @@ def build_control_app(components: Components) -> FastAPI:
         )
         if components.adapters is not None:
             parents.update(components.adapters.unserved())
+        tenant = request.scope.get(KEY_POSITION, -1) - first_tenant_key
+        allowed = settings.tenants[tenant].models if tenant >= 0 else None
+        if allowed is not None:
+            parents = {model: parent for model, parent in parents.items() if model in allowed}
         data = [
             {
                 "id": model,

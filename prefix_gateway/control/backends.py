@@ -34,6 +34,8 @@ class Conflict(GatewayError):
 class NewBackend(BaseModel):
     url: str
     model: str | None = None
+    upstream_key: bool = False
+    """Send it `--upstream-api-key`: a backend added at run time gets it only when asked."""
 
 
 def backend_view(
@@ -58,6 +60,7 @@ def backend_view(
         "load": backend.load,
         "pending_prefill_blocks": backend.pending_prefill,
         "source": backend.source,
+        "upstream_key": backend.credentialed,
         "kv_events": asdict(feed) if feed is not None else None,
         "checks": examination_view(examined) if examined is not None else None,
     }
@@ -91,7 +94,10 @@ def build_backends_router(components: Components, guard: Guard) -> APIRouter:
         feed = feeds.state(backend.name) if feeds is not None else None
         doctor = components.doctor
         examined = doctor.examinations.get(backend.name) if doctor is not None else None
-        return backend_view(backend, feed, examined)
+        return {
+            **backend_view(backend, feed, examined),
+            "public_name": components.proxy.public_names.name_of(backend.name),
+        }
 
     def find(name: str) -> Backend:
         backend = pool.get(name)
@@ -124,6 +130,7 @@ def build_backends_router(components: Components, guard: Guard) -> APIRouter:
                 param="url",
                 code="invalid_backend",
             )
+        backend.credentialed = new.upstream_key
         if pool.get(backend.name) is not None:
             raise Conflict(f"backend {backend.name} is already in the pool", code="backend_exists")
         pool.add(backend)

@@ -242,9 +242,7 @@ class EmulatorApp:
     async def _stall(self, receive: Receive, send: Send) -> None:
         body = parse_body(await read_body(receive))
         self.engine.stall(bool(body.get("stalled", True)))
-        await respond(
-            send, 200, b'{"stalled":%s}' % (b"true" if self.engine.stalled else b"false")
-        )
+        await respond(send, 200, b'{"stalled":%s}' % (b"true" if self.engine.stalled else b"false"))
 
     async def _metrics(self, receive: Receive, send: Send) -> None:
         await respond(send, 200, self.metrics.render(), METRICS_CONTENT_TYPE.encode())

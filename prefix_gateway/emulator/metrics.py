@@ -16,12 +16,51 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LABELS = ["model_name", "engine"]
 _TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
-    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
 )
 _LATENCY_BUCKETS = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
-    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
 )
 
 
@@ -72,7 +111,8 @@ class _EngineCollector(Collector):
             engine.running,
         )
         yield self._gauge(
-            "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
             engine.waiting,
         )
         yield self._gauge(
@@ -115,9 +155,7 @@ class _EngineCollector(Collector):
             "Information of the LLMEngine CacheConfig",
             labels=["block_size", "enable_prefix_caching", "engine", "num_gpu_blocks"],
         )
-        info.add_metric(
-            [str(cache.block_size), "True", "0", str(cache.capacity_blocks)], 1.0
-        )
+        info.add_metric([str(cache.block_size), "True", "0", str(cache.capacity_blocks)], 1.0)
         yield info
 
     def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:

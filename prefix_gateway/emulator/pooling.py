@@ -120,7 +120,6 @@ def class_probabilities(token_ids: list[int]) -> list[float]:
     return [weight / total for weight in weights]
 
 
-
 def _cohere_inputs(body: Mapping[str, Any]) -> tuple[list[list[int]], bool]:
     """The token ids of each input, and whether an image is among them (an image is one
     token, as in chat content)."""

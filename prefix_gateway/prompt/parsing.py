@@ -148,6 +148,13 @@ class RoutingInput:
     (reserved ahead against budgets)."""
     choices: int = 1
     """Answers generated for it (`n`, or `best_of` where larger)."""
+    engine_fields: dict[str, Any] | None = None
+    """The engine-control fields its body sets (`priority`, `request_id`,
+    `kv_transfer_params`), as the client gave them; None when it sets none (most requests)."""
+    owner: str | None = None
+    """Whose stored responses it may name, and whose it stores: its cache namespace under
+    tenant isolation, else its named tenant's (set once the tenant is known); None for
+    anonymous requests, which share theirs."""
 
     def estimated_tokens(self, chars_per_token: float) -> float:
         """The prompt's tokens: counted with the engine's tokenizer, else estimated."""
@@ -226,6 +233,12 @@ def parse_request(
         first_turn=first_turn,
         max_tokens=completion_limit(payload),
         choices=answers_asked(payload),
+        engine_fields=(
+            _engine_fields(payload)
+            if "priority" in payload or "request_id" in payload or "kv_transfer_params" in payload
+            else None
+        ),
+        owner=tenant,
     )
 
 
@@ -251,7 +264,18 @@ def stored_response_request(
         wants_usage=False,
         tenant=tenant,
         response_id=checked_response_id(response_id, "response_id"),
+        owner=tenant,
     )
+
+
+ENGINE_FIELDS = ("priority", "request_id", "kv_transfer_params")
+"""Body fields that steer vLLM's engine rather than the answer: its queue order, its request
+(and stored response) id, its KV-cache transfer between replicas."""
+
+
+def _engine_fields(payload: dict[str, Any]) -> dict[str, Any]:
+    """The `ENGINE_FIELDS` the body sets (looked for inline first: most set none)."""
+    return {name: payload[name] for name in ENGINE_FIELDS if name in payload}
 
 
 def _client_salt(endpoint: Endpoint, payload: dict[str, Any]) -> str | None:

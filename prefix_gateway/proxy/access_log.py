@@ -79,39 +79,57 @@ class AccessLog:
         self._text = settings.log_format == "text"
 
     def answered(
-        self, placement: Placement, outcome: Outcome, request_id: str, began: float
+        self,
+        placement: Placement,
+        outcome: Outcome,
+        request_id: str,
+        began: float,
+        tenant: str | None = None,
     ) -> None:
+        """A request a replica answered; `tenant`: its tenant's name where tenants are named
+        (or flow control is on), else left out."""
         if not (self._enabled and self._logger.isEnabledFor(logging.INFO)):
             return
         request = placement.request
         decision = outcome.decision
         first_byte = outcome.first_byte_at
-        self._write(
-            {
-                "request_id": request_id,
-                "endpoint": request.endpoint.value,
-                "model": request.model,
-                "backend": decision.backend,
-                "route": decision.route.value,
-                "status": outcome.status,
-                "stream": request.stream,
-                "attempts": len(outcome.tried),
-                "prompt_tokens_estimated": round(request.estimated_tokens(self._chars_per_token)),
-                "matched_tokens_estimated": decision.matched_blocks * self._block_tokens,
-                "prompt_tokens": outcome.prompt_tokens,
-                "cached_tokens": outcome.cached_tokens,
-                "affinity": placement.affinity(decision.backend),
-                "cache_break": placement.cache_break,
-                "ttft_s": round(first_byte - began, 6) if first_byte else None,
-                "duration_s": round(time.perf_counter() - began, 6),
-            }
-        )
+        fields = {
+            "request_id": request_id,
+            "endpoint": request.endpoint.value,
+            "model": request.model,
+            "backend": decision.backend,
+            "route": decision.route.value,
+            "status": outcome.status,
+            "stream": request.stream,
+            "attempts": len(outcome.tried),
+            "prompt_tokens_estimated": round(request.estimated_tokens(self._chars_per_token)),
+            "matched_tokens_estimated": decision.matched_blocks * self._block_tokens,
+            "prompt_tokens": outcome.prompt_tokens,
+            "cached_tokens": outcome.cached_tokens,
+            "affinity": placement.affinity(decision.backend),
+            "cache_break": placement.cache_break,
+            "ttft_s": round(first_byte - began, 6) if first_byte else None,
+            "duration_s": round(time.perf_counter() - began, 6),
+        }
+        if tenant is not None:
+            fields["tenant"] = tenant
+        self._write(fields)
 
-    def rejected(self, request_id: str, path: str, status: int, code: str) -> None:
+    def rejected(
+        self, request_id: str, path: str, status: int, code: str, tenant: str | None = None
+    ) -> None:
         """A request no replica answered: refused, failed or left before it was sent."""
         if not (self._enabled and self._logger.isEnabledFor(logging.INFO)):
             return
-        self._write({"request_id": request_id, "endpoint": path, "status": status, "error": code})
+        fields: dict[str, Any] = {
+            "request_id": request_id,
+            "endpoint": path,
+            "status": status,
+            "error": code,
+        }
+        if tenant is not None:
+            fields["tenant"] = tenant
+        self._write(fields)
 
     def _write(self, fields: dict[str, Any]) -> None:
         logger = self._logger

@@ -10,22 +10,30 @@ import math
 import random
 import time
 from email.utils import parsedate_to_datetime
+from typing import Any
 
 from prefix_gateway.backends.backend import Backend
 from prefix_gateway.backends.health import Health
 from prefix_gateway.backends.pool import Lease
 from prefix_gateway.backends.prefill_speed import PrefillSpeed
 from prefix_gateway.config import Settings
+from prefix_gateway.config.tenants import ANONYMOUS
 from prefix_gateway.metrics import Metrics
-from prefix_gateway.prompt.parsing import Endpoint
+from prefix_gateway.prompt.parsing import ENGINE_FIELDS, Endpoint
 from prefix_gateway.proxy.attempt import Attempt
 from prefix_gateway.proxy.deadlines import Interrupted, Why, client_error
 from prefix_gateway.proxy.forwarding import Forwarding
 from prefix_gateway.proxy.http1 import Response
 from prefix_gateway.proxy.prefills import Prefills
 from prefix_gateway.proxy.relay import Relay, Relayed, ReplyLimits, Timeouts
-from prefix_gateway.proxy.rewrite import request_usage, with_cache_salt, with_priority
-from prefix_gateway.proxy.upstream import Upstream, UpstreamError, interrupted, response_headers
+from prefix_gateway.proxy.rewrite import edited
+from prefix_gateway.proxy.upstream import (
+    ENGINE_PRIORITY_HEADER,
+    Upstream,
+    UpstreamError,
+    interrupted,
+    response_headers,
+)
 from prefix_gateway.refusals import refused
 from prefix_gateway.routing.types import Decision, Outcome
 
@@ -41,8 +49,6 @@ _PRIORITISED = frozenset(Endpoint) - {
     Endpoint.COUNT_TOKENS,
     Endpoint.MESSAGES,
 }
-_ENGINE_PRIORITY_HEADER = b"x-vllm-priority"
-"""Read by vLLM before the body's `priority` (chat, completions, responses)."""
 
 
 class Forwarder:
@@ -67,6 +73,12 @@ class Forwarder:
         self._retry_after_cap = settings.retry_after_cap
         self._observe_usage = settings.observe_usage
         self._forward_priority = settings.forward_priority
+        allowed = frozenset(settings.engine_control)
+        self._client_priority = "priority" in allowed
+        self._client_fields = allowed & set(ENGINE_FIELDS)
+        self._owned_ids = bool(settings.tenants) or settings.isolate_tenants
+        """Requests have owners: each one's `request_id` (which names a stored response in
+        vLLM's one store) is made its owner's own."""
         self._speed = speed
         self._rng = rng or random.Random()
 
@@ -74,20 +86,21 @@ class Forwarder:
         """Forward the request to its placement's replica, and to the next ones after a
         failure before the first byte; what came of it, whatever happened."""
         request = forwarding.placement.request
-        if (
+        usage = (
             (self._observe_usage or forwarding.needs_usage)
             and request.stream
             and not request.wants_usage
             and request.endpoint in _USAGE_ASKED
-        ):
-            forwarding.strip_usage = True
-            forwarding.body = request_usage(forwarding.body)
+        )
         # A stored response's `cancel` computes nothing: its body (usually none) goes as sent.
-        salted = request.endpoint.salted and request.response_id is None
-        if request.tenant is not None and salted and forwarding.method == b"POST":
-            forwarding.body = with_cache_salt(forwarding.body, request.tenant)
-        if self._forward_priority:
-            _prioritise(forwarding)
+        salted = (
+            request.tenant is not None
+            and request.endpoint.salted
+            and request.response_id is None
+            and forwarding.method == b"POST"
+        )
+        if usage or salted or request.engine_fields is not None or self._forward_priority:
+            self._edit(forwarding, usage, salted)
         tries = _Tries(forwarding)
         exchange = forwarding.exchange
         try:
@@ -101,6 +114,66 @@ class Forwarder:
         finally:
             exchange.finish()
         return forwarding.outcome(relayed.status)
+
+    def _edit(self, forwarding: Forwarding, usage: bool, salted: bool) -> None:
+        """The body's changes, made in one pass (`edited`): its stream asking for usage, its
+        tenant's salt, and the engine's controls as the gateway decides them."""
+        request = forwarding.placement.request
+        setting: dict[str, Any] = {}
+        dropping: list[str] = []
+        if usage:
+            forwarding.strip_usage = True
+        if salted:
+            assert request.tenant is not None
+            setting["cache_salt"] = request.tenant
+        if request.engine_fields is not None or self._forward_priority:
+            self._engine_controls(forwarding, setting, dropping)
+        if usage or setting or dropping:
+            forwarding.body = edited(forwarding.body, setting, dropping, usage)
+
+    def _engine_controls(
+        self, forwarding: Forwarding, setting: dict[str, Any], dropping: list[str]
+    ) -> None:
+        """What the engine's own controls become (docs/endpoints.md): the priority the
+        gateway decides, in the body or, for the Messages API, vLLM's header; a client's
+        `request_id` made its owner's; `kv_transfer_params` dropped; each as the client sent
+        it where `--engine-control` allows it."""
+        request = forwarding.placement.request
+        given = request.engine_fields or {}
+        allowed = self._client_fields
+        runs_model = (
+            request.endpoint in _PRIORITISED
+            and request.response_id is None
+            and forwarding.method == b"POST"
+        )
+        if (not self._client_priority or self._forward_priority) and (
+            runs_model or request.endpoint is Endpoint.MESSAGES
+        ):
+            priority = forwarding.own_priority
+            if priority is None and self._forward_priority:
+                priority = -forwarding.tenant_priority
+            if request.endpoint is Endpoint.MESSAGES:
+                # vLLM's Messages request has no such field (its body goes as sent), but the
+                # chat path it hands the request to reads the header.
+                if priority is not None:
+                    forwarding.headers = [
+                        *forwarding.headers,
+                        (ENGINE_PRIORITY_HEADER, b"%d" % priority),
+                    ]
+            elif priority is not None:
+                asked = given.get("priority")
+                if type(asked) is not int or asked != priority:  # else the body stays as sent
+                    setting["priority"] = priority
+            elif "priority" in given:
+                dropping.append("priority")
+        if "kv_transfer_params" in given and "kv_transfer_params" not in allowed:
+            dropping.append("kv_transfer_params")
+        given_id = given.get("request_id")
+        if "request_id" in given and "request_id" not in allowed and self._owned_ids:
+            if isinstance(given_id, str):
+                setting["request_id"] = f"{request.owner or ANONYMOUS}:{given_id}"
+            else:
+                dropping.append("request_id")
 
     async def _attempts(self, tries: _Tries) -> Relayed:
         forwarding = tries.forwarding
@@ -133,7 +206,7 @@ class Forwarder:
                             backend.url + forwarding.path,
                             forwarding.body,
                             forwarding.headers,
-                            backend.source != "admin",
+                            backend.credentialed,
                             forwarding.method,
                         )
                 except UpstreamError as unsent:
@@ -259,22 +332,6 @@ class _Tries:
         self.tried.append(placement.backend.name)
         self.accepted = forwarding.accepted
         self.upcoming: tuple[Backend, Decision] | None = None
-
-
-def _prioritise(forwarding: Forwarding) -> None:
-    """The tenant's priority in vLLM's terms (lower is served first) in place of whatever the
-    client asked for, in its body or its header: a client cannot raise its own."""
-    forwarding.headers = [item for item in forwarding.headers if item[0] != _ENGINE_PRIORITY_HEADER]
-    request = forwarding.placement.request
-    if request.endpoint is Endpoint.MESSAGES:
-        priority = str(-forwarding.tenant_priority).encode()
-        forwarding.headers = [*forwarding.headers, (_ENGINE_PRIORITY_HEADER, priority)]
-    elif (
-        request.endpoint in _PRIORITISED
-        and request.response_id is None
-        and forwarding.method == b"POST"
-    ):
-        forwarding.body = with_priority(forwarding.body, -forwarding.tenant_priority)
 
 
 def _retry_after(value: str | None) -> float | None:

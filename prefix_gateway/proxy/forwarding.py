@@ -37,6 +37,9 @@ class Forwarding:
     """The stream's usage was asked for by the gateway, not the client: it is held back."""
     tenant_priority: int = 0
     """The priority of the request's tenant (higher is served first; anonymous: 0)."""
+    own_priority: int | None = None
+    """The engine priority its client asked for in vLLM's terms, where its tenant may set
+    its own (`priority_range`): sent in place of any other."""
     needs_usage: bool = False
     """Its tenant's token budget is charged what it used: a stream asks for its usage."""
     counts_tokens: bool = False

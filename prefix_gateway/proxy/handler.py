@@ -47,6 +47,7 @@ from prefix_gateway.proxy.flow import Flow, Ticket
 from prefix_gateway.proxy.forwarder import Forwarder
 from prefix_gateway.proxy.forwarding import Forwarding
 from prefix_gateway.proxy.intake import Intake
+from prefix_gateway.proxy.public_names import PublicNames
 from prefix_gateway.proxy.reply import Headers, Reply
 from prefix_gateway.proxy.tenancy import Account, Tenancy, TenantFleet
 from prefix_gateway.refusals import refused
@@ -87,6 +88,7 @@ class ProxyHandler:
             else None
         )
         self.access_log = AccessLog(settings)
+        self.public_names = PublicNames(settings.backend_header)
         self.open_placements = 0
         """Requests placed whose placement is not settled yet."""
         self.deadlines = DeadlineWatch(
@@ -278,6 +280,7 @@ class RequestLife:
             scope["method"].encode(),
             path,
             tenant_priority=0 if account is None else account.priority,
+            own_priority=None if account is None else account.own_priority,
             needs_usage=account is not None and account.needs_usage,
             counts_tokens=account is not None,
         )
@@ -314,10 +317,11 @@ class RequestLife:
         placing = self._placing
         placement = None if placing is None else placing.placement
         path = self._scope["path"]
+        tenant = None if account is None else account.name
         if outcome is not None and placement is not None:
-            parts.access_log.answered(placement, outcome, self.request_id, self._began)
+            parts.access_log.answered(placement, outcome, self.request_id, self._began, tenant)
         else:
-            parts.access_log.rejected(self.request_id, path, status, _code(error))
+            parts.access_log.rejected(self.request_id, path, status, _code(error), tenant)
         if placement is not None:
             parts.open_placements -= 1
             try:
@@ -327,10 +331,12 @@ class RequestLife:
 
     def _gateway_headers(self, decision: Decision) -> Headers:
         headers = [
-            (b"x-gateway-backend", decision.backend.encode()),
             (b"x-gateway-route", decision.route.value.encode()),
             (b"x-request-id", self.request_id.encode()),
         ]
+        backend = self._parts.public_names.header(decision.backend)
+        if backend is not None:
+            headers.append((b"x-gateway-backend", backend))
         if self._issued is not None:
             # No Max-Age: the binding itself expires after the TTL of inactivity; a key sent
             # back after that simply binds again.

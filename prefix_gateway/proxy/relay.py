@@ -219,9 +219,7 @@ class Relay:
         backend = attempt.backend
         now = clock()
         exchange.expect(Why.IDLE, idle)
-        observer = StreamObserver(
-            strip_usage, self._replies.answer_chars, forwarding.counts_tokens
-        )
+        observer = StreamObserver(strip_usage, self._replies.answer_chars, forwarding.counts_tokens)
         seen = observer.seen
         seen.sent_at = attempt.started
         seen.answered = True
@@ -236,9 +234,7 @@ class Relay:
                 while chunk:
                     # Without stripping a chunk leaves before it is looked at, unless it may
                     # end the answer that the placement is to hear of first.
-                    looked = strip_usage or (
-                        hears_answer and _LAST_EVENT.search(chunk) is not None
-                    )
+                    looked = strip_usage or (hears_answer and _LAST_EVENT.search(chunk) is not None)
                     passed = observer.feed(chunk) if looked else chunk
                     if hears_answer and seen.complete:
                         await placement.answer_complete(

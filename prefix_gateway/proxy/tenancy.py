@@ -17,9 +17,10 @@ from typing import Any
 from prefix_gateway.backends.pool import BackendPool
 from prefix_gateway.config import Settings
 from prefix_gateway.config.tenants import ANONYMOUS
-from prefix_gateway.errors import Headers
+from prefix_gateway.errors import BadRequest, Headers
 from prefix_gateway.metrics import Metrics
 from prefix_gateway.prompt.parsing import RoutingInput
+from prefix_gateway.refusals import model_not_found
 from prefix_gateway.routing.types import Outcome
 from prefix_gateway.state.redis import SharedState
 from prefix_gateway.tenants.cost import tokens_reserved, usage_of, used_cost
@@ -72,7 +73,7 @@ class Account:
     """One request's side of its tenant (None: anonymous): what it reserved, held until it is
     settled, once."""
 
-    __slots__ = ("_tenancy", "reservation", "reserved", "tenant")
+    __slots__ = ("_tenancy", "own_priority", "reservation", "reserved", "tenant")
 
     def __init__(self, tenancy: Tenancy, tenant: Tenant | None) -> None:
         self._tenancy = tenancy
@@ -81,10 +82,12 @@ class Account:
         """What its tenant holds for it: a place in flight and its tokens."""
         self.reserved = 0.0
         """The tokens it reserves, tenant or not (the fair queue's service while it runs)."""
+        self.own_priority: int | None = None
+        """The engine priority its client asked for, where its tenant may set its own."""
 
     async def admit(self, request: RoutingInput) -> None:
         """Reserve its tokens; a named tenant's place in flight and budgets take them, or a
-        429 says which limit refused them."""
+        429 says which limit refused them. A named tenant's request owns what it stores."""
         tenancy = self._tenancy
         self.reserved = tokens_reserved(
             request,
@@ -93,8 +96,40 @@ class Account:
             tenancy.completion_default,
         )
         gate, tenant = tenancy.gate, self.tenant
+        if tenant is not None:
+            self._within_bounds(tenant, request)
+            if request.owner is None:
+                # Its stored responses are its tenant's, isolated or not.
+                request.owner = tenant.name
         if gate is not None and tenant is not None:
             self.reservation = await gate.admit(tenant, self.reserved)
+
+    def _within_bounds(self, tenant: Tenant, request: RoutingInput) -> None:
+        """A model its tenant may not use is one that does not exist (404); an engine
+        priority it may set is taken when within its range, else refused (400)."""
+        spec = tenant.spec
+        models = spec.models
+        if models is not None and request.model and request.model not in models:
+            raise model_not_found(request.model)
+        given = request.engine_fields
+        bounds = spec.priority_range
+        if bounds is not None and given is not None and "priority" in given:
+            asked = given["priority"]
+            low, high = bounds
+            if isinstance(asked, bool) or not isinstance(asked, int) or not low <= asked <= high:
+                raise BadRequest(
+                    f"priority must be an integer from {low} to {high} for tenant"
+                    f" {tenant.name} (lower is served first), not {asked!r}",
+                    param="priority",
+                    code="priority_out_of_range",
+                )
+            self.own_priority = asked
+
+    @property
+    def name(self) -> str:
+        """Its tenant's name (`anonymous` for a key of `--api-key`, or none)."""
+        tenant = self.tenant
+        return ANONYMOUS if tenant is None else tenant.name
 
     @property
     def lane(self) -> tuple[str, int, float]:

@@ -93,6 +93,25 @@ def failure_of(exc: HTTPClientError) -> UpstreamError:
     return failure(_CAUSES.get(exc.cause, "protocol"))
 
 
+ENGINE_PRIORITY_HEADER = b"x-vllm-priority"
+"""Read by vLLM before the body's `priority` (chat, completions, responses)."""
+DATA_PARALLEL_RANK_HEADER = b"x-data-parallel-rank"
+"""vLLM's choice of the data-parallel engine a request runs on."""
+
+
+def engine_headers_dropped(allowed: Iterable[str], forward_priority: bool) -> frozenset[bytes]:
+    """The engine-control headers a client may not send, given what `--engine-control`
+    allows: its priority (never under `--forward-priority`, which sets the tenant's) and its
+    data-parallel rank."""
+    allowed = set(allowed)
+    dropped = set()
+    if "priority" not in allowed or forward_priority:
+        dropped.add(ENGINE_PRIORITY_HEADER)
+    if "data_parallel_rank" not in allowed:
+        dropped.add(DATA_PARALLEL_RANK_HEADER)
+    return frozenset(dropped)
+
+
 class Upstream:
     def __init__(
         self,
@@ -102,13 +121,17 @@ class Upstream:
         *,
         tls: ssl.SSLContext | None = None,
         on_resend: Callable[[str], None] | None = None,
+        engine_headers: frozenset[bytes] = frozenset(),
     ) -> None:
         """`tls`: how replicas' certificates are checked; `on_resend(reason)`: told of each
-        request the pool sent again on a new connection."""
+        request the pool sent again on a new connection; `engine_headers`: the engine-control
+        headers of clients that are dropped (`engine_headers_dropped`)."""
         self._connect_timeout = connect_timeout
         self._tls = tls
         self._on_resend = on_resend
-        self._dropped = HOP_BY_HOP if forward_client_auth else HOP_BY_HOP | CREDENTIALS
+        self._dropped = (HOP_BY_HOP if forward_client_auth else HOP_BY_HOP | CREDENTIALS) | (
+            engine_headers
+        )
         self._added: list[tuple[bytes, bytes]] = []
         if upstream_api_key:
             self._added.append((b"authorization", f"Bearer {upstream_api_key}".encode()))

@@ -154,7 +154,7 @@ class Placement:
         """`backend` made the Responses API response `response_id`: requests naming it go
         there. Heard before the client can name it."""
         assert self._recorder is not None
-        await self._recorder.response_stored(response_id, self.request.tenant, backend)
+        await self._recorder.response_stored(response_id, self.request.owner, backend)
 
     async def answer_complete(
         self, backend: str, answer: str, completion_tokens: int | None

@@ -117,8 +117,8 @@ class Recorder:
             self.agreement.claim(shared.model, shared.first_block, shared.key, backend)
         return turn
 
-    async def response_stored(self, response_id: str, tenant: str | None, backend: str) -> None:
-        await self.responses.remember(response_id, tenant, backend)
+    async def response_stored(self, response_id: str, owner: str | None, backend: str) -> None:
+        await self.responses.remember(response_id, owner, backend)
 
     async def answer_complete(
         self, placement: Placement, backend: str, answer: str, completion_tokens: int | None

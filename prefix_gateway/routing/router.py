@@ -16,12 +16,11 @@ from prefix_gateway.backends.backend import Backend, ModelPool
 from prefix_gateway.backends.pool import BackendPool, Lease
 from prefix_gateway.clock import Clock, monotonic
 from prefix_gateway.config import Settings
-from prefix_gateway.errors import NotFound
 from prefix_gateway.metrics import Metrics
 from prefix_gateway.prompt.hashing import chain_hashes, chain_seed, key_hash
 from prefix_gateway.prompt.parsing import Endpoint, RoutingInput
 from prefix_gateway.prompt.tokens import EngineTokenizer
-from prefix_gateway.refusals import refused
+from prefix_gateway.refusals import model_not_found, refused
 from prefix_gateway.routing.baselines import LeastLoadedInTurnPolicy
 from prefix_gateway.routing.conversations import Turn, fingerprint
 from prefix_gateway.routing.observer import RoutingObserver
@@ -152,7 +151,7 @@ class Router:
         """The replica holding `response_id`: a 404 when no gateway saw it produced for this
         tenant (no replica is tried: one might hold another tenant's), or its replica is gone."""
         param = "response_id" if request.response_id is not None else "previous_response_id"
-        holder = await self.memory.responses.holder(response_id, request.tenant, param)
+        holder = await self.memory.responses.holder(response_id, request.owner, param)
         if holder is None:
             raise not_found(response_id, param)
         return holder
@@ -326,9 +325,7 @@ class Router:
         serving = self.pool.serving(model)
         if serving is None:
             if not self.pool.might_serve(model):
-                raise NotFound(
-                    f"The model `{model}` does not exist.", param="model", code="model_not_found"
-                )
+                raise model_not_found(model)
             raise refused("no_healthy_backend", model)
         return serving
 

@@ -18,15 +18,16 @@ class ResponseHolders:
         self._pool = pool
         self._store = store
 
-    async def remember(self, response_id: str, tenant: str | None, backend: str) -> None:
-        """`backend` produced (and may have stored) `response_id`."""
-        await self._store.put(response_key(response_id, tenant), backend)
+    async def remember(self, response_id: str, owner: str | None, backend: str) -> None:
+        """`backend` produced (and may have stored) `response_id` for `owner`."""
+        await self._store.put(response_key(response_id, owner), backend)
 
-    async def holder(self, response_id: str, tenant: str | None, param: str) -> Backend | None:
+    async def holder(self, response_id: str, owner: str | None, param: str) -> Backend | None:
         """The replica holding `response_id`, whatever its load or health; None when no
-        gateway saw it produced for `tenant` (or it expired); a 404 naming `param` when that
-        replica has left the pool, since no other one can answer for it."""
-        name = await self._store.get(response_key(response_id, tenant))
+        gateway saw it produced for `owner` (or it expired: another owner's id is unknown
+        alike); a 404 naming `param` when that replica has left the pool, since no other one
+        can answer for it."""
+        name = await self._store.get(response_key(response_id, owner))
         if name is None:
             return None
         backend = self._pool.get(name)

@@ -191,9 +191,7 @@ class FallbackAgreement:
 
     async def computing(self, prompt: SharedPrompt, backend: str) -> bool:
         try:
-            return await self._link.call(
-                "prefill", lambda: self.shared.computing(prompt, backend)
-            )
+            return await self._link.call("prefill", lambda: self.shared.computing(prompt, backend))
         except RedisUnavailable:
             self._link.fell_back("prefill")
             return False
