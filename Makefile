@@ -15,7 +15,7 @@ STAMP := $(VENV)/.installed
 # The suite's modules on several workers: its tests wait on the processes they start far
 # more than they compute, so more workers than cores pay. One worker takes the real engines.
 TEST_WORKERS ?= 4
-PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
+PARALLEL := -n $(TEST_WORKERS) --dist loadscope
 
 $(RUNTIME_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -7,6 +7,8 @@ from collections.abc import Generator, Iterator
 import openai
 import pytest
 from hypothesis import settings
+from xdist.remote import Producer
+from xdist.scheduler import LoadScopeScheduling
 
 from prefix_gateway.emulator.replicas import EmulatedReplicas
 from prefix_gateway.logwatch import Witnesses
@@ -20,6 +22,8 @@ SKIP_REAL_VLLM_REASON = f"--skip-real-vllm or {SKIP_REAL_VLLM}=1"
 # told `ALLOW_SKIPS=1`, and then its last line says how many were.
 PLATFORM_SKIPS = ("reads /proc",)
 ALLOW_SKIPS = "ALLOW_SKIPS"
+# The modules against real vLLM (`tests/test_real_vllm*.py`): one scope on several workers.
+REAL_VLLM_SCOPE = "test_real_vllm"
 
 # Examples are judged by what they assert, never by how long they took on a busy machine; on
 # CI the same examples every run, so that a failure there is a failure here.
@@ -74,22 +78,31 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
             )
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip the tests against real vLLM replicas only when asked to; otherwise put them first,
-    in one group: on several workers (`-n N --dist loadgroup`) one worker runs them all, one
-    engine start at a time, while the others share the rest a module at a time."""
+    so that on several workers the one that takes them starts at once."""
     asked = config.getoption("--skip-real-vllm") or os.environ.get(SKIP_REAL_VLLM) == "1"
     if asked:
         skip = pytest.mark.skip(reason=SKIP_REAL_VLLM_REASON)
         for item in items:
             if "real_vllm" in item.keywords:
                 item.add_marker(skip)
-    for item in items:
-        group = "real_vllm" if "real_vllm" in item.keywords else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
-    if not asked:
-        items.sort(key=lambda item: "real_vllm" not in item.keywords)
+        return
+    items.sort(key=lambda item: "real_vllm" not in item.keywords)
+
+
+class ModuleScopes(LoadScopeScheduling):
+    """`--dist loadscope` as this suite needs it: a worker takes a module at a time, so that
+    a module's fixtures start once, and every real-vLLM module is one scope, so that one
+    worker runs the engines one start at a time while the others share the rest."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        module = nodeid.split("::", 1)[0]
+        return REAL_VLLM_SCOPE if os.path.basename(module).startswith(REAL_VLLM_SCOPE) else module
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> ModuleScopes | None:
+    return ModuleScopes(config, log) if config.getvalue("dist") == "loadscope" else None
 
 
 def on_ci() -> bool:
