@@ -13,9 +13,10 @@ costs with nothing to compute (the network, the engine's scheduling step).
 Each replica's line is a weighted least-squares fit over its observations, each weighing half as
 much every `half_life` seconds, so that a replica that slows down or recovers is followed within
 a few half-lives. Until a replica has observations of its own, and while it has few, its fit
-leans on the fleet's (every replica's observations together): a ridge towards the fleet's line
-worth one observation. A replica none of whose recent requests was observed predicts the
-fleet's line: nothing says it is slower, so it gets requests again and is measured again.
+leans on the fleet's (every replica's observations together, remembered ten times longer): as
+if one more observation lay on the fleet's line. A replica none of whose recent requests was
+observed predicts the fleet's line: nothing says it is slower, so it gets requests again and is
+measured again.
 
 Cost: O(1) an observation (the decayed sums of the replica and of the fleet) and O(1) a
 prediction (a 2×2 solve, cached until the next observation or an eighth of a half-life).
@@ -28,8 +29,12 @@ from dataclasses import dataclass
 
 from prefix_gateway.clock import Clock
 
-_RIDGE = 3.0
+_RIDGE = 1.0
 """How many observations the fleet's line is worth in a replica's fit."""
+
+_FLEET_MEMORY = 10.0
+"""How many times longer than a replica's fit the fleet's remembers: it is the prior a replica
+leans on, which should outlast a lull in traffic, not follow one replica's slowdown."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,27 +89,30 @@ class _Sums:
         return 0.5 ** ((now - self.at) / half_life) if now > self.at else 1.0
 
     def line(
-        self, prior: Line | None = None, ridge: float = 0.0, scale: float = 0.0
+        self, prior: Line | None = None, ridge: float = 0.0, mean: float = 0.0, var: float = 0.0
     ) -> Line | None:
-        """The least-squares line, leaning on `prior` by `ridge` observations of mean square
-        work `scale`; None when the sums cannot tell a line (and no prior is given)."""
+        """The least-squares line, leaning on `prior` as if `ridge` more observations lay on
+        it, their work of mean `mean` and variance `var` (the fleet's); None when the sums
+        cannot tell a line (and no prior is given)."""
         weight, xs, ys, xx, xy = self.weight, self.xs, self.ys, self.xx, self.xy
         if prior is not None:
-            # Ridge towards the prior: `ridge` pseudo-observations on its line.
-            a0, b0 = prior.intercept, prior.slope
-            lam_a, lam_b = ridge, ridge * scale
-            weight += lam_a
-            ys += lam_a * a0
-            xx += lam_b
-            xy += lam_b * b0
+            square = mean * mean + var
+            weight += ridge
+            xs += ridge * mean
+            xx += ridge * square
+            ys += ridge * (prior.intercept + prior.slope * mean)
+            xy += ridge * (prior.intercept * mean + prior.slope * square)
         if weight <= 0:
             return None
         det = weight * xx - xs * xs
         if det <= 1e-12 * max(weight * xx, 1e-300):
-            # Every observation at one amount of work: through the origin, or the prior's slope.
-            if prior is not None:
-                return Line(ys / weight, prior.slope)
-            return Line(0.0, ys / xs) if xs > 0 else Line(ys / weight, 0.0)
+            # Every observation at one amount of work: through their mean, at the prior's
+            # slope where it fits, else through the origin.
+            mean_work, mean_seconds = xs / weight, ys / weight
+            slope = prior.slope if prior is not None else 0.0
+            if mean_seconds - slope * mean_work < 0.0 or (prior is None and mean_work > 0):
+                slope = mean_seconds / mean_work
+            return Line(mean_seconds - slope * mean_work, slope)
         slope = (weight * xy - xs * ys) / det
         intercept = (ys - slope * xs) / weight
         if slope < 0.0:
@@ -150,7 +158,7 @@ class FirstTokenModel:
             fit = self._fits[backend] = _Fit()
         fit.sums.add(now, self._half_life, work_tokens, seconds)
         fit.lined_at = -math.inf
-        self._fleet.sums.add(now, self._half_life, work_tokens, seconds)
+        self._fleet.sums.add(now, self._half_life * _FLEET_MEMORY, work_tokens, seconds)
         self._fleet.lined_at = -math.inf
 
     def line(self, backend: str) -> Line | None:
@@ -167,9 +175,9 @@ class FirstTokenModel:
             sums = fit.sums
             # The prior weighs against the replica's own weight decayed to now.
             keep = sums.weight_at(now, self._half_life) / sums.weight if sums.weight else 0.0
-            scale = self._mean_square_work()
+            mean, var = self._work_moments()
             own = _decayed(sums, keep)
-            line = own.line(fleet, _RIDGE, scale) if keep > 1e-9 else None
+            line = own.line(fleet, _RIDGE, mean, var) if keep > 1e-9 else None
             fit.line = line or fleet
             fit.spread = own.spread(line) if line is not None else self._fleet.spread
             fit.lined_at = now
@@ -195,15 +203,20 @@ class FirstTokenModel:
     def _fleet_line(self, now: float) -> Line | None:
         fleet = self._fleet
         if now - fleet.lined_at > self._stale:
-            enough = fleet.sums.weight_at(now, self._half_life) >= self._min_weight
+            weight = fleet.sums.weight_at(now, self._half_life * _FLEET_MEMORY)
+            enough = weight >= self._min_weight
             fleet.line = fleet.sums.line() if enough else None
             fleet.spread = fleet.sums.spread(fleet.line) if fleet.line is not None else 0.0
             fleet.lined_at = now
         return fleet.line
 
-    def _mean_square_work(self) -> float:
+    def _work_moments(self) -> tuple[float, float]:
+        """The mean and variance of the fleet's work per observation."""
         sums = self._fleet.sums
-        return sums.xx / sums.weight if sums.weight else 0.0
+        if not sums.weight:
+            return 0.0, 0.0
+        mean = sums.xs / sums.weight
+        return mean, max(sums.xx / sums.weight - mean * mean, 0.0)
 
 
 def _decayed(sums: _Sums, keep: float) -> _Sums:
