@@ -188,7 +188,7 @@ def test_a_replica_that_slows_down_loses_its_share_and_regains_it(
 ) -> None:
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
     slow_url = fleet.urls[0]
-    slow = next(b["name"] for b in _backends(gateway) if b["url"] == slow_url)
+    slow = next(str(b["name"]) for b in _backends(gateway) if b["url"] == slow_url)
     seed = iter(range(10_000))
     # Even: both replicas answer, and every stream is predicted once the fleet has answered.
     wait_until(
@@ -231,7 +231,7 @@ def _backends(gateway: GatewayProcess) -> list[dict[str, Any]]:
 
 
 def _other(gateway: GatewayProcess, name: str) -> str:
-    return next(b["name"] for b in _backends(gateway) if b["name"] != name)
+    return next(str(b["name"]) for b in _backends(gateway) if b["name"] != name)
 
 
 def _explain(gateway: GatewayProcess, prompt: str) -> dict[str, Any]:
