@@ -66,6 +66,15 @@ def routes(url: str) -> str:
     return ", ".join(f"{route} {count:.0f}" for route, count in sorted(counts.items()))
 
 
+def per_replica(run: Run, ids: list[str]) -> str:
+    """Requests and TTFT p99 per replica, in the fleet's order (the first is the slow one)."""
+    parts = []
+    for name in ids:
+        ttfts = [o.ttft * 1000 for o in run.outcomes if o.status == 200 and o.replica == name]
+        parts.append(f"{len(ttfts)} req p99 {percentile(ttfts, 0.99):.0f} ms")
+    return " / ".join(parts)
+
+
 def row(workload: str, fleet: str, router: str, run: Run, slow: float, total: float) -> str:
     done = [outcome for outcome in run.outcomes if outcome.status == 200]
     prompt, cached = token_totals(done)
@@ -93,8 +102,10 @@ def run_once(
         before = finished_per_replica(fleet)
         run = asyncio.run(drive(url, sessions, args.concurrency, args.stagger))
         after = finished_per_replica(fleet)
+        ids = replica_ids(fleet)
         if router not in PEERS:
             print(f"# {workload} / {router} x{slowdown:g}: {routes(url)}", file=sys.stderr)
+        print(f"# {workload} / {router} x{slowdown:g}: {per_replica(run, ids)}", file=sys.stderr)
     counts = [end - start for start, end in zip(before, after, strict=True)]
     return run, counts[0], sum(counts)
 

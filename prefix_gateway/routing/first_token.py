@@ -136,13 +136,19 @@ class FirstTokenModel:
     """Every replica's line, and the fleet's, on `clock`. One per gateway process: each learns
     from the requests it sees (docs/routing.md says why the fits are not shared)."""
 
-    def __init__(self, half_life: float, clock: Clock, min_weight: float = 3.0) -> None:
+    def __init__(
+        self, half_life: float, clock: Clock, margin: float = 1.5, min_weight: float = 3.0
+    ) -> None:
+        """`margin`: how many times the fleet's slope a replica's must be to count as slow."""
         self._half_life = half_life
         self._clock = clock
+        self._margin = margin
         self._min_weight = min_weight
         self._fleet = _Fit()
         self._fits: dict[str, _Fit] = {}
         self._stale = half_life / 8
+        self._slow: dict[str, float] = {}
+        self._slow_at = -math.inf
 
     @property
     def learned(self) -> bool:
@@ -196,9 +202,28 @@ class FirstTokenModel:
         line = self.line(backend)
         return None if line is None else line.seconds(work_tokens)
 
+    def slowness(self) -> dict[str, float]:
+        """The replicas computing at least `margin` times slower than the fleet's line, each
+        with how many times (empty on an even fleet, and before anything is learned). The
+        policy counts their recent requests and pending prefill that many times over: a
+        replica three times slower has had its share with a third of the requests."""
+        now = self._clock()
+        if now - self._slow_at > self._stale:
+            self._slow_at = now
+            fleet = self._fleet_line(now)
+            slow: dict[str, float] = {}
+            if fleet is not None and fleet.slope > 0:
+                for name in self._fits:
+                    line = self.line(name)
+                    if line is not None and line.slope >= self._margin * fleet.slope:
+                        slow[name] = line.slope / fleet.slope
+            self._slow = slow
+        return self._slow
+
     def forget(self, backend: str) -> None:
         """`backend` left the pool."""
         self._fits.pop(backend, None)
+        self._slow.pop(backend, None)
 
     def _fleet_line(self, now: float) -> Line | None:
         fleet = self._fleet

@@ -57,7 +57,11 @@ The rules, the first that applies; each is the route label of its decision:
    clockwise from the rule's key. B always admits the least loaded candidate, who takes the
    request if the loads given were inconsistent.
 
-Then, where each replica's time to first token is learned (`state.first_token`), the rule's
+Where each replica's time to first token is learned (`state.first_token`), a replica that
+computes clearly slower than the fleet (`ttft_margin` times its slope or more) has its recent
+requests and its pending prefill counted as many times over as it is slower, before the
+rules above: it has had its share with fewer requests, and its queue takes longer. On an even
+fleet nothing changes. Then the rule's
 choice is weighed in seconds: the predicted time to first token there, for the prompt tokens
 it must compute (the prompt less its match) and the work ahead of it (its pending prefill),
 against the same prediction at every holder of the prompt and at the first `_ALTERNATIVES`
@@ -75,9 +79,10 @@ counts (the router does); the index match that produced `matched` is linear in t
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
 from functools import partial
+from typing import Any
 
 from prefix_gateway.config import Settings
 from prefix_gateway.routing.ring import HashRing, RingCache, load_bound, within_bound
@@ -124,9 +129,12 @@ class PrefixPolicy:
         self._rings = RingCache()
 
     def choose(self, state: RoutingState) -> Decision:
-        decision = self._by_rule(state)
         times = state.first_token
-        if times is None or decision.route is Route.ADAPTER:
+        if times is None:
+            return self._by_rule(state)
+        slowness = times.slowness()
+        decision = self._by_rule(_weighed(state, slowness) if slowness else state)
+        if decision.route is Route.ADAPTER:
             return decision
         return self._sooner(state, decision, times)
 
@@ -311,6 +319,55 @@ class PrefixPolicy:
             )
 
         return rank
+
+
+class _Times(Mapping[str, Any]):
+    """`counts`, with the slow backends' counted `slowness` times over."""
+
+    __slots__ = ("_counts", "_slowness")
+
+    def __init__(self, counts: Mapping[str, Any], slowness: Mapping[str, float]) -> None:
+        self._counts = counts
+        self._slowness = slowness
+
+    def __getitem__(self, name: str) -> Any:
+        return self._scaled(name, self._counts[name])
+
+    def get(self, name: str, default: Any = 0) -> Any:
+        return self._scaled(name, self._counts.get(name, default))
+
+    def _scaled(self, name: str, count: Any) -> Any:
+        times = self._slowness.get(name)
+        if times is None:
+            return count
+        return count * times if isinstance(count, float) else round(count * times)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._counts)
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+
+def _weighed(state: RoutingState, slowness: Mapping[str, float]) -> RoutingState:
+    """`state` as the rules see it on an uneven fleet: a backend `k` times slower than the
+    fleet has had its share of recent requests with 1/k of them, and its pending prefill takes
+    `k` times as long; so both are counted `k` times over."""
+    recent = state.recent
+    recent_total = state.recent_total
+    if recent_total is not None:
+        members = state.members if state.members is not None else frozenset(state.candidates)
+        recent_total += sum(
+            recent.get(name, 0.0) * (times - 1.0)
+            for name, times in slowness.items()
+            if name in members
+        )
+    return replace(
+        state,
+        recent=_Times(recent, slowness),
+        recent_total=recent_total,
+        pending_prefill=_Times(state.pending_prefill, slowness),
+    )
 
 
 def _key_after(state: RoutingState, depth: int) -> int:

@@ -82,7 +82,7 @@ class Recorder:
             CacheFeedback(stores.index, metrics, settings) if settings.cache_feedback else None
         )
         self.first_token = (
-            FirstTokenModel(settings.ttft_half_life, clock)
+            FirstTokenModel(settings.ttft_half_life, clock, settings.ttft_margin)
             if settings.ttft_routing and settings.policy == "prefix"
             else None
         )

@@ -98,6 +98,11 @@ class FirstTokenTimes(Protocol):
         """How uncertain `backend`'s predictions are (a standard error, seconds)."""
         ...
 
+    def slowness(self) -> Mapping[str, float]:
+        """The backends known to compute clearly slower than the fleet, each with how many
+        times (empty on an even fleet)."""
+        ...
+
 
 @dataclass(slots=True)
 class Decision:
