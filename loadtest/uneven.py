@@ -58,12 +58,22 @@ def routes(url: str) -> str:
     """Requests per route label, from the gateway's metrics."""
     text = httpx.get(url + "/metrics", timeout=10).text
     counts: dict[str, float] = {}
+    ttft: dict[str, dict[str, float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "gateway_requests_total":
                 route = sample.labels["route"]
                 counts[route] = counts.get(route, 0.0) + sample.value
-    return ", ".join(f"{route} {count:.0f}" for route, count in sorted(counts.items()))
+            elif sample.name.startswith("gateway_ttft_"):
+                ttft.setdefault(sample.labels["backend"], {})[sample.name] = sample.value
+    predicted = ", ".join(
+        f"{backend} {1000 * got.get('gateway_ttft_predicted_seconds_total', 0) / n:.0f}"
+        f"/{1000 * got.get('gateway_ttft_observed_seconds_total', 0) / n:.0f} ms"
+        for backend, got in sorted(ttft.items())
+        if (n := got.get("gateway_ttft_predictions_total", 0))
+    )
+    by_route = ", ".join(f"{route} {count:.0f}" for route, count in sorted(counts.items()))
+    return f"{by_route}; mean TTFT predicted/observed: {predicted}"
 
 
 def per_replica(run: Run, ids: list[str]) -> str:
@@ -91,7 +101,7 @@ def run_once(
 ) -> tuple[Run, float, float]:
     """`workload` through `router` on fresh replicas, the first `slowdown` times slower: the
     run, the requests the first replica finished and the requests all of them finished."""
-    sessions = build_workload(workload, args.seed, args.scale)
+    sessions = build_workload(workload, args.seed, scale_for(args, workload))
     with (
         EmulatedReplicas(args.replicas, MODEL, emulator_args) as fleet,
         contextlib.ExitStack() as stack,
@@ -108,6 +118,14 @@ def run_once(
         print(f"# {workload} / {router} x{slowdown:g}: {per_replica(run, ids)}", file=sys.stderr)
     counts = [end - start for start, end in zip(before, after, strict=True)]
     return run, counts[0], sum(counts)
+
+
+def scale_for(args: argparse.Namespace, workload: str) -> float:
+    """`--scale`, or the scale that gives `workload` about `--requests` requests."""
+    if not args.requests:
+        return float(args.scale)
+    per_unit = sum(len(session.questions) for session in build_workload(workload, args.seed))
+    return float(args.requests) / per_unit
 
 
 def table(args: argparse.Namespace, emulator_args: list[str]) -> None:
@@ -212,6 +230,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=0,
+        help="scale each workload to about this many requests (0: --scale as given)",
+    )
     parser.add_argument("--cache-blocks", type=int, default=2000)
     parser.add_argument("--prefill-us-per-token", type=float, default=50.0)
     parser.add_argument("--decode-ms-per-token", type=float, default=0.2)

@@ -55,6 +55,14 @@ def test_each_replica_gets_its_own_line() -> None:
     assert model.seconds(FAST, 500) < newcomer < model.seconds(SLOW, 500)  # type: ignore[operator]
 
 
+def test_only_a_replica_clearly_slower_than_the_fleet_counts_as_slow() -> None:
+    assert taught(ManualClock(), slow_factor=1.2).slowness() == {}
+    slowness = taught(ManualClock(), slow_factor=3.0).slowness()
+    assert set(slowness) == {SLOW}
+    # Against the fleet's line, which the slow replica's own answers raise.
+    assert 1.5 <= slowness[SLOW] < 3.0
+
+
 def test_a_slowdown_and_a_recovery_are_followed_within_a_few_half_lives() -> None:
     clock = ManualClock()
     model = taught(clock, slow_factor=1.0)

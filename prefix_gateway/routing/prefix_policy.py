@@ -66,7 +66,7 @@ choice is weighed in seconds: the predicted time to first token there, for the p
 it must compute (the prompt less its match) and the work ahead of it (its pending prefill),
 against the same prediction at every holder of the prompt and at the first `_ALTERNATIVES`
 backends within B clockwise from the rule's key. faster — one of them predicted to answer
-`ttft_margin` times sooner, and sooner by more than twice the standard error of either
+`ttft_margin` times sooner, and sooner by more than the standard error of either
 replica's line, takes the request instead (the soonest). A hit is worth the prefill
 it saves, in the same seconds; B still holds; a LoRA adapter's request is left where its rule
 put it (loading an adapter is not in the model).
@@ -90,7 +90,7 @@ from prefix_gateway.routing.types import Decision, FirstTokenTimes, Route, Routi
 
 _Order = Callable[[str], tuple[int, int, int, int]]
 
-_NOISES = 2.0
+_NOISES = 1.0
 """How many standard errors of the replicas' lines a faster choice must gain."""
 
 _ALTERNATIVES = 4
