@@ -59,8 +59,8 @@ def test_only_a_replica_clearly_slower_than_the_fleet_counts_as_slow() -> None:
     assert taught(ManualClock(), slow_factor=1.2).slowness() == {}
     slowness = taught(ManualClock(), slow_factor=3.0).slowness()
     assert set(slowness) == {SLOW}
-    # Against the fleet's line, which the slow replica's own answers raise.
-    assert 1.5 <= slowness[SLOW] < 3.0
+    # Against the typical replica's line (each leans a little on the fleet's).
+    assert 2.0 <= slowness[SLOW] <= 3.2
 
 
 def test_a_slowdown_and_a_recovery_are_followed_within_a_few_half_lives() -> None:

@@ -203,20 +203,22 @@ class FirstTokenModel:
         return None if line is None else line.seconds(work_tokens)
 
     def slowness(self) -> dict[str, float]:
-        """The replicas computing at least `margin` times slower than the fleet's line, each
-        with how many times (empty on an even fleet, and before anything is learned). The
-        policy counts their recent requests and pending prefill that many times over: a
-        replica three times slower has had its share with a third of the requests."""
+        """The replicas computing at least `margin` times slower than the typical replica
+        (the lower median of their slopes), each with how many times: empty on an even fleet
+        and before anything is learned. The policy counts their recent requests and pending
+        prefill that many times over: a replica three times slower has had its share with a
+        third of the requests."""
         now = self._clock()
         if now - self._slow_at > self._stale:
             self._slow_at = now
-            fleet = self._fleet_line(now)
+            lines = {name: self.line(name) for name in self._fits}
+            slopes = sorted(line.slope for line in lines.values() if line is not None)
             slow: dict[str, float] = {}
-            if fleet is not None and fleet.slope > 0:
-                for name in self._fits:
-                    line = self.line(name)
-                    if line is not None and line.slope >= self._margin * fleet.slope:
-                        slow[name] = line.slope / fleet.slope
+            typical = slopes[(len(slopes) - 1) // 2] if slopes else 0.0
+            if typical > 0:
+                for name, line in lines.items():
+                    if line is not None and line.slope >= self._margin * typical:
+                        slow[name] = line.slope / typical
             self._slow = slow
         return self._slow
 

@@ -58,7 +58,8 @@ The rules, the first that applies; each is the route label of its decision:
    request if the loads given were inconsistent.
 
 Where each replica's time to first token is learned (`state.first_token`), a replica that
-computes clearly slower than the fleet (`ttft_margin` times its slope or more) has its recent
+computes clearly slower than the typical replica (`ttft_margin` times its slope or more, the
+lower median of the replicas' slopes) has its recent
 requests and its pending prefill counted as many times over as it is slower, before the
 rules above: it has had its share with fewer requests, and its queue takes longer. On an even
 fleet nothing changes. Then the rule's
