@@ -8,12 +8,14 @@ replica served, each on fresh replicas with the same request sequence (the harne
 loadtest/benchmark.py).
 
 Follow (`--follow`): one gateway in front of an even fleet under a steady load of per-customer
-prompts; `--slow-at` seconds in, the first replica turns `--slowdown` times slower
-(`POST /emulator/slowdown`), and `--recover-at` seconds in it recovers. Its share of the
-requests sent in each second is printed, with how long after each change it fell below
-`--lost-below` of its even share and rose back above `--regained-above` of it.
+prompts (`--concurrency` sessions, each one request); `--slow-at` seconds in, the first replica
+turns `--slowdown` times slower (`POST /emulator/slowdown`), and `--recover-at` seconds in it
+recovers. Its share of the requests sent in each second is printed, with how long after each
+change its share over two seconds fell below `--lost-below` of its even share and rose back
+above `--regained-above` of it.
 
-    python loadtest/uneven.py
+    python loadtest/uneven.py --requests 600
+    python loadtest/uneven.py --requests 600 --routers prefix --gateway-args=--no-ttft-routing
     python loadtest/uneven.py --workloads customers,shared --routers prefix,sglang-cache_aware
     python loadtest/uneven.py --follow
 """
@@ -28,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -40,6 +43,7 @@ from loadtest.benchmark import (
     finished_per_replica,
     percentile,
     replica_ids,
+    run_session,
     start_router,
     token_totals,
 )
@@ -137,15 +141,19 @@ def table(args: argparse.Namespace, emulator_args: list[str]) -> None:
     uneven = f"1 of {args.replicas} at {args.slowdown:g}x"
     for workload in args.workloads.split(","):
         cases = [("even", args.even_router, 1.0)] if args.even_router else []
-        cases += [(uneven, router, args.slowdown) for router in args.routers.split(",")]
+        cases += [(uneven, router, args.slowdown) for router in args.routers.split(",") if router]
         for fleet, router, slowdown in cases:
             run, slow, total = run_once(args, emulator_args, workload, router, slowdown)
             print(row(workload, fleet, router, run, slow, total), flush=True)
 
 
-async def _follow(args: argparse.Namespace, url: str, slow_url: str, slow_id: str) -> Run:
-    sessions = build_workload("customers", args.seed, args.follow_scale)
+async def _follow(args: argparse.Namespace, url: str, slow_url: str) -> Run:
+    """Per-customer prompts, `--concurrency` sessions at a time, from the start until
+    `--follow-after` seconds past the recovery; the first replica slows down and recovers."""
+    sessions = iter(build_workload("customers", args.seed, 100.0))
+    run = Run()
     began = time.perf_counter()
+    deadline = began + args.recover_at + args.follow_after
 
     async def change() -> None:
         await asyncio.sleep(args.slow_at)
@@ -155,9 +163,20 @@ async def _follow(args: argparse.Namespace, url: str, slow_url: str, slow_id: st
         await asyncio.to_thread(slow_down, slow_url, 1.0)
         print(f"# {time.perf_counter() - began:.1f} s: recovered", flush=True)
 
-    changing = asyncio.create_task(change())
-    run = await drive(url, sessions, args.concurrency, args.stagger)
-    await changing
+    connector = aiohttp.TCPConnector(limit=args.concurrency)
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+
+        async def worker(position: int) -> None:
+            await asyncio.sleep(position * args.stagger)
+            for session in sessions:
+                if time.perf_counter() > deadline:
+                    return
+                await run_session(http, url, session, run)
+
+        changing = asyncio.create_task(change())
+        await asyncio.gather(*(worker(position) for position in range(args.concurrency)))
+        await changing
     for outcome in run.outcomes:
         outcome.sent_at -= began
     return run
@@ -170,7 +189,7 @@ def follow(args: argparse.Namespace, emulator_args: list[str]) -> None:
     ):
         url = start_router(stack, "prefix", fleet.urls, args.gateway_args)
         ids = replica_ids(fleet)
-        run = asyncio.run(_follow(args, url, fleet.replicas[0].url, ids[0]))
+        run = asyncio.run(_follow(args, url, fleet.replicas[0].url))
     done = [outcome for outcome in run.outcomes if outcome.status == 200]
     end = int(max(outcome.sent_at for outcome in done)) + 1
     sent = [0] * end
@@ -242,7 +261,9 @@ def main() -> None:
     parser.add_argument("--stagger", type=float, default=0.05)
     parser.add_argument("--gateway-args", default="", help="extra flags for the gateway")
     parser.add_argument("--follow", action="store_true", help="the slowdown mid-run instead")
-    parser.add_argument("--follow-scale", type=float, default=12.0)
+    parser.add_argument(
+        "--follow-after", type=float, default=15.0, help="seconds run past the recovery"
+    )
     parser.add_argument("--slow-at", type=float, default=15.0)
     parser.add_argument("--recover-at", type=float, default=35.0)
     parser.add_argument("--lost-below", type=float, default=0.6)
@@ -264,7 +285,8 @@ def main() -> None:
         f"# {args.replicas} emulated replicas, {args.cache_blocks} cache blocks of 16 tokens, "
         f"prefill {args.prefill_us_per_token} us/token, decode {args.decode_ms_per_token} "
         f"ms/token, the first replica {args.slowdown:g}x slower; {args.concurrency} concurrent "
-        f"sessions; seed {args.seed}, scale {args.scale}"
+        f"sessions; seed {args.seed}, "
+        + (f"about {args.requests} requests a workload" if args.requests else f"scale {args.scale}")
         + (f"; gateway flags: {args.gateway_args}" if args.gateway_args else "")
         + (f"; peers: {peers}" if peers else ""),
         flush=True,

@@ -202,6 +202,13 @@ class FirstTokenModel:
         line = self.line(backend)
         return None if line is None else line.seconds(work_tokens)
 
+    def least_gain(self) -> float:
+        """The fleet line's intercept, what any request costs with nothing to compute (0
+        before anything is learned): a prediction sooner by less is within a request's jitter,
+        not worth leaving the rule's choice for."""
+        line = self._fleet_line(self._clock())
+        return 0.0 if line is None else line.intercept
+
     def slowness(self) -> dict[str, float]:
         """The replicas computing at least `margin` times slower than the typical replica
         (the lower median of their slopes), each with how many times: empty on an even fleet

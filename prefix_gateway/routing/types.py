@@ -98,6 +98,10 @@ class FirstTokenTimes(Protocol):
         """How uncertain `backend`'s predictions are (a standard error, seconds)."""
         ...
 
+    def least_gain(self) -> float:
+        """Seconds below which a sooner prediction is not worth a move."""
+        ...
+
     def slowness(self) -> Mapping[str, float]:
         """The backends known to compute clearly slower than the fleet, each with how many
         times (empty on an even fleet)."""
