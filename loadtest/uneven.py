@@ -281,16 +281,29 @@ def main() -> None:
         "--enable-scale-out",
     ]
     peers = peer_versions(args.routers.split(","))
-    print(
+    fleet = (
         f"# {args.replicas} emulated replicas, {args.cache_blocks} cache blocks of 16 tokens, "
         f"prefill {args.prefill_us_per_token} us/token, decode {args.decode_ms_per_token} "
-        f"ms/token, the first replica {args.slowdown:g}x slower; {args.concurrency} concurrent "
-        f"sessions; seed {args.seed}, "
-        + (f"about {args.requests} requests a workload" if args.requests else f"scale {args.scale}")
+        f"ms/token; {args.concurrency} concurrent sessions; seed {args.seed}"
         + (f"; gateway flags: {args.gateway_args}" if args.gateway_args else "")
-        + (f"; peers: {peers}" if peers else ""),
-        flush=True,
     )
+    if args.follow:
+        print(
+            f"{fleet}; per-customer prompts; the first replica {args.slowdown:g}x slower from "
+            f"{args.slow_at:g} s to {args.recover_at:g} s",
+            flush=True,
+        )
+    else:
+        print(
+            f"{fleet}; the first replica {args.slowdown:g}x slower on the uneven fleet; "
+            + (
+                f"about {args.requests} requests a workload"
+                if args.requests
+                else f"scale {args.scale}"
+            )
+            + (f"; peers: {peers}" if peers else ""),
+            flush=True,
+        )
     if args.follow:
         follow(args, emulator_args)
     else:

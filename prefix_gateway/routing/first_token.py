@@ -210,23 +210,32 @@ class FirstTokenModel:
         return 0.0 if line is None else line.intercept
 
     def slowness(self) -> dict[str, float]:
-        """The replicas computing at least `margin` times slower than the typical replica
-        (the lower median of their slopes), each with how many times: empty on an even fleet
-        and before anything is learned. The policy counts their recent requests and pending
+        """The replicas clearly slower than the typical replica, each with how many times:
+        their predicted time for the fleet's mean work over the typical replica's (the lower
+        median of those times), where that is at least `margin`. Empty on an even fleet and
+        before anything is learned. The policy counts their recent requests and pending
         prefill that many times over: a replica three times slower has had its share with a
         third of the requests."""
         now = self._clock()
         if now - self._slow_at > self._stale:
             self._slow_at = now
-            lines = {name: self.line(name) for name in self._fits}
-            slopes = sorted(line.slope for line in lines.values() if line is not None)
-            slow: dict[str, float] = {}
-            typical = slopes[(len(slopes) - 1) // 2] if slopes else 0.0
-            if typical > 0:
-                for name, line in lines.items():
-                    if line is not None and line.slope >= self._margin * typical:
-                        slow[name] = line.slope / typical
-            self._slow = slow
+            mean, _ = self._work_moments()
+            times = {}
+            for name in self._fits:
+                line = self.line(name)
+                if line is not None:
+                    times[name] = line.seconds(mean)
+            ordered = sorted(times.values())
+            typical = ordered[(len(ordered) - 1) // 2] if ordered else 0.0
+            self._slow = (
+                {
+                    name: seconds / typical
+                    for name, seconds in times.items()
+                    if seconds >= self._margin * typical
+                }
+                if typical > 0
+                else {}
+            )
         return self._slow
 
     def forget(self, backend: str) -> None:

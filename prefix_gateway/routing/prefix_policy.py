@@ -58,23 +58,25 @@ The rules, the first that applies; each is the route label of its decision:
    request if the loads given were inconsistent.
 
 Where each replica's time to first token is learned (`state.first_token`), a replica that
-computes clearly slower than the typical replica (`ttft_margin` times its slope or more, the
-lower median of the replicas' slopes) has its recent requests and its pending prefill counted
-as many times over as it is slower, before the rules above: it has had its share with fewer
-requests, and its queue takes longer. On an even fleet nothing changes. Then the rule's choice
-is weighed in seconds: the predicted time to first token there, for the prompt tokens it must
-compute (the prompt less its match) and the work ahead of it (its pending prefill), against
-the same prediction at every holder of the prompt and at the first `_ALTERNATIVES` backends
-within B clockwise from the rule's key. faster — one of them predicted to answer
-`ttft_margin` times sooner, sooner by more than the fleet line's intercept (what any request
-costs: less is jitter) and by more than the standard error of either replica's line, takes
-the request instead (the soonest). A hit is worth the prefill it saves, in the same seconds;
-B still holds; a LoRA adapter's request is left where its rule put it (loading an adapter is
-not in the model).
+is clearly slower than the typical replica (`ttft_margin` times its predicted time or more for
+the fleet's mean work, against the lower median of the replicas' times) has its recent
+requests and its pending prefill counted as many times over as it is slower, before the
+rules above: it has had its share with fewer requests, and its queue takes longer. On an even
+fleet nothing changes. Then the rule's choice is weighed in seconds: the predicted time to
+first token there, for the prompt tokens it must compute (the prompt less its match) and the
+work ahead of it (its pending prefill), against the same prediction at every holder of the
+prompt and at the first `_ALTERNATIVES` backends within B clockwise from the rule's key.
+faster — one of them predicted to answer `ttft_margin` times sooner, sooner by more than the
+fleet line's intercept (what any request costs: less is jitter) and by more than the standard
+error of either replica's line, takes the request instead (the soonest). A hit is worth the
+prefill it saves, in the same seconds; B still holds; a LoRA adapter's request is left where
+its rule put it (loading an adapter is not in the model).
 
 Cost: O(m log v) over the m backends the index matched, plus O(log(n · v)) for a ring walk (v
 points per backend), when the caller passes the candidates' set, summed load and summed recent
 counts (the router does); the index match that produced `matched` is linear in the prompt.
+With the time to first token learned, O(m + a) predictions of O(1) each for the a alternatives,
+plus O(k) for the k replicas counted as slow.
 """
 
 from __future__ import annotations
