@@ -15,7 +15,7 @@ change its share over two seconds fell below `--lost-below` of its even share an
 above `--regained-above` of it.
 
     python loadtest/uneven.py --requests 600
-    python loadtest/uneven.py --requests 600 --routers prefix --gateway-args=--no-ttft-routing
+    python loadtest/uneven.py --requests 600 --routers prefix --gateway-args=
     python loadtest/uneven.py --workloads customers,shared --routers prefix,sglang-cache_aware
     python loadtest/uneven.py --follow
 """
@@ -259,7 +259,11 @@ def main() -> None:
     parser.add_argument("--prefill-us-per-token", type=float, default=50.0)
     parser.add_argument("--decode-ms-per-token", type=float, default=0.2)
     parser.add_argument("--stagger", type=float, default=0.05)
-    parser.add_argument("--gateway-args", default="", help="extra flags for the gateway")
+    parser.add_argument(
+        "--gateway-args",
+        default="--ttft-routing",
+        help="flags for the gateway (default: the learned time to first token on)",
+    )
     parser.add_argument("--follow", action="store_true", help="the slowdown mid-run instead")
     parser.add_argument(
         "--follow-after", type=float, default=15.0, help="seconds run past the recovery"

@@ -159,7 +159,8 @@ def fleet() -> Iterator[EmulatedReplicas]:
 
 @pytest.fixture(scope="module")
 def gateway(fleet: EmulatedReplicas) -> Iterator[GatewayProcess]:
-    with GatewayProcess(fleet.urls, "--admin-token", "t", "--ttft-half-life", "6") as started:
+    args = ("--admin-token", "t", "--ttft-routing", "--ttft-half-life", "6")
+    with GatewayProcess(fleet.urls, *args) as started:
         yield started
 
 

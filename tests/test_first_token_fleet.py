@@ -44,6 +44,7 @@ def gateways(fleet: EmulatedReplicas) -> Iterator[list[GatewayProcess]]:
                     *PATIENT,
                     "--admin-token",
                     "t",
+                    "--ttft-routing",
                     # Each gateway sees a third of these sparse streams: a longer memory keeps
                     # it from trying the slow replica again between two of its observations.
                     "--ttft-half-life",

@@ -83,7 +83,7 @@ class Settings:
         " and shared prompts' share of them alike",
     )
     ttft_routing: bool = _opt(
-        True,
+        False,
         "learn each replica's time to first token from the streams it answers and move a"
         " request to a replica predicted to answer --ttft-margin times sooner (the prefix"
         " policy; docs/routing.md)",
