@@ -102,6 +102,8 @@ class Components:
         policy = build_policy(settings, random.Random())
         router = Router(settings, pool, stores, policy, metrics, tokenizer)
         pool.removed.append(router.memory.traffic.recent.forget)
+        if router.memory.first_token is not None:
+            pool.removed.append(router.memory.first_token.forget)
         adapters = None
         if settings.lora_adapters:
             adapters = AdapterLoader(

@@ -82,6 +82,22 @@ class Settings:
         "seconds in which a recent request counts half as much, for replicas' recent requests"
         " and shared prompts' share of them alike",
     )
+    ttft_routing: bool = _opt(
+        False,
+        "learn each replica's time to first token from the streams it answers and move a"
+        " request to a replica predicted to answer --ttft-margin times sooner (the prefix"
+        " policy; docs/routing.md)",
+    )
+    ttft_half_life: float = _opt(
+        3.0,
+        "seconds in which an observed time to first token counts half as much in its"
+        " replica's fit: how fast a slowdown, or a recovery, is followed",
+    )
+    ttft_margin: float = _opt(
+        1.5,
+        "how many times sooner another replica within the bound must be predicted to give the"
+        " first token for a request to move there from the rule's choice",
+    )
     owner_margin_blocks: int = _opt(
         4,
         "prefix blocks by which one replica's match must exceed every other's for it to keep"

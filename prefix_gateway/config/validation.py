@@ -91,6 +91,8 @@ def _check_policy(settings: Settings) -> None:
             "recent_cap must be at least 1.0, recent_slack not negative and"
             " recent_half_life positive"
         )
+    if settings.ttft_half_life <= 0 or settings.ttft_margin < 1.0:
+        raise ConfigError("ttft_half_life must be positive and ttft_margin at least 1.0")
     if min(settings.owner_margin_blocks, settings.ring_choices, settings.shared_prompts_max) < 1:
         raise ConfigError(
             "owner_margin_blocks, ring_choices and shared_prompts_max must be at least 1"

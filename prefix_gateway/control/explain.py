@@ -18,6 +18,7 @@ from prefix_gateway.prompt.parsing import ENDPOINTS, BodyLimits, Endpoint, parse
 from prefix_gateway.routing.placement import Placement
 from prefix_gateway.routing.policies import Route
 from prefix_gateway.routing.router import Explanation
+from prefix_gateway.routing.types import RoutingState
 
 _REASONS = {
     Route.SESSION: "the session key's backend {backend} is a candidate within the load bound",
@@ -62,6 +63,11 @@ _REASONS = {
     Route.PREVIOUS_RESPONSE: (
         "{backend} stored the response the request names in previous_response_id: only it can"
         " answer"
+    ),
+    Route.FASTER: (
+        "{backend} is predicted to give the first token sooner than the rule's choice, by more "
+        "than the margin, counting the prefill its match ({matched} tokens) saves and the "
+        "work ahead of it, within the load bound (see candidates' predicted_ttft_ms)"
     ),
     Route.ROUND_ROBIN: "policy round_robin: {backend} is next in turn",
     Route.RANDOM: "policy random: {backend} was drawn",
@@ -159,6 +165,7 @@ def _render(explained: Explanation, components: Components) -> dict[str, Any]:
                 "matched_blocks": matched,
                 "matched_tokens": matched * block_tokens,
                 "recent_requests": round(state.recent.get(backend.name, 0.0), 3),
+                **_first_token(state, backend.name, block_tokens),
             }
         )
     turn = explained.turn
@@ -175,6 +182,11 @@ def _render(explained: Explanation, components: Components) -> dict[str, Any]:
         "route": decision.route.value,
         "reason": reason,
         "matched_tokens": decision.matched_blocks * block_tokens,
+        "predicted_ttft_ms": (
+            None
+            if decision.predicted_seconds is None
+            else round(decision.predicted_seconds * 1000, 1)
+        ),
         "prompt_tokens_estimated": round(request.estimated_tokens(settings.chars_per_token)),
         "prompt_blocks": len(placement.chain),
         "block_tokens": block_tokens,
@@ -190,6 +202,22 @@ def _render(explained: Explanation, components: Components) -> dict[str, Any]:
         },
         "inputs": _inputs(placement, components),
         "candidates": backends,
+    }
+
+
+def _first_token(state: RoutingState, name: str, block_tokens: int) -> dict[str, Any]:
+    """What the learned time to first token predicts at `name` for this request: the work it
+    would compute there (its prompt less its match, and the pending prefill ahead of it) and
+    the seconds that takes by the replica's line (null: nothing learned, or not predicting)."""
+    times = state.first_token
+    if times is None:
+        return {}
+    uncached = max(0, state.prompt_tokens - state.matched.get(name, 0) * block_tokens)
+    work = state.pending_prefill.get(name, 0) * block_tokens + uncached
+    seconds = times.seconds(name, work)
+    return {
+        "ttft_work_tokens": work,
+        "predicted_ttft_ms": None if seconds is None else round(seconds * 1000, 1),
     }
 
 

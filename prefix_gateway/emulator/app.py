@@ -37,6 +37,7 @@ from prefix_gateway.emulator.config import EmulatorConfig
 from prefix_gateway.emulator.engine import Engine
 from prefix_gateway.emulator.errors import (
     EmulatorError,
+    InvalidRequest,
     MethodNotAllowed,
     NotFound,
 )
@@ -89,7 +90,9 @@ class EmulatorApp:
         self.metrics = EngineMetrics(config.model)
         self.engine = Engine(
             PrefixCache(config.cache_blocks, config.block_size),
-            TimeModel(config.prefill_seconds_per_token, config.decode_seconds_per_token),
+            TimeModel(
+                config.prefill_seconds_per_token, config.decode_seconds_per_token, config.slowdown
+            ),
             Sampler(config.seed),
             max_running=config.max_running,
             observer=self.metrics,
@@ -122,6 +125,8 @@ class EmulatorApp:
             "/metrics": ("GET", self._metrics),
             # Not vLLM's: lets tests and benchmarks hang the engine while /health still answers.
             "/emulator/stall": ("POST", self._stall),
+            # Not vLLM's either: a replica that turns slower (or recovers) in the middle of a run.
+            "/emulator/slowdown": ("POST", self._slow_down),
         }
         for path, (parse, rendering) in RENDERERS.items():
             self._routes[path] = ("POST", self._render(parse, rendering))
@@ -243,6 +248,13 @@ class EmulatorApp:
         body = parse_body(await read_body(receive))
         self.engine.stall(bool(body.get("stalled", True)))
         await respond(send, 200, b'{"stalled":%s}' % (b"true" if self.engine.stalled else b"false"))
+
+    async def _slow_down(self, receive: Receive, send: Send) -> None:
+        factor = parse_body(await read_body(receive)).get("factor")
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor > 0:
+            raise InvalidRequest("`factor` must be a positive number", param="factor")
+        self.engine.slow_down(float(factor))
+        await respond(send, 200, b'{"factor":%s}' % str(float(factor)).encode())
 
     async def _metrics(self, receive: Receive, send: Send) -> None:
         await respond(send, 200, self.metrics.render(), METRICS_CONTENT_TYPE.encode())

@@ -18,6 +18,8 @@ class EmulatorConfig:
     max_running: int = 64
     prefill_seconds_per_token: float = 0.0
     decode_seconds_per_token: float = 0.0
+    slowdown: float = 1.0
+    """How many times slower than the per-token costs prefill and decode run (a slower GPU)."""
     chat_template: str = "plain"
     default_max_tokens: int = 64
     seed: int = 0
@@ -49,6 +51,8 @@ class EmulatorConfig:
             raise ValueError("block_size, cache_blocks and max_running must be at least 1")
         if self.prefill_seconds_per_token < 0 or self.decode_seconds_per_token < 0:
             raise ValueError("per-token costs must not be negative")
+        if not self.slowdown > 0:
+            raise ValueError("the slowdown must be a positive number")
         if self.chat_template not in CHAT_TEMPLATES:
             raise ValueError(
                 f"unknown chat template {self.chat_template!r}; "
@@ -103,6 +107,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=defaults.decode_seconds_per_token * 1e3,
         help="milliseconds per generated token of every running sequence",
+    )
+    parser.add_argument(
+        "--slowdown",
+        type=float,
+        default=defaults.slowdown,
+        help="compute this many times slower than the per-token costs (prefill and decode), as"
+        " a slower GPU would; POST /emulator/slowdown {\"factor\": F} changes it while running",
     )
     parser.add_argument(
         "--chat-template",
@@ -194,6 +205,7 @@ def config_from_args(ns: argparse.Namespace) -> EmulatorConfig:
         max_running=ns.max_running,
         prefill_seconds_per_token=ns.prefill_us_per_token / 1e6,
         decode_seconds_per_token=ns.decode_ms_per_token / 1e3,
+        slowdown=ns.slowdown,
         chat_template=ns.chat_template,
         default_max_tokens=ns.default_max_tokens,
         seed=ns.seed,

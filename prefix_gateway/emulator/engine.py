@@ -9,7 +9,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from prefix_gateway.emulator.prefix_cache import CacheLease, PrefixCache, block_hashes
@@ -70,7 +70,7 @@ class Run:
     async def stream(self) -> AsyncIterator[str]:
         """Each token as soon as its decode step ends."""
         for index, token in enumerate(self._tokens):
-            if index and self._time.decode_seconds_per_token:
+            if index and self._time.decodes:
                 await self._sleep_until(self._time.token_time(self._first_token_at, index))
             await self._flowing.wait()
             self.produced = index + 1
@@ -80,7 +80,7 @@ class Run:
 
     async def complete(self) -> str:
         """The whole answer, once its last token is produced."""
-        if self._time.decode_seconds_per_token:
+        if self._time.decodes:
             last = self._time.token_time(self._first_token_at, len(self._tokens) - 1)
             await self._sleep_until(last)
         self.produced = len(self._tokens)
@@ -139,6 +139,11 @@ class Engine:
             self._flowing.clear()
         else:
             self._flowing.set()
+
+    def slow_down(self, factor: float) -> None:
+        """Compute `factor` times slower than the configured per-token costs from now on (1:
+        as configured): prefills not yet booked and sequences admitted from now on."""
+        self.time_model = replace(self.time_model, slowdown=factor)
 
     @property
     def running(self) -> int:

@@ -13,13 +13,24 @@ from dataclasses import dataclass
 class TimeModel:
     prefill_seconds_per_token: float = 0.0
     decode_seconds_per_token: float = 0.0
+    slowdown: float = 1.0
+    """How many times slower than the per-token costs this replica computes (1: as given)."""
+
+    def __post_init__(self) -> None:
+        if not self.slowdown > 0:
+            raise ValueError("the slowdown must be a positive number")
+
+    @property
+    def decodes(self) -> bool:
+        """Whether generated tokens take time at all."""
+        return self.decode_seconds_per_token > 0
 
     def prefill_seconds(self, uncached_tokens: int) -> float:
-        return uncached_tokens * self.prefill_seconds_per_token
+        return uncached_tokens * self.prefill_seconds_per_token * self.slowdown
 
     def token_time(self, first_token_at: float, index: int) -> float:
         """When the token at `index` (0 is the first) of a sequence is produced."""
-        return first_token_at + index * self.decode_seconds_per_token
+        return first_token_at + index * self.decode_seconds_per_token * self.slowdown
 
 
 class PrefillLane:

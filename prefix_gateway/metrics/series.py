@@ -197,6 +197,26 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.ttft_predictions = Counter(
+            "gateway_ttft_predictions",
+            "Streams whose time to first token was both predicted (by the backend's learned"
+            " line, when it was chosen) and observed: the count behind the two sums below.",
+            ["backend"],
+            registry=r,
+        )
+        self.ttft_predicted_seconds = Counter(
+            "gateway_ttft_predicted_seconds",
+            "Summed predicted time to first token of those streams; over"
+            " gateway_ttft_observed_seconds_total it shows how far the prediction is off.",
+            ["backend"],
+            registry=r,
+        )
+        self.ttft_observed_seconds = Counter(
+            "gateway_ttft_observed_seconds",
+            "Summed observed time to first token (sent upstream to first byte) of those streams.",
+            ["backend"],
+            registry=r,
+        )
         self.duration_seconds = Histogram(
             "gateway_upstream_duration_seconds",
             "Time from sending a request upstream to the end of its response.",

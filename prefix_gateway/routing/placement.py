@@ -186,6 +186,18 @@ class Placement:
         self._observer.settled(self, outcome)
         await self._recorder.settled(self, outcome)
 
+    def first_token_seconds(self, outcome: Outcome) -> float | None:
+        """The time to first token of the replica the placement chose, where `outcome` shows
+        it: a stream answered there (not a failover's), from sending it to its first byte."""
+        if (
+            outcome.status != 200
+            or outcome.decision is not self.decision
+            or not self.request.stream
+            or not outcome.first_byte_at > outcome.sent_at
+        ):
+            return None
+        return outcome.first_byte_at - outcome.sent_at
+
     def affinity(self, served: str) -> str | None:
         """`hit` or `miss` for a request that continues its conversation, answered by `served`."""
         turn = self.turn

@@ -57,23 +57,49 @@ The rules, the first that applies; each is the route label of its decision:
    clockwise from the rule's key. B always admits the least loaded candidate, who takes the
    request if the loads given were inconsistent.
 
+Where each replica's time to first token is learned (`state.first_token`), a replica that
+is clearly slower than the typical replica (`ttft_margin` times its predicted time or more for
+the fleet's mean work, against the lower median of the replicas' times) has its recent
+requests and its pending prefill counted as many times over as it is slower, before the
+rules above: it has had its share with fewer requests, and its queue takes longer. On an even
+fleet nothing changes. Then the rule's choice is weighed in seconds: the predicted time to
+first token there, for the prompt tokens it must compute (the prompt less its match) and the
+work ahead of it (its pending prefill), against the same prediction at every holder of the
+prompt and at the first `_ALTERNATIVES` backends within B clockwise from the rule's key.
+faster — one of them predicted to answer `ttft_margin` times sooner, sooner by more than the
+fleet line's intercept (what any request costs: less is jitter) and by more than the standard
+error of either replica's line, takes the request instead (the soonest). A hit is worth the
+prefill it saves, in the same seconds; B still holds; a LoRA adapter's request is left where
+its rule put it (loading an adapter is not in the model).
+
 Cost: O(m log v) over the m backends the index matched, plus O(log(n · v)) for a ring walk (v
 points per backend), when the caller passes the candidates' set, summed load and summed recent
 counts (the router does); the index match that produced `matched` is linear in the prompt.
+With the time to first token learned, O(m + a) predictions of O(1) each for the a alternatives,
+plus O(k) for the k replicas counted as slow.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
 from functools import partial
+from typing import Any
 
 from prefix_gateway.config import Settings
 from prefix_gateway.routing.ring import HashRing, RingCache, load_bound, within_bound
-from prefix_gateway.routing.types import Decision, Route, RoutingState
+from prefix_gateway.routing.types import Decision, FirstTokenTimes, Route, RoutingState
 
 _Order = Callable[[str], tuple[int, int, int, int]]
+
+_NOISES = 1.0
+"""How many standard errors of the replicas' lines a faster choice must gain."""
+
+_ALTERNATIVES = 4
+"""Backends within the bound, clockwise from the rule's key, weighed against its choice in
+predicted seconds besides the prompt's holders: enough to find a fast replica with room among
+a few slow ones, few enough that a decision stays O(log n)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,9 +127,21 @@ class PrefixPolicy:
         self._recent_cap = settings.recent_cap
         self._slack = settings.recent_slack
         self._choices = settings.ring_choices
+        self._block_tokens = settings.block_tokens
+        self._ttft_margin = settings.ttft_margin
         self._rings = RingCache()
 
     def choose(self, state: RoutingState) -> Decision:
+        times = state.first_token
+        if times is None:
+            return self._by_rule(state)
+        slowness = times.slowness()
+        decision = self._by_rule(_weighed(state, slowness) if slowness else state)
+        if decision.route is Route.ADAPTER:
+            return decision
+        return self._sooner(state, decision, times)
+
+    def _by_rule(self, state: RoutingState) -> Decision:
         candidates = state.candidates
         members = state.members if state.members is not None else frozenset(candidates)
         count = len(candidates)
@@ -159,6 +197,52 @@ class PrefixPolicy:
             candidates, key=lambda name: state.loads.get(name, 0)
         )
         return Decision(chosen, Route.FALLBACK, depth_of.get(chosen, 0), bound)
+
+    def _sooner(self, state: RoutingState, decision: Decision, times: FirstTokenTimes) -> Decision:
+        """`decision`, with its predicted time to first token, or the faster choice."""
+        block = self._block_tokens
+        pending = state.pending_prefill
+        matched = state.matched
+        prompt = state.prompt_tokens
+
+        def work(name: str) -> int:
+            return pending.get(name, 0) * block + max(0, prompt - matched.get(name, 0) * block)
+
+        chosen = decision.backend
+        decision.ahead_tokens = pending.get(chosen, 0) * block
+        predicted = times.seconds(chosen, work(chosen))
+        decision.predicted_seconds = predicted
+        if predicted is None:
+            return decision
+        members = state.members if state.members is not None else frozenset(state.candidates)
+        bound, loads = decision.load_bound, state.loads
+        options = [name for name, depth in matched.items() if depth > 0 and name in members]
+        ring = self._rings.get(members)
+        within = 0
+        for name in ring.walk(_key_after(state, decision.matched_blocks)):
+            if within_bound(loads.get(name, 0), bound):
+                options.append(name)
+                within += 1
+                if within >= _ALTERNATIVES:
+                    break
+        # Sooner by the margin, and by more than a request's fixed cost.
+        faster, soonest = chosen, min(predicted / self._ttft_margin, predicted - times.least_gain())
+        noise = times.spread(chosen)
+        for name in options:
+            if name == chosen or not within_bound(loads.get(name, 0), bound):
+                continue
+            seconds = times.seconds(name, work(name))
+            if (
+                seconds is not None
+                and seconds < soonest
+                # Sooner by more than either prediction's noise: not a coin's toss.
+                and predicted - seconds > _NOISES * max(noise, times.spread(name))
+            ):
+                faster, soonest = name, seconds
+        if faster == chosen:
+            return decision
+        ahead = pending.get(faster, 0) * block
+        return Decision(faster, Route.FASTER, matched.get(faster, 0), bound, ahead, soonest)
 
     def _home(self, state: RoutingState, count: int) -> int | None:
         """The ring key of a new cold shared prompt (a customer's own system prompt, at most
@@ -239,6 +323,55 @@ class PrefixPolicy:
             )
 
         return rank
+
+
+class _Times(Mapping[str, Any]):
+    """`counts`, with the slow backends' counted `slowness` times over."""
+
+    __slots__ = ("_counts", "_slowness")
+
+    def __init__(self, counts: Mapping[str, Any], slowness: Mapping[str, float]) -> None:
+        self._counts = counts
+        self._slowness = slowness
+
+    def __getitem__(self, name: str) -> Any:
+        return self._scaled(name, self._counts[name])
+
+    def get(self, name: str, default: Any = 0) -> Any:
+        return self._scaled(name, self._counts.get(name, default))
+
+    def _scaled(self, name: str, count: Any) -> Any:
+        times = self._slowness.get(name)
+        if times is None:
+            return count
+        return count * times if isinstance(count, float) else round(count * times)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._counts)
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+
+def _weighed(state: RoutingState, slowness: Mapping[str, float]) -> RoutingState:
+    """`state` as the rules see it on an uneven fleet: a backend `k` times slower than the
+    fleet has had its share of recent requests with 1/k of them, and its pending prefill takes
+    `k` times as long; so both are counted `k` times over."""
+    recent = state.recent
+    recent_total = state.recent_total
+    if recent_total is not None:
+        members = state.members if state.members is not None else frozenset(state.candidates)
+        recent_total += sum(
+            recent.get(name, 0.0) * (times - 1.0)
+            for name, times in slowness.items()
+            if name in members
+        )
+    return replace(
+        state,
+        recent=_Times(recent, slowness),
+        recent_total=recent_total,
+        pending_prefill=_Times(state.pending_prefill, slowness),
+    )
 
 
 def _key_after(state: RoutingState, depth: int) -> int:

@@ -26,6 +26,7 @@ from prefix_gateway.routing.conversations import (
     miss_cause,
 )
 from prefix_gateway.routing.feedback import CacheFeedback
+from prefix_gateway.routing.first_token import FirstTokenModel
 from prefix_gateway.routing.placement import CONVERSATIONS, Placement
 from prefix_gateway.routing.stored_responses import ResponseHolders
 from prefix_gateway.routing.traffic import Traffic, cold_prompt
@@ -80,6 +81,12 @@ class Recorder:
         self.feedback = (
             CacheFeedback(stores.index, metrics, settings) if settings.cache_feedback else None
         )
+        self.first_token = (
+            FirstTokenModel(settings.ttft_half_life, clock, settings.ttft_margin)
+            if settings.ttft_routing and settings.policy == "prefix"
+            else None
+        )
+        self._chars_per_token = settings.chars_per_token
         self._engine_index = stores.engine_index
         self._tokenizer = tokenizer
         self._load_factor = settings.load_factor
@@ -141,6 +148,8 @@ class Recorder:
         request = placement.request
         if placement.pinned or not request.endpoint.by_prefix:
             return
+        if self.first_token is not None:
+            self._timed(placement, outcome, self.first_token)
         model = request.model
         served = outcome.decision.backend
         first = placement.backend.name
@@ -175,6 +184,23 @@ class Recorder:
         if self._engine_index is not None:
             # The request is over: what the replica stored of it, its events have told.
             self._engine_index.settle(served, chain)
+
+    def _timed(self, placement: Placement, outcome: Outcome, model: FirstTokenModel) -> None:
+        """Teach `model` how long the replica took to a first token, from a stream answered
+        by the placement's own choice (a failover's time is not the replica's)."""
+        decision = outcome.decision
+        ahead = decision.ahead_tokens
+        seconds = placement.first_token_seconds(outcome)
+        if ahead is None or seconds is None:
+            return
+        prompt, cached = outcome.prompt_tokens, outcome.cached_tokens
+        if prompt is not None and cached is not None:
+            uncached = prompt - cached
+        else:
+            # No usage came back: what the decision expected to compute.
+            estimate = placement.request.estimated_tokens(self._chars_per_token)
+            uncached = max(0, round(estimate) - decision.matched_blocks * self._block_tokens)
+        model.observe(decision.backend, ahead + uncached, seconds)
 
     def _follow(self, placement: Placement) -> Turn | None:
         """The request's place in its conversation (chat, or any request with a session key),

@@ -96,6 +96,7 @@ class Router:
         self._block_tokens = settings.block_tokens
         self._max_blocks = settings.max_prompt_blocks
         self._affinity_chars = round(settings.affinity_tokens * settings.chars_per_token)
+        self._chars_per_token = settings.chars_per_token
         self._routed = 0
 
     def placing(self, request: RoutingInput) -> Placing:
@@ -248,6 +249,8 @@ class Router:
             sequence=self._routed,
             pending_prefill=serving.pending_prefill,
             adapter_key=serving.adapter_key,
+            prompt_tokens=round(request.estimated_tokens(self._chars_per_token)),
+            first_token=memory.first_token,
         )
         decision = self.policy.choose(state)
         if prompt_key is not None and trace.isEnabledFor(logging.DEBUG):

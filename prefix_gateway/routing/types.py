@@ -26,6 +26,8 @@ class Route(Enum):
     LEAST_LOADED = "least_loaded"
     ROUND_ROBIN = "round_robin"
     RANDOM = "random"
+    FASTER = "faster"
+    """Moved from the rule's choice to a replica predicted to give the first token sooner."""
 
 
 # The values made for every request are not frozen: a frozen dataclass's `__init__` costs
@@ -70,6 +72,11 @@ class RoutingState:
     """Prompt blocks sent to each candidate and not computed yet, by the caller's estimate
     (unmatched blocks until the first byte): how long a new prefill would wait there."""
 
+    prompt_tokens: int = 0
+    """The prompt's length in tokens, by the gateway's estimate."""
+    first_token: FirstTokenTimes | None = None
+    """Each candidate's predicted time to first token (None: not predicting)."""
+
     def summed_load(self) -> int:
         """`total_load`, or the sum over the candidates when the caller keeps none."""
         if self.total_load is not None:
@@ -78,12 +85,40 @@ class RoutingState:
         return sum(loads.get(name, 0) for name in self.candidates)
 
 
+class FirstTokenTimes(Protocol):
+    """What a policy asks of the learned time to first token
+    (`prefix_gateway.routing.first_token.FirstTokenModel`)."""
+
+    def seconds(self, backend: str, work_tokens: float) -> float | None:
+        """The time to first token at `backend` for `work_tokens` to compute there, its own and
+        those ahead of it (None: nothing learned yet)."""
+        ...
+
+    def spread(self, backend: str) -> float:
+        """How uncertain `backend`'s predictions are (a standard error, seconds)."""
+        ...
+
+    def least_gain(self) -> float:
+        """Seconds below which a sooner prediction is not worth a move."""
+        ...
+
+    def slowness(self) -> Mapping[str, float]:
+        """The backends known to compute clearly slower than the fleet, each with how many
+        times (empty on an even fleet)."""
+        ...
+
+
 @dataclass(slots=True)
 class Decision:
     backend: str
     route: Route
     matched_blocks: int = 0
     load_bound: int = 0
+    ahead_tokens: int | None = None
+    """Prompt tokens sent to `backend` and not computed yet, as the decision saw them (None:
+    the time to first token is not learned)."""
+    predicted_seconds: float | None = None
+    """Its predicted time to first token there (None: none)."""
 
 
 class Policy(Protocol):
