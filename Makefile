@@ -12,9 +12,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run run-real test test-fast lint install engines
 
-# The suite's modules on several workers: its tests wait on the processes they start far
-# more than they compute, so more workers than cores pay. One worker takes the real engines.
-TEST_WORKERS ?= 4
+# The suite's modules on several workers, one per core: more starve the processes the tests
+# start (deadlines of Redis calls, health probes) on a busy machine. One worker takes the real
+# engines.
+TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadscope
 
 $(RUNTIME_STAMP): pyproject.toml
