@@ -13,6 +13,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from prefix_gateway.metrics.adapters import AdapterSeries
+from prefix_gateway.metrics.first_token import FirstTokenSeries
 from prefix_gateway.metrics.leases import LeaseSeries
 from prefix_gateway.metrics.process import ProcessSeries
 from prefix_gateway.metrics.registry import (
@@ -197,26 +198,7 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.ttft_predictions = Counter(
-            "gateway_ttft_predictions",
-            "Streams whose time to first token was both predicted (by the backend's learned"
-            " line, when it was chosen) and observed: the count behind the two sums below.",
-            ["backend"],
-            registry=r,
-        )
-        self.ttft_predicted_seconds = Counter(
-            "gateway_ttft_predicted_seconds",
-            "Summed predicted time to first token of those streams; over"
-            " gateway_ttft_observed_seconds_total it shows how far the prediction is off.",
-            ["backend"],
-            registry=r,
-        )
-        self.ttft_observed_seconds = Counter(
-            "gateway_ttft_observed_seconds",
-            "Summed observed time to first token (sent upstream to first byte) of those streams.",
-            ["backend"],
-            registry=r,
-        )
+        self.first_token = FirstTokenSeries(r)
         self.duration_seconds = Histogram(
             "gateway_upstream_duration_seconds",
             "Time from sending a request upstream to the end of its response.",
@@ -381,7 +363,9 @@ class Metrics:
 
     def _families(self) -> list[Counter | Gauge | Histogram]:
         kinds = (Counter, Gauge, Histogram)
-        return [value for value in vars(self).values() if isinstance(value, kinds)]
+        groups = (self, self.adapters, self.tenants, self.leases, self.first_token)
+        families = (value for group in groups for value in vars(group).values())
+        return [family for family in families if isinstance(family, kinds)]
 
     def child(self, family: Counter | Histogram, *values: str) -> Any:
         """`family.labels(*values)`, cached (label values are bounded); not for gauges, which

@@ -53,9 +53,9 @@ class RoutingObserver:
         if predicted is not None:
             observed = placement.first_token_seconds(outcome)
             if observed is not None:
-                metrics.child(metrics.ttft_predictions, served).inc()
-                metrics.child(metrics.ttft_predicted_seconds, served).inc(predicted)
-                metrics.child(metrics.ttft_observed_seconds, served).inc(observed)
+                metrics.child(metrics.first_token.predictions, served).inc()
+                metrics.child(metrics.first_token.predicted_seconds, served).inc(predicted)
+                metrics.child(metrics.first_token.observed_seconds, served).inc(observed)
         if outcome.prompt_tokens is not None:
             metrics.child(metrics.upstream_prompt_tokens, model, served).inc(outcome.prompt_tokens)
         if outcome.cached_tokens is not None:
