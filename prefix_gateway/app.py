@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from prefix_gateway.auth import KEY_POSITION, PROTECTED_PREFIX, TENANT, ApiKeys, tenant_of
 from prefix_gateway.backends.pool import BackendPool
+from prefix_gateway.collector import settle_after_start
 from prefix_gateway.components import Components
 from prefix_gateway.config import Settings
 from prefix_gateway.control.app import build_control_app
@@ -103,6 +104,7 @@ class GatewayApp:
                     control = build_control_app(self.components)
                     _declare_inference_routes(control)
                     self._control = control
+                    settle_after_start()
                 except Exception as exc:
                     log.exception("start-up failed")
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})

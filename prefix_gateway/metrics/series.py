@@ -23,6 +23,7 @@ from prefix_gateway.metrics.registry import (
     worker_restarts_counter,
 )
 from prefix_gateway.metrics.tenants import TenantSeries
+from prefix_gateway.metrics.values import use_loop_values
 
 # fmt: off
 # Up to the default --request-timeout (3,600 s): a request that long still lands in a bucket.
@@ -42,6 +43,8 @@ class Metrics:
         r = self.registry
         # The switch prometheus_client itself reads when it is first imported.
         self.multiprocess_dir = os.environ.get(MULTIPROCESS_DIR_VARIABLE) or None
+        if self.multiprocess_dir is None:
+            use_loop_values()
         self._published: dict[Gauge, set[str]] = {}
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.requests = Counter(

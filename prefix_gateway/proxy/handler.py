@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from typing import Any
@@ -276,7 +277,11 @@ class RequestLife:
             outgoing,
             self.exchange,
             self.reply,
-            self._gateway_headers,
+            # Not a bound method of this life: the forwarding it keeps would hold it in a
+            # cycle, left for the garbage collector to find (with all the request holds).
+            functools.partial(
+                _gateway_headers, self._parts, self.request_id, self._issued, account
+            ),
             scope["method"].encode(),
             path,
             tenant_priority=0 if account is None else account.priority,
@@ -329,22 +334,30 @@ class RequestLife:
             except Exception:  # what it recorded may stay; the request is over all the same
                 log.exception("settling request %s failed", self.request_id)
 
-    def _gateway_headers(self, decision: Decision) -> Headers:
-        headers = [
-            (b"x-gateway-route", decision.route.value.encode()),
-            (b"x-request-id", self.request_id.encode()),
-        ]
-        backend = self._parts.public_names.header(decision.backend)
-        if backend is not None:
-            headers.append((b"x-gateway-backend", backend))
-        if self._issued is not None:
-            # No Max-Age: the binding itself expires after the TTL of inactivity; a key sent
-            # back after that simply binds again.
-            cookie = f"{self._parts.settings.sticky_cookie}={self._issued}"
-            headers.append((b"set-cookie", f"{cookie}; Path=/; HttpOnly; SameSite=Lax".encode()))
-        if self._account is not None:
-            headers += self._account.headers(time.monotonic())
-        return headers
+
+def _gateway_headers(
+    parts: ProxyHandler,
+    request_id: str,
+    issued: str | None,
+    account: Account | None,
+    decision: Decision,
+) -> Headers:
+    """What the gateway adds to a reply's headers, once a replica is chosen."""
+    headers = [
+        (b"x-gateway-route", decision.route.value.encode()),
+        (b"x-request-id", request_id.encode()),
+    ]
+    backend = parts.public_names.header(decision.backend)
+    if backend is not None:
+        headers.append((b"x-gateway-backend", backend))
+    if issued is not None:
+        # No Max-Age: the binding itself expires after the TTL of inactivity; a key sent
+        # back after that simply binds again.
+        cookie = f"{parts.settings.sticky_cookie}={issued}"
+        headers.append((b"set-cookie", f"{cookie}; Path=/; HttpOnly; SameSite=Lax".encode()))
+    if account is not None:
+        headers += account.headers(time.monotonic())
+    return headers
 
 
 def _code(error: GatewayError | None) -> str:
