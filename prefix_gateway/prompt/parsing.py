@@ -55,6 +55,10 @@ class Endpoint(Enum):
     EMBED_V2 = "/v2/embed"
     COUNT_TOKENS = "/v1/messages/count_tokens"
 
+    # Members are singletons: hashed by identity, a set or dict look-up stays in C (Enum's
+    # own hash is a Python call, made several times a request).
+    __hash__ = object.__hash__
+
     @property
     def anthropic(self) -> bool:
         """Anthropic's API: its clients expect its error shape."""

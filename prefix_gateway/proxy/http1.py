@@ -78,17 +78,11 @@ class ConnectionPool:
         """POST `body` to `url` (or send it with `method`); returns once the response's status
         and headers are in (the caller bounds the wait)."""
         key, head = self._origin(method, url)
-        request = b"".join(
-            [
-                head,
-                b"content-length: ",
-                str(len(body)).encode(),
-                b"\r\n",
-                *(name + b": " + value + b"\r\n" for name, value in headers),
-                b"\r\n",
-                body,
-            ]
-        )
+        parts = [head, b"content-length: ", str(len(body)).encode(), b"\r\n"]
+        for name, value in headers:
+            parts += (name, b": ", value, b"\r\n")
+        parts += (b"\r\n", body)
+        request = b"".join(parts)
         resend = None
         connection = self._take(key)
         if connection is not None:

@@ -82,10 +82,18 @@ class Response:
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def readany(self) -> bytes:
-        """The next chunk of the body as soon as there is one; b"" once it has ended."""
+        """What of the body has come and was not read yet, as soon as there is some; b"" once
+        it has ended."""
         while True:
-            if self._chunks:
-                chunk = self._chunks.popleft()
+            chunks = self._chunks
+            if chunks:
+                if len(chunks) == 1:
+                    chunk = chunks.popleft()
+                else:
+                    # What arrived together leaves together: one write to the client (a
+                    # system call) for the events of one read, not one per event.
+                    chunk = b"".join(chunks)
+                    chunks.clear()
                 self._buffered -= len(chunk)
                 if self._buffered < _HIGH_WATER:
                     self._connection.resume()

@@ -204,7 +204,10 @@ class Upstream:
 
 def passed_through(headers: Iterable[tuple[bytes, bytes]]) -> bool:
     """Whether a request already went through a prefix gateway (its `Via` says so)."""
-    return any(name == b"via" and b"prefix-gateway" in value for name, value in headers)
+    for name, value in headers:  # noqa: SIM110 (a generator costs a call per header)
+        if name == b"via" and b"prefix-gateway" in value:
+            return True
+    return False
 
 
 _NOT_RELAYED = HOP_BY_HOP | {b"set-cookie"}
@@ -213,4 +216,9 @@ host of that domain through the gateway's name (docs/endpoints.md)."""
 
 
 def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    return [(name.lower(), value) for name, value in raw if name.lower() not in _NOT_RELAYED]
+    relayed = []
+    for name, value in raw:
+        lowered = name.lower()
+        if lowered not in _NOT_RELAYED:
+            relayed.append((lowered, value))
+    return relayed
