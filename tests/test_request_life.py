@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import signal
 import socket
-from collections.abc import Iterable, Iterator, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, MutableMapping
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -360,74 +361,132 @@ def test_a_placement_that_never_reached_its_replica_is_withdrawn_from_the_index(
         given_back(gateway)
 
 
-def test_an_exception_inside_forwarding_ends_the_request_and_gives_everything_back(
-    replicas: EmulatedReplicas,
-) -> None:
-    """The ASGI server's `send` fails as the answer goes out (a server-side fault): the
-    exception leaves the forwarding; the request still ends cleanly."""
+@contextlib.asynccontextmanager
+async def served_in_process(replica: str) -> AsyncIterator[GatewayApp]:
+    """The gateway's ASGI app started in this process (its lifespan run by hand) in front of
+    `replica`, once the replica is healthy; shut down on leaving."""
     settings = load_settings(
         environ={
-            "GATEWAY_BACKENDS": f"{MODEL}={replicas.urls[0]}",
+            "GATEWAY_BACKENDS": f"{MODEL}={replica}",
             "GATEWAY_MAX_INFLIGHT_PER_REPLICA": "1",
             "GATEWAY_DOCTOR_INTERVAL": "0",
         }
     )
     app = GatewayApp(settings)
+    startup = asyncio.Queue[dict[str, Any]]()
+    await startup.put({"type": "lifespan.startup"})
+    sent: list[MutableMapping[str, Any]] = []
 
-    async def scenario() -> tuple[list[int], dict[str, int]]:
-        startup = asyncio.Queue[dict[str, Any]]()
-        await startup.put({"type": "lifespan.startup"})
-        sent: list[MutableMapping[str, Any]] = []
+    async def lifespan_send(message: MutableMapping[str, Any]) -> None:
+        sent.append(message)
 
-        async def lifespan_send(message: MutableMapping[str, Any]) -> None:
-            sent.append(message)
-
-        lifespan = asyncio.create_task(app({"type": "lifespan"}, startup.get, lifespan_send))
-        while not sent:
-            await asyncio.sleep(0.01)
-        assert sent[0]["type"] == "lifespan.startup.complete", sent
-        components = app.components
-        assert components is not None
-        while not components.pool.backends[0].healthy:
-            await asyncio.sleep(0.05)
-        body = json.dumps(chat("an answer nobody can be sent", 3, stream=False)).encode()
-        statuses: list[int] = []
-
-        async def receive() -> dict[str, Any]:
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        async def broken_send(message: MutableMapping[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                statuses.append(message["status"])
-            else:
-                raise ConnectionResetError("the server lost the connection")
-
-        scope = {
-            "type": "http",
-            "method": "POST",
-            "path": "/v1/chat/completions",
-            "headers": [(b"content-type", b"application/json")],
-            "query_string": b"",
-            "client": ("127.0.0.1", 9),
-            "server": ("127.0.0.1", 8080),
-            "scheme": "http",
-        }
-        await app(scope, receive, broken_send)
-        proxy = components.proxy
-        left = {
-            "admitted": proxy.admission.active,
-            "body_bytes": proxy.bodies.held,
-            "placements": proxy.open_placements,
-            "in_flight": sum(backend.in_flight for backend in components.pool.backends),
-            "waiting": 0 if proxy.flow is None else proxy.flow.waiting,
-        }
+    lifespan = asyncio.create_task(app({"type": "lifespan"}, startup.get, lifespan_send))
+    while not sent:
+        await asyncio.sleep(0.01)
+    assert sent[0]["type"] == "lifespan.startup.complete", sent
+    components = app.components
+    assert components is not None
+    while not components.pool.backends[0].healthy:
+        await asyncio.sleep(0.05)
+    try:
+        yield app
+    finally:
         await startup.put({"type": "lifespan.shutdown"})
         await lifespan
+
+
+def chat_scope() -> dict[str, Any]:
+    return {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "headers": [(b"content-type", b"application/json")],
+        "query_string": b"",
+        "client": ("127.0.0.1", 9),
+        "server": ("127.0.0.1", 8080),
+        "scheme": "http",
+    }
+
+
+def receiving(body: bytes) -> Callable[[], Awaitable[dict[str, Any]]]:
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return receive
+
+
+def test_an_exception_inside_forwarding_ends_the_request_and_gives_everything_back(
+    replicas: EmulatedReplicas,
+) -> None:
+    """The ASGI server's `send` fails as the answer goes out (a server-side fault): the
+    exception leaves the forwarding; the request still ends cleanly."""
+
+    async def scenario() -> tuple[list[int], dict[str, int]]:
+        async with served_in_process(replicas.urls[0]) as app:
+            body = json.dumps(chat("an answer nobody can be sent", 3, stream=False)).encode()
+            statuses: list[int] = []
+
+            async def broken_send(message: MutableMapping[str, Any]) -> None:
+                if message["type"] == "http.response.start":
+                    statuses.append(message["status"])
+                else:
+                    raise ConnectionResetError("the server lost the connection")
+
+            await app(chat_scope(), receiving(body), broken_send)
+            components = app.components
+            assert components is not None
+            proxy = components.proxy
+            left = {
+                "admitted": proxy.admission.active,
+                "body_bytes": proxy.bodies.held,
+                "placements": proxy.open_placements,
+                "in_flight": sum(backend.in_flight for backend in components.pool.backends),
+                "waiting": 0 if proxy.flow is None else proxy.flow.waiting,
+            }
         return statuses, left
 
     statuses, left = asyncio.run(scenario())
     assert statuses == [200]  # the replica answered; the server could not pass it on
     assert left == dict.fromkeys(left, 0)
+
+
+def test_an_ended_request_leaves_nothing_for_the_garbage_collector(
+    replicas: EmulatedReplicas,
+) -> None:
+    """Answered, streamed and refused, a request's objects are freed when it ends: none of
+    them is held in a reference cycle, which only the collector would find (and whose
+    walks, when every request left one, took a tenth of the gateway's CPU)."""
+
+    async def scenario() -> tuple[list[int], list[str]]:
+        async with served_in_process(replicas.urls[0]) as app:
+            statuses: list[int] = []
+
+            async def send(message: MutableMapping[str, Any]) -> None:
+                if message["type"] == "http.response.start":
+                    statuses.append(message["status"])
+
+            bodies = [
+                json.dumps(chat("an answer in one piece", 3, stream=False)).encode(),
+                json.dumps(chat("an answer in events", 3, stream=True)).encode(),
+                b"{not json",
+            ]
+            gc.collect()
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            try:
+                for body in bodies:
+                    await app(chat_scope(), receiving(body), send)
+                gc.collect()
+                cyclic = {
+                    type(thing).__module__ + "." + type(thing).__qualname__ for thing in gc.garbage
+                }
+            finally:
+                gc.set_debug(0)
+                gc.garbage.clear()
+        return statuses, sorted(kind for kind in cyclic if kind.startswith("prefix_gateway."))
+
+    statuses, cyclic = asyncio.run(scenario())
+    assert statuses == [200, 200, 400]
+    assert cyclic == [], cyclic
 
 
 def test_a_shutdown_while_draining_ends_every_request_and_leaves_nothing_held(

@@ -202,7 +202,8 @@ class RequestLife:
             with exchange.guard():
                 await self._live()
         except GatewayError as error:
-            self._error = error
+            # Without its traceback, whose frames hold this life: a cycle otherwise.
+            self._error = error.with_traceback(None)
         except Interrupted as stop:  # its time ran out, or its client left, before it was sent
             self._error = client_error(stop.why, self._parts.settings.request_timeout)
         except asyncio.CancelledError:
