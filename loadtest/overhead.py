@@ -1,12 +1,14 @@
 """Overhead benchmark: what the gateway adds on top of calling a replica directly.
 
-One emulated replica with no simulated delay; the same requests sent directly and through the
-gateway (and through peers, with --peers). Prints two tables:
+One emulated replica with no simulated delay; the same requests sent directly, through the
+gateway and through the yardstick of every run, vLLM's and SGLang's routers with round robin
+(installed under `.peers/` on first use; `--peers` names others, `--peers ""` none). Prints:
 
 1. one request at a time: latency p50/p99 of non-streamed requests and of the first streamed
    chunk, direct vs routed, and the difference;
 2. under concurrency: requests per second and CPU milliseconds per request of the router
    process (user + system time from /proc).
+3. each gateway's CPU per request over each peer's, measured in the same run.
 
     python loadtest/overhead.py
     python loadtest/overhead.py --sequential 2000 --concurrency 16,64 --requests 4000
@@ -14,6 +16,7 @@ gateway (and through peers, with --peers). Prints two tables:
     python loadtest/overhead.py --compare ../other-checkout   # another commit's gateway beside
     python loadtest/overhead.py --runs 3   # medians of three rounds under concurrency
     python loadtest/overhead.py --peers sglang-cache_aware,vllm-router-cache_aware
+    python loadtest/overhead.py --peers ""   # the gateway alone (the yardstick is on by default)
 
 The replica answers vLLM's render endpoints (`--enable-scale-out`): vLLM's router renders each
 request into tokens there before it forwards it, and the replica's time for it is in that
@@ -44,6 +47,9 @@ from prefix_gateway.emulator import EmulatorProcess
 from tests.support import GatewayProcess
 
 MODEL = "overhead-model"
+YARDSTICK = "vllm-router-round_robin,sglang-round_robin"
+"""The peers every run measures beside the gateway unless told otherwise: the fastest one's
+CPU per request is what the gateway's is judged against (docs/benchmarks.md)."""
 PROMPT = " ".join(f"w{index}" for index in range(200))
 
 
@@ -225,6 +231,25 @@ def concurrency_table(
                 f"| {statistics.median(spent):.3f} | {each} |",
                 flush=True,
             )
+        ratio_table(routers, costs, level, kind)
+
+
+def ratio_table(
+    routers: list[Router], costs: dict[str, list[float]], level: int, kind: str
+) -> None:
+    """Each gateway's median CPU per request over each peer's, in this run."""
+    ours = [router for router in routers if router.name.startswith("prefix-gateway")]
+    peers = [router for router in routers if not router.name.startswith("prefix-gateway")]
+    if not ours or not peers:
+        return
+    print(
+        f"\n| {kind}, concurrency {level}: CPU over | " + " | ".join(p.name for p in peers) + " |"
+    )
+    print("|---|" + "---|" * len(peers))
+    for gateway in ours:
+        mine = statistics.median(costs[gateway.name])
+        over = (f"{mine / statistics.median(costs[peer.name]):.2f}x" for peer in peers)
+        print(f"| {gateway.name} | " + " | ".join(over) + " |")
 
 
 def _commit(checkout: str) -> str:
@@ -243,7 +268,11 @@ def main() -> None:
     parser.add_argument(
         "--runs", type=int, default=1, help="rounds under concurrency; medians are printed"
     )
-    parser.add_argument("--peers", default="", help=f"comma-separated: {', '.join(PEERS)}")
+    parser.add_argument(
+        "--peers",
+        default=YARDSTICK,
+        help=f'comma-separated, measured in the same run ("" for none): {", ".join(PEERS)}',
+    )
     parser.add_argument(
         "--workers",
         default="1",
