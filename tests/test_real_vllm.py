@@ -41,11 +41,19 @@ pytestmark = pytest.mark.real_vllm
 
 BLOCK = 32
 # Long enough to fill several blocks of 32 tokens with the tiny model's tokenizer.
-SYSTEM = (
+SHOP = (
     "You are a patient assistant for a hardware shop. Answer questions about tools, "
     "paint, timber and fixings. Keep answers short, name the aisle where the item is kept, "
     "and never recommend a product the shop does not sell. "
 ) * 2
+
+
+def system_prompt(test: str) -> str:
+    """The shop's system prompt, begun with words of one test's own: no other test's requests
+    share a block of it, so what a gateway knows of where it is cached comes from that test
+    alone, whatever ran before (a replica restarted by another test leaves a gateway without
+    KV events believing it still holds what it held)."""
+    return f"At the {test} desk. {SHOP}"
 
 
 # fmt: off
@@ -152,7 +160,10 @@ def _stream_to_done(url: str, question: str) -> tuple[int, int]:
     `data: [DONE]`; the prompt and cached tokens the replica reported in its usage chunk."""
     body = {
         "model": MODEL,
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "messages": [
+            {"role": "system", "content": system_prompt("done")},
+            {"role": "user", "content": question},
+        ],
         "max_tokens": 8,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -218,7 +229,7 @@ def test_unknown_model_is_a_clean_404(client: openai.OpenAI) -> None:
 def test_six_turn_conversation_stays_on_one_replica_and_hits_its_cache(
     client: openai.OpenAI,
 ) -> None:
-    messages = [{"role": "system", "content": SYSTEM}]
+    messages = [{"role": "system", "content": system_prompt("conversation")}]
     backends: list[str] = []
     prompts: list[int] = []
     hits: list[int] = []
@@ -238,7 +249,10 @@ def test_six_turn_conversation_stays_on_one_replica_and_hits_its_cache(
 
 
 def test_cached_tokens_are_the_prompt_rounded_down_to_blocks(client: openai.OpenAI) -> None:
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "rounding"}]
+    messages = [
+        {"role": "system", "content": system_prompt("rounding")},
+        {"role": "user", "content": "rounding"},
+    ]
     _, backend = ask(client, messages)
     again, backend_again = ask(client, messages)
     assert backend_again == backend
@@ -285,7 +299,10 @@ def test_client_that_hangs_up_mid_stream_aborts_generation(real: RealFleet) -> N
 def test_gateway_metrics_count_upstream_cached_tokens(
     real: RealFleet, client: openai.OpenAI
 ) -> None:
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "metrics"}]
+    messages = [
+        {"role": "system", "content": system_prompt("metrics")},
+        {"role": "user", "content": "metrics"},
+    ]
     ask(client, messages)
     again, _ = ask(client, messages)
     assert cached(again) > 0
@@ -315,7 +332,10 @@ def test_per_model_pools_learned_from_served_model_names(
 
 
 def test_cache_salt_passes_through_and_isolates_the_prefix_cache(client: openai.OpenAI) -> None:
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "salted"}]
+    messages = [
+        {"role": "system", "content": system_prompt("salted")},
+        {"role": "user", "content": "salted"},
+    ]
     first, backend = ask(client, messages, cache_salt="tenant-one")
     same, backend_same = ask(client, messages, cache_salt="tenant-one")
     other, _ = ask(client, messages, cache_salt="tenant-two")
@@ -389,7 +409,7 @@ def test_responses_api_through_the_replica(real: RealFleet) -> None:
 def respond(client: openai.OpenAI, **fields: Any) -> tuple[Any, str, str]:
     """One response of at most 4 tokens: the object, its replica and the gateway's route."""
     raw = client.responses.with_raw_response.create(
-        model=MODEL, instructions=SYSTEM, max_output_tokens=4, **fields
+        model=MODEL, instructions=system_prompt("responses"), max_output_tokens=4, **fields
     )
     headers = raw.headers
     parsed = raw.parse()
@@ -443,19 +463,20 @@ def test_messages_plain_streamed_and_a_conversation_on_one_replica(real: RealFle
     """vLLM's Anthropic endpoints through the gateway, with the official client: a
     conversation (its second turn streamed) stays on one replica and reads its cache, in whole
     blocks; count_tokens answers."""
+    system = system_prompt("messages")
     history: list[Any] = []
     backends, hits = [], []
     with anthropic_client(real.gateway) as client:
         for turn in range(3):
             history.append({"role": "user", "content": text(25, f"messages-{turn}")})
             message, backend = converse(
-                client, turn == 1, model=MODEL, max_tokens=8, system=SYSTEM, messages=history
+                client, turn == 1, model=MODEL, max_tokens=8, system=system, messages=history
             )
             assert message.type == "message" and message.usage.output_tokens >= 1
             backends.append(backend)
             hits.append(message.usage.cache_read_input_tokens)
             history.append({"role": "assistant", "content": message.content})
-        counted = client.messages.count_tokens(model=MODEL, system=SYSTEM, messages=history[:1])
+        counted = client.messages.count_tokens(model=MODEL, system=system, messages=history[:1])
     assert len(set(backends)) == 1, backends
     assert all(hit > 0 and hit % BLOCK == 0 for hit in hits[1:]), hits
     assert counted.input_tokens > 0
