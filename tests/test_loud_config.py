@@ -145,6 +145,14 @@ def test_a_model_no_reachable_replica_has_listed_is_a_503_not_a_404(
     alone = refused(MODEL)
     assert (alone.status_code, alone.code) == (503, "no_healthy_backend")
     assert alone.response.headers["retry-after"] == "1"
+    # Back as the module's other tests expect it.
+    restored = httpx.post(
+        gateway.url + "/admin/backends",
+        json={"url": replica.urls[0]},
+        headers=admin,
+        timeout=PATIENCE_SECONDS,
+    )
+    assert restored.status_code == 201
 
 
 def test_the_start_logs_misspelt_variables_and_the_configuration_without_secrets(
