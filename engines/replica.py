@@ -61,8 +61,11 @@ _ORPHAN_GUARD = (
 )
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
 # While its API server shuts down, vLLM may log its engine core's end as an error: the output
-# handler still waits on the engine core the shutdown has just stopped.
-_SHUTDOWN_RACE = re.compile(r"EngineDeadError|AsyncLLM output_handler failed")
+# handler still waits on the engine core the shutdown has just stopped; and a request that came
+# in meanwhile fails, its renderer's thread pool already shut down.
+_SHUTDOWN_RACE = re.compile(
+    r"EngineDeadError|AsyncLLM output_handler failed|cannot schedule new futures after shutdown"
+)
 _ERROR_LINE = re.compile(r"\b[A-Z][A-Za-z]*(Error|Exception): ")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
@@ -137,7 +140,6 @@ class VLLMReplica:
         self._process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         self._watch = LogWatch(VLLM_LOG)
-        self._stopping = False
         self._logged_before_stop: list[str] = []
         self._started_at = 0.0
 
@@ -234,25 +236,28 @@ class VLLMReplica:
             return None
         group = process.pid  # start_new_session made the server its group's leader
         self._logged_before_stop += self.unexpected_errors()
-        self._stopping = True
-        # The API server first: it stops its engine core itself. A SIGTERM to the whole group
-        # would end the engine core under it, which it logs as an error (EngineDeadError).
-        with contextlib.suppress(ProcessLookupError):
-            process.terminate()
-        deadline = time.monotonic() + self.stop_seconds
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(max(0.0, deadline - time.monotonic()))
-        _signal_group(group, signal.SIGTERM)
-        while _group_alive(group) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if _group_alive(group) or process.poll() is None:
-            _signal_group(group, signal.SIGKILL)
-            process.wait()
+        # Judged on the whole record: a traceback's cause is at its end, past what is reported.
+        self._watch.expected.append(_SHUTDOWN_RACE)
+        try:
+            # The API server first: it stops its engine core itself. A SIGTERM to the whole group
+            # would end the engine core under it, which it logs as an error (EngineDeadError).
+            with contextlib.suppress(ProcessLookupError):
+                process.terminate()
             deadline = time.monotonic() + self.stop_seconds
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(max(0.0, deadline - time.monotonic()))
+            _signal_group(group, signal.SIGTERM)
             while _group_alive(group) and time.monotonic() < deadline:
-                time.sleep(0.05)
-        logwatch.ended(self)
-        self._stopping = False
+                time.sleep(0.1)
+            if _group_alive(group) or process.poll() is None:
+                _signal_group(group, signal.SIGKILL)
+                process.wait()
+                deadline = time.monotonic() + self.stop_seconds
+                while _group_alive(group) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            logwatch.ended(self)
+        finally:
+            self._watch.expected.remove(_SHUTDOWN_RACE)
         return process.returncode
 
     @property
@@ -275,10 +280,7 @@ class VLLMReplica:
         found, self._logged_before_stop = self._logged_before_stop, []
         if self._log is None:
             return found
-        fresh = self._watch.errors(self._log)
-        if self._stopping:
-            fresh = [record for record in fresh if not _SHUTDOWN_RACE.search(record)]
-        return found + fresh
+        return found + self._watch.errors(self._log)
 
     def log_tail(self, characters: int = 4000) -> str:
         """The log's last characters, after the first lines that name an error (the cause)."""

@@ -12,6 +12,7 @@ from xdist.scheduler import LoadScopeScheduling
 
 from prefix_gateway.emulator.replicas import EmulatedReplicas
 from prefix_gateway.logwatch import Witnesses
+from tests.real_fleet import RealReplicas, started_real_replicas
 from tests.support import GatewayProcess
 
 MODEL = "emulated-model"
@@ -153,3 +154,10 @@ def gateway(fleet: EmulatedReplicas) -> Iterator[GatewayProcess]:
 def client(gateway: GatewayProcess) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0) as api:
         yield api
+
+
+@pytest.fixture(scope="session")
+def real_replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealReplicas]:
+    """Two real vLLM replicas for every module that tests against them (tests/real_fleet.py)."""
+    with started_real_replicas(tmp_path_factory.mktemp("real-replicas")) as started:
+        yield started

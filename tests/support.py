@@ -17,6 +17,7 @@ import httpx
 from prefix_gateway.processes import ChildProcess, free_port, metric_value, start_together
 
 __all__ = [
+    "PATIENCE_SECONDS",
     "GatewayProcess",
     "eventually",
     "free_port",
@@ -29,7 +30,8 @@ __all__ = [
 
 ROOT = Path(__file__).resolve().parent.parent
 # Long enough for a busy 2-core machine: a condition that holds is met far sooner; one that
-# never holds fails with `what` instead of hanging the suite.
+# never holds fails with `what` instead of hanging the suite. Requests the tests make wait as
+# long (`timeout=PATIENCE_SECONDS`): httpx's default of 5 s is short for such a machine.
 PATIENCE_SECONDS = 30.0
 
 
@@ -135,7 +137,7 @@ class GatewayProcess(ChildProcess):
         return self.metrics_text()
 
     def metrics_text(self) -> str:
-        return httpx.get(self.metrics_url + "/metrics", timeout=5).text
+        return httpx.get(self.metrics_url + "/metrics", timeout=PATIENCE_SECONDS).text
 
     def _spawn(self) -> None:
         if self._own_metrics_port:

@@ -10,7 +10,7 @@ import orjson
 
 from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
-from tests.support import GatewayProcess, wait_until
+from tests.support import PATIENCE_SECONDS, GatewayProcess, wait_until
 from tests.words import words
 
 FIELDS = {
@@ -107,6 +107,7 @@ def test_a_rejected_request_is_logged_with_its_error(gateway: GatewayProcess) ->
         gateway.url + "/v1/chat/completions",
         content=b"{oops",
         headers={"x-request-id": "log-bad", "content-type": "application/json"},
+        timeout=PATIENCE_SECONDS,
     )
     assert response.status_code == 400
     line = line_for(gateway, "log-bad")
@@ -119,6 +120,7 @@ def test_the_access_log_can_be_turned_off(fleet: EmulatedReplicas) -> None:
             quiet.url + "/v1/completions",
             json={"model": MODEL, "prompt": "hello", "max_tokens": 2},
             headers={"x-request-id": "log-off"},
+            timeout=PATIENCE_SECONDS,
         )
         assert response.status_code == 200
         assert response.headers["x-request-id"] == "log-off"

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from prefix_gateway.emulator.replicas import EmulatedReplicas
-from tests.support import GatewayProcess, wait_until
+from tests.support import PATIENCE_SECONDS, GatewayProcess, wait_until
 
 MODEL = "emulated-model"
 TOKEN = "fleet-admin-token"
@@ -32,7 +32,7 @@ def gateway(replicas: EmulatedReplicas) -> Iterator[GatewayProcess]:
 
 
 def listing(gateway: GatewayProcess) -> dict[str, dict[str, object]]:
-    response = httpx.get(gateway.url + "/admin/backends", headers=AUTH)
+    response = httpx.get(gateway.url + "/admin/backends", headers=AUTH, timeout=PATIENCE_SECONDS)
     assert response.status_code == 200
     return {item["name"]: item for item in response.json()["data"]}
 
@@ -65,9 +65,14 @@ def test_the_fleet_api_needs_the_admin_token(
         return {name: tuple(item[key] for key in fields) for name, item in listing(gateway).items()}
 
     pool = membership()
-    assert httpx.get(gateway.url + "/admin/backends").status_code == 401
+    assert httpx.get(gateway.url + "/admin/backends", timeout=PATIENCE_SECONDS).status_code == 401
     wrong = {"Authorization": "Bearer nope"}
-    assert httpx.get(gateway.url + "/admin/backends", headers=wrong).status_code == 403
+    assert (
+        httpx.get(
+            gateway.url + "/admin/backends", headers=wrong, timeout=PATIENCE_SECONDS
+        ).status_code
+        == 403
+    )
     refusals: tuple[tuple[dict[str, str], int, str], ...] = (
         ({}, 401, "authentication_error"),
         (wrong, 403, "permission_error"),
@@ -75,11 +80,24 @@ def test_the_fleet_api_needs_the_admin_token(
     for headers, status, error_type in refusals:
         calls = [
             httpx.post(
-                gateway.url + "/admin/backends", headers=headers, json={"url": "http://x:1"}
+                gateway.url + "/admin/backends",
+                headers=headers,
+                json={"url": "http://x:1"},
+                timeout=PATIENCE_SECONDS,
             ),
-            httpx.post(gateway.url + f"/admin/backends/{first}/drain", headers=headers),
-            httpx.post(gateway.url + f"/admin/backends/{first}/drain?wait=true", headers=headers),
-            httpx.delete(gateway.url + f"/admin/backends/{first}", headers=headers),
+            httpx.post(
+                gateway.url + f"/admin/backends/{first}/drain",
+                headers=headers,
+                timeout=PATIENCE_SECONDS,
+            ),
+            httpx.post(
+                gateway.url + f"/admin/backends/{first}/drain?wait=true",
+                headers=headers,
+                timeout=PATIENCE_SECONDS,
+            ),
+            httpx.delete(
+                gateway.url + f"/admin/backends/{first}", headers=headers, timeout=PATIENCE_SECONDS
+            ),
         ]
         for response in calls:
             assert response.status_code == status, response.request.url
@@ -102,7 +120,10 @@ def test_lists_adds_and_removes_backends(
     assert backends[first]["draining"] is False
 
     added = httpx.post(
-        gateway.url + "/admin/backends", headers=AUTH, json={"url": replicas.urls[2]}
+        gateway.url + "/admin/backends",
+        headers=AUTH,
+        json={"url": replicas.urls[2]},
+        timeout=PATIENCE_SECONDS,
     )
     assert added.status_code == 201, added.text
     assert added.json()["healthy"] is True, "probed before the answer"
@@ -112,29 +133,44 @@ def test_lists_adds_and_removes_backends(
     assert third in served, "the added replica takes its share of new sessions"
 
     again = httpx.post(
-        gateway.url + "/admin/backends", headers=AUTH, json={"url": replicas.urls[2]}
+        gateway.url + "/admin/backends",
+        headers=AUTH,
+        json={"url": replicas.urls[2]},
+        timeout=PATIENCE_SECONDS,
     )
     assert again.status_code == 409
-    bad = httpx.post(gateway.url + "/admin/backends", headers=AUTH, json={"url": "ftp://x"})
+    bad = httpx.post(
+        gateway.url + "/admin/backends",
+        headers=AUTH,
+        json={"url": "ftp://x"},
+        timeout=PATIENCE_SECONDS,
+    )
     assert bad.status_code == 400
     assert bad.json()["error"]["code"] == "invalid_backend"
     pinned = httpx.post(
         gateway.url + "/admin/backends",
         headers=AUTH,
         json={"url": "http://127.0.0.1:9", "model": "other-model"},
+        timeout=PATIENCE_SECONDS,
     )
     assert pinned.status_code == 201
     assert pinned.json()["models"] == ["other-model"]
     assert pinned.json()["healthy"] is False, "nothing listens there"
 
-    removed = httpx.delete(gateway.url + f"/admin/backends/{third}", headers=AUTH)
+    removed = httpx.delete(
+        gateway.url + f"/admin/backends/{third}", headers=AUTH, timeout=PATIENCE_SECONDS
+    )
     assert removed.status_code == 200
     assert removed.json()["removed"] is True
-    assert httpx.delete(gateway.url + "/admin/backends/127.0.0.1:9", headers=AUTH).is_success
+    assert httpx.delete(
+        gateway.url + "/admin/backends/127.0.0.1:9", headers=AUTH, timeout=PATIENCE_SECONDS
+    ).is_success
     assert set(listing(gateway)) == {first, second}
     served = {chat(gateway, f"later-{n}").headers["x-gateway-backend"] for n in range(20)}
     assert served <= {first, second}
-    missing = httpx.delete(gateway.url + f"/admin/backends/{third}", headers=AUTH)
+    missing = httpx.delete(
+        gateway.url + f"/admin/backends/{third}", headers=AUTH, timeout=PATIENCE_SECONDS
+    )
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "backend_not_found"
 
@@ -192,5 +228,7 @@ def test_drain_and_wait_answers_once_the_backend_is_gone(
     assert answer.status_code == 200
     assert answer.json()["removed"] is True
     assert first not in listing(gateway)
-    unknown = httpx.post(gateway.url + "/admin/backends/nowhere:1/drain", headers=AUTH)
+    unknown = httpx.post(
+        gateway.url + "/admin/backends/nowhere:1/drain", headers=AUTH, timeout=PATIENCE_SECONDS
+    )
     assert unknown.status_code == 404

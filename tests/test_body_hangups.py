@@ -19,7 +19,7 @@ import pytest
 
 from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
-from tests.support import GatewayProcess, metric_value, wait_until
+from tests.support import PATIENCE_SECONDS, GatewayProcess, metric_value, wait_until
 
 MAX_BODY = 100_000
 SENT = 10_240
@@ -130,8 +130,8 @@ def test_a_client_hanging_up_mid_body_leaves_nothing_behind(
     assert _chat(gateway, size=MAX_BODY).status_code == 200
     for _ in range(AFTER):
         assert _chat(gateway).status_code == 200
-    assert httpx.get(gateway.url + "/health").status_code == 200
-    assert httpx.get(gateway.url + "/ready").status_code == 200
+    assert httpx.get(gateway.url + "/health", timeout=PATIENCE_SECONDS).status_code == 200
+    assert httpx.get(gateway.url + "/ready", timeout=PATIENCE_SECONDS).status_code == 200
 
     # Nothing of it went upstream: the gateway and the replicas count only the others.
     served = BESIDE + 1 + AFTER

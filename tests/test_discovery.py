@@ -37,7 +37,7 @@ from prefix_gateway.backends.pool import BackendPool
 from prefix_gateway.config import ConfigError, Settings
 from prefix_gateway.emulator.process import EmulatorProcess
 from prefix_gateway.processes import free_port
-from tests.support import GatewayProcess, eventually, wait_until
+from tests.support import PATIENCE_SECONDS, GatewayProcess, eventually, wait_until
 
 MODEL = "emulated-model"
 SERVICE = "llm"
@@ -655,7 +655,10 @@ class Traffic:
 def leave_mid_run(
     gateway: GatewayProcess, replicas: list[EmulatorProcess], leave: Callable[[], None]
 ) -> None:
-    wait_until(lambda: httpx.get(gateway.url + "/ready").status_code == 200, "the gateway ready")
+    wait_until(
+        lambda: httpx.get(gateway.url + "/ready", timeout=PATIENCE_SECONDS).status_code == 200,
+        "the gateway ready",
+    )
     wait_until(
         lambda: gateway.metric("gateway_backend_healthy") == len(replicas), "every replica healthy"
     )

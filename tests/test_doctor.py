@@ -30,7 +30,7 @@ from prefix_gateway.doctor.verdicts import (
 from prefix_gateway.emulator.process import EmulatorProcess
 from prefix_gateway.processes import metric_value
 from tests.conftest import MODEL
-from tests.support import ROOT, GatewayProcess, free_port, wait_until
+from tests.support import PATIENCE_SECONDS, ROOT, GatewayProcess, free_port, wait_until
 from tests.test_kv_event_feeds import Publisher
 
 CHECKS = ["reachable", "models", "load-metrics", "prefix-caching", "cached-tokens-reported"]
@@ -131,7 +131,9 @@ def test_emulate_starts_replicas_to_examine_with_their_flags_and_stops_them() ->
         assert checks["reachable"][0] == "PASS"
         assert checks["cached-tokens-reported"][0] == "FAIL", "the flag reached the replica"
         with pytest.raises(httpx.ConnectError):
-            httpx.get(f"http://{backend}/health")  # stopped with the doctor
+            httpx.get(
+                f"http://{backend}/health", timeout=PATIENCE_SECONDS
+            )  # stopped with the doctor
     assert status == 1
 
 

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefix_gateway.emulator import EmulatorProcess
+from tests.support import PATIENCE_SECONDS
 
 MODEL = "emulated-model"
 
@@ -57,9 +58,7 @@ def test_chat_completion_counts_tokens_exactly(client: openai.OpenAI) -> None:
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (42, 7)
     assert reply.usage.total_tokens == 49
     assert reply.usage.prompt_tokens_details.cached_tokens == 0
-    again = client.chat.completions.create(
-        model=MODEL, messages=messages, max_completion_tokens=7
-    )
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=7)
     assert again.choices[0].message.content == choice.message.content
     assert again.usage is not None and again.usage.prompt_tokens_details is not None
     assert again.usage.prompt_tokens_details.cached_tokens == 32
@@ -99,6 +98,7 @@ def test_streamed_chat_sends_each_token_then_usage_then_done(
     raw = httpx.post(
         replica.url + "/v1/chat/completions",
         json={"model": MODEL, "messages": messages, "max_tokens": 3, "stream": True},
+        timeout=PATIENCE_SECONDS,
     )
     events = sse_events(raw)
     assert events[-1] == "[DONE]" and len(events) == 4
@@ -131,13 +131,12 @@ def test_completions_take_text_batches_and_token_ids(
                 "stream": True,
                 "stream_options": {"include_usage": True},
             },
+            timeout=PATIENCE_SECONDS,
         )
     )
     assert events[-1] == "[DONE]"
     chunks = [orjson.loads(event) for event in events[:-1]]
-    assert [chunk["choices"][0]["finish_reason"] for chunk in chunks[:4]] == [None] * 3 + [
-        "length"
-    ]
+    assert [chunk["choices"][0]["finish_reason"] for chunk in chunks[:4]] == [None] * 3 + ["length"]
     assert chunks[4]["choices"] == []
     assert chunks[4]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
 
@@ -154,6 +153,7 @@ def test_embeddings_are_deterministic_unit_vectors(
     as_floats = httpx.post(
         replica.url + "/v1/embeddings",
         json={"model": MODEL, "input": "one two", "encoding_format": "float"},
+        timeout=PATIENCE_SECONDS,
     ).json()
     assert as_floats["data"][0]["embedding"] == pytest.approx(vectors[0], rel=1e-6)
 
@@ -166,8 +166,8 @@ def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
 
 
 def test_health_and_metrics(replica: EmulatorProcess) -> None:
-    assert httpx.get(replica.url + "/health").status_code == 200
-    text = httpx.get(replica.url + "/metrics").text
+    assert httpx.get(replica.url + "/health", timeout=PATIENCE_SECONDS).status_code == 200
+    text = httpx.get(replica.url + "/metrics", timeout=PATIENCE_SECONDS).text
     for name in (
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
@@ -224,7 +224,9 @@ def error_of(response: Answered, status: int) -> dict[str, Any]:
     ],
 )
 def test_bad_chat_requests_are_400(replica: EmulatorProcess, body: bytes, param: str) -> None:
-    response = httpx.post(replica.url + "/v1/chat/completions", content=body)
+    response = httpx.post(
+        replica.url + "/v1/chat/completions", content=body, timeout=PATIENCE_SECONDS
+    )
     error = error_of(response, 400)
     assert error["type"] == "BadRequestError" and error["param"] == param
 
@@ -236,7 +238,7 @@ def test_bad_completion_and_embedding_requests_are_400(replica: EmulatorProcess)
         ("/v1/embeddings", {"input": None}),
         ("/v1/embeddings", {"input": "a", "encoding_format": "hex"}),
     ):
-        error_of(httpx.post(replica.url + path, json=body), 400)
+        error_of(httpx.post(replica.url + path, json=body, timeout=PATIENCE_SECONDS), 400)
 
 
 def test_unknown_model_route_and_method(client: openai.OpenAI, replica: EmulatorProcess) -> None:
@@ -247,14 +249,15 @@ def test_unknown_model_route_and_method(client: openai.OpenAI, replica: Emulator
     assert raised.value.status_code == 404
     error = error_of(raised.value.response, 404)
     assert error["type"] == "NotFoundError" and "other-model" in error["message"]
-    error_of(httpx.get(replica.url + "/v1/nowhere"), 404)
-    error_of(httpx.get(replica.url + "/v1/chat/completions"), 405)
+    error_of(httpx.get(replica.url + "/v1/nowhere", timeout=PATIENCE_SECONDS), 404)
+    error_of(httpx.get(replica.url + "/v1/chat/completions", timeout=PATIENCE_SECONDS), 405)
 
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
-    lambda children: st.lists(children, max_size=3)
-    | st.dictionaries(st.text(max_size=8), children, max_size=3),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3)
+    ),
     max_leaves=8,
 )
 request_bodies = st.fixed_dictionaries(
@@ -324,7 +327,7 @@ def test_render_endpoints_answer_403_unless_scale_out_is_on(replica: EmulatorPro
         ("/v1/chat/completions/render", {"model": MODEL, "messages": messages}),
         ("/v1/completions/render", {"model": MODEL, "prompt": "a b"}),
     ):
-        error = error_of(httpx.post(replica.url + path, json=body), 403)
+        error = error_of(httpx.post(replica.url + path, json=body, timeout=PATIENCE_SECONDS), 403)
         assert error["type"] == "PermissionDeniedError"
         assert "--enable-scale-out" in error["message"]
 
@@ -336,10 +339,14 @@ def test_render_gives_the_token_ids_the_request_would_run() -> None:
     ]
     with EmulatorProcess("--enable-scale-out", name=MODEL) as replica:
         tokenized = httpx.post(
-            replica.url + "/tokenize", json={"model": MODEL, "messages": messages}
+            replica.url + "/tokenize",
+            json={"model": MODEL, "messages": messages},
+            timeout=PATIENCE_SECONDS,
         ).json()["tokens"]
         chat = {"model": MODEL, "messages": messages, "max_tokens": 5, "stream": True}
-        rendered = httpx.post(replica.url + "/v1/chat/completions/render", json=chat)
+        rendered = httpx.post(
+            replica.url + "/v1/chat/completions/render", json=chat, timeout=PATIENCE_SECONDS
+        )
         assert rendered.status_code == 200, rendered.text
         request = rendered.json()
         assert request["token_ids"] == tokenized and len(tokenized) == 26
@@ -347,16 +354,23 @@ def test_render_gives_the_token_ids_the_request_would_run() -> None:
         assert (request["model"], request["stream"]) == (MODEL, True)
         assert request["sampling_params"]["max_tokens"] == 5
         # Rendering runs nothing: the same prompt is not cached afterwards.
-        reply = httpx.post(replica.url + "/v1/chat/completions", json={**chat, "stream": False})
+        reply = httpx.post(
+            replica.url + "/v1/chat/completions",
+            json={**chat, "stream": False},
+            timeout=PATIENCE_SECONDS,
+        )
         assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         prompts = {"model": MODEL, "prompt": ["a b c", "d"]}
-        batch = httpx.post(replica.url + "/v1/completions/render", json=prompts).json()
+        batch = httpx.post(
+            replica.url + "/v1/completions/render", json=prompts, timeout=PATIENCE_SECONDS
+        ).json()
         assert [len(item["token_ids"]) for item in batch] == [3, 1]
         assert [item["request_id"][-2:] for item in batch] == ["-0", "-1"]
         error_of(
             httpx.post(
                 replica.url + "/v1/chat/completions/render",
                 json={"model": "other", "messages": messages},
+                timeout=PATIENCE_SECONDS,
             ),
             404,
         )

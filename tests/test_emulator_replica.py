@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from prefix_gateway.emulator import EmulatorProcess
-from tests.support import wait_until
+from tests.support import PATIENCE_SECONDS, wait_until
 
 MODEL = "emulated-model"
 SYSTEM_TOKENS, QUESTION_TOKENS, ANSWER_TOKENS = 1000, 100, 300
@@ -107,7 +107,9 @@ def test_requests_beyond_max_running_wait_in_the_queue() -> None:
         # 3,000 tokens take 30 s: the first request holds the only slot until its client leaves.
         body = {"model": MODEL, "prompt": "hold the slot", "max_tokens": 3000, "stream": True}
         answers: list[httpx.Response] = []
-        with httpx.stream("POST", process.url + "/v1/completions", json=body) as first:
+        with httpx.stream(
+            "POST", process.url + "/v1/completions", json=body, timeout=PATIENCE_SECONDS
+        ) as first:
             lines = first.iter_lines()  # kept: collected, it would close the stream
             next(lines)
             waiting = threading.Thread(
@@ -165,7 +167,9 @@ def test_a_client_leaving_mid_stream_aborts_its_sequence_at_once() -> None:
     with EmulatorProcess("--decode-ms-per-token", "20", name=MODEL) as process:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}], "stream": True}
         body["max_tokens"] = 1000
-        with httpx.stream("POST", process.url + "/v1/chat/completions", json=body) as stream:
+        with httpx.stream(
+            "POST", process.url + "/v1/chat/completions", json=body, timeout=PATIENCE_SECONDS
+        ) as stream:
             lines = stream.iter_lines()
             assert next(lines).startswith("data: ")
             assert process.metric("vllm:num_requests_running") == 1
@@ -187,7 +191,9 @@ def test_sigterm_lets_a_request_in_flight_finish() -> None:
     process.start()
     try:
         body = {"model": MODEL, "prompt": "finish me", "max_tokens": 30, "stream": True}
-        with httpx.stream("POST", process.url + "/v1/completions", json=body) as stream:
+        with httpx.stream(
+            "POST", process.url + "/v1/completions", json=body, timeout=PATIENCE_SECONDS
+        ) as stream:
             lines = stream.iter_lines()
             next(lines)
             statuses: list[int | None] = []

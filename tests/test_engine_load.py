@@ -14,7 +14,7 @@ from prefix_gateway.backends.engine_load import (
 )
 from prefix_gateway.backends.pool import BackendPool
 from prefix_gateway.emulator import EmulatorProcess
-from tests.support import eventually, stall
+from tests.support import PATIENCE_SECONDS, eventually, stall
 
 VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -76,7 +76,7 @@ def test_scrapes_a_live_replica_under_load() -> None:
                     ),
                     "the replica holding all three",
                 )
-                async with httpx.AsyncClient() as http:
+                async with httpx.AsyncClient(timeout=PATIENCE_SECONDS) as http:
                     scraper = EngineLoadScraper(pool, http, interval=0)
                     await scraper.scrape_all()
                     assert backend.queued == 0  # one scrape could be a request just ending

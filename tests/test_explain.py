@@ -21,7 +21,7 @@ from prefix_gateway.routing.router import Router
 from prefix_gateway.state.index import InMemoryPrefixIndex
 from prefix_gateway.state.sessions import InMemorySessionStore
 from tests.conftest import MODEL
-from tests.support import GatewayProcess, metric_value
+from tests.support import PATIENCE_SECONDS, GatewayProcess, metric_value
 from tests.words import words
 
 TOKEN = "explain-token"
@@ -65,7 +65,9 @@ def test_the_admin_token_guards_explain(
     admin: GatewayProcess, headers: dict[str, str], status: int, code: str
 ) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-    response = httpx.post(admin.url + "/admin/explain", json=body, headers=headers)
+    response = httpx.post(
+        admin.url + "/admin/explain", json=body, headers=headers, timeout=PATIENCE_SECONDS
+    )
     assert response.status_code == status
     error = response.json()["error"]
     assert error["code"] == code and set(error) == {"message", "type", "param", "code"}

@@ -17,7 +17,7 @@ import pytest
 from loadtest import fault_clients
 from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
-from tests.support import GatewayProcess, wait_until
+from tests.support import PATIENCE_SECONDS, GatewayProcess, wait_until
 from tests.words import words
 
 
@@ -104,13 +104,14 @@ def test_new_connections_are_refused_once_the_listener_closed() -> None:
         answers: list[httpx.Response] = []
 
         def unready() -> bool:
-            answers.append(httpx.get(gateway.url + "/ready"))
+            answers.append(httpx.get(gateway.url + "/ready", timeout=PATIENCE_SECONDS))
             return answers[-1].status_code != 200
 
         wait_until(unready, "/ready turning 503")
         served = httpx.post(
             gateway.url + "/v1/chat/completions",
             json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+            timeout=PATIENCE_SECONDS,
         )
         wait_until(lambda: not gateway.running, "the gateway's exit after the delay")
         with pytest.raises(httpx.ConnectError):

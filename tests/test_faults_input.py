@@ -19,7 +19,7 @@ import pytest
 from loadtest.fault_load import rss_bytes
 from tests.conftest import MODEL
 from tests.fault_servers import FaultServer
-from tests.support import GatewayProcess, metric_value
+from tests.support import PATIENCE_SECONDS, GatewayProcess, metric_value
 
 KEYS = ("first-key", "second-key")
 UPSTREAM_KEY = "replica-secret"
@@ -46,7 +46,12 @@ def _post(gateway: GatewayProcess, body: bytes, key: str | None = KEYS[0]) -> ht
     headers = {"content-type": "application/json"}
     if key is not None:
         headers["authorization"] = f"Bearer {key}"
-    return httpx.post(gateway.url + "/v1/chat/completions", content=body, headers=headers)
+    return httpx.post(
+        gateway.url + "/v1/chat/completions",
+        content=body,
+        headers=headers,
+        timeout=PATIENCE_SECONDS,
+    )
 
 
 def _chat(content: str = "hello", **extra: object) -> bytes:
@@ -68,9 +73,9 @@ def test_api_keys_are_required_on_v1_only(guarded: GatewayProcess) -> None:
     wrong = _post(guarded, _chat(), key="first-key-but-longer")
     assert wrong.status_code == 401 and _error(wrong)["code"] == "invalid_api_key"
     assert _post(guarded, _chat(), key=KEYS[1]).status_code == 200
-    assert httpx.get(guarded.url + "/v1/models").status_code == 401
+    assert httpx.get(guarded.url + "/v1/models", timeout=PATIENCE_SECONDS).status_code == 401
     for open_path in ("/health", "/ready", "/metrics"):
-        assert httpx.get(guarded.url + open_path).status_code == 200
+        assert httpx.get(guarded.url + open_path, timeout=PATIENCE_SECONDS).status_code == 200
     client = openai.OpenAI(base_url=guarded.url + "/v1", api_key=KEYS[0], max_retries=0)
     reply = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}]
@@ -107,6 +112,7 @@ def test_oversized_headers_get_431_and_do_not_grow_the_process(guarded: GatewayP
         guarded.url + "/v1/chat/completions",
         content=_chat(),
         headers={"authorization": f"Bearer {KEYS[0]}", "x-padding": "a" * 10_000},
+        timeout=PATIENCE_SECONDS,
     )
     assert big.status_code == 431 and _error(big)["code"] == "headers_too_large"
     before = rss_bytes(guarded.pid)

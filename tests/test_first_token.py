@@ -16,7 +16,7 @@ from prefix_gateway.emulator.replicas import EmulatedReplicas
 from prefix_gateway.routing.first_token import FirstTokenModel
 from prefix_gateway.routing.prefix_policy import PrefixPolicy
 from prefix_gateway.routing.types import Route, RoutingState
-from tests.support import GatewayProcess, metric_value, wait_until
+from tests.support import PATIENCE_SECONDS, GatewayProcess, metric_value, wait_until
 from tests.words import words
 
 FAST, SLOW = "fast:1", "slow:1"
@@ -179,7 +179,9 @@ def _stream(client: openai.OpenAI, seed: int) -> str:
 
 
 def _slow_down(replica_url: str, factor: float) -> None:
-    response = httpx.post(replica_url + "/emulator/slowdown", json={"factor": factor})
+    response = httpx.post(
+        replica_url + "/emulator/slowdown", json={"factor": factor}, timeout=PATIENCE_SECONDS
+    )
     assert response.status_code == 200 and response.json() == {"factor": factor}
 
 
@@ -187,7 +189,9 @@ def test_the_emulator_refuses_a_slowdown_that_is_not_a_positive_number(
     fleet: EmulatedReplicas,
 ) -> None:
     for bad in (0, -1, "3", True, None):
-        response = httpx.post(fleet.urls[0] + "/emulator/slowdown", json={"factor": bad})
+        response = httpx.post(
+            fleet.urls[0] + "/emulator/slowdown", json={"factor": bad}, timeout=PATIENCE_SECONDS
+        )
         assert response.status_code == 400
         assert response.json()["error"]["param"] == "factor"
 
@@ -213,6 +217,7 @@ def test_a_replica_that_slows_down_loses_its_share_and_regains_it(
             "most new prompts to leave the slowed replica",
             seconds=90,
         )
+
         # Explain shows why: the slowed replica's prediction, and the choice it leads to.
         def explained_elsewhere() -> bool:
             _stream(client, next(seed))
@@ -241,7 +246,11 @@ def test_a_replica_that_slows_down_loses_its_share_and_regains_it(
 
 
 def _backends(gateway: GatewayProcess) -> list[dict[str, Any]]:
-    response = httpx.get(gateway.url + "/admin/backends", headers={"authorization": "Bearer t"})
+    response = httpx.get(
+        gateway.url + "/admin/backends",
+        headers={"authorization": "Bearer t"},
+        timeout=PATIENCE_SECONDS,
+    )
     assert response.status_code == 200, response.text
     backends: list[dict[str, Any]] = response.json()["data"]
     return backends
@@ -254,7 +263,10 @@ def _other(gateway: GatewayProcess, name: str) -> str:
 def _explain(gateway: GatewayProcess, prompt: str) -> dict[str, Any]:
     body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "stream": True}
     response = httpx.post(
-        gateway.url + "/admin/explain", json=body, headers={"authorization": "Bearer t"}
+        gateway.url + "/admin/explain",
+        json=body,
+        headers={"authorization": "Bearer t"},
+        timeout=PATIENCE_SECONDS,
     )
     assert response.status_code == 200, response.text
     explained: dict[str, Any] = response.json()

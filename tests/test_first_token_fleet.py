@@ -15,7 +15,7 @@ import pytest
 
 from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.redis_server import PATIENT, RedisServer
-from tests.support import GatewayProcess, wait_until
+from tests.support import PATIENCE_SECONDS, GatewayProcess, wait_until
 from tests.words import words
 
 MODEL = "emulated-model"
@@ -27,7 +27,9 @@ def fleet() -> Iterator[EmulatedReplicas]:
     # 0.5 ms a token: a 1,200-token prompt takes 0.6 s, 1.8 s on the first replica, slowed.
     args = ["--prefill-us-per-token", "500", "--cache-blocks", "4096"]
     with EmulatedReplicas(2, MODEL, args) as replicas:
-        response = httpx.post(replicas.urls[0] + "/emulator/slowdown", json={"factor": 3})
+        response = httpx.post(
+            replicas.urls[0] + "/emulator/slowdown", json={"factor": 3}, timeout=PATIENCE_SECONDS
+        )
         assert response.status_code == 200
         yield replicas
 
@@ -68,14 +70,18 @@ def _stream(gateway: GatewayProcess, prompt: str) -> str:
 
 def _explain(gateway: GatewayProcess, prompt: str) -> dict[str, Any]:
     body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "stream": True}
-    response = httpx.post(gateway.url + "/admin/explain", json=body, headers=AUTH)
+    response = httpx.post(
+        gateway.url + "/admin/explain", json=body, headers=AUTH, timeout=PATIENCE_SECONDS
+    )
     assert response.status_code == 200, response.text
     explained: dict[str, Any] = response.json()
     return explained
 
 
 def _slow_name(gateway: GatewayProcess, fleet: EmulatedReplicas) -> str:
-    listed = httpx.get(gateway.url + "/admin/backends", headers=AUTH).json()["data"]
+    listed = httpx.get(
+        gateway.url + "/admin/backends", headers=AUTH, timeout=PATIENCE_SECONDS
+    ).json()["data"]
     return next(str(item["name"]) for item in listed if item["url"] == fleet.urls[0])
 
 

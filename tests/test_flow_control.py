@@ -16,7 +16,7 @@ import yaml
 
 from prefix_gateway.emulator.process import EmulatorProcess
 from tests.holding_replica import HoldingReplica
-from tests.support import GatewayProcess, stall, wait_until
+from tests.support import PATIENCE_SECONDS, GatewayProcess, stall, wait_until
 
 MODEL = "held-model"
 
@@ -219,7 +219,12 @@ def test_a_follow_up_waits_for_a_slot_on_the_replica_holding_its_response(
         )
         responses = gateway.url + "/v1/responses"
         model = "emulated-model"
-        first = httpx.post(responses, json={"model": model, "input": "hi"}, headers=headers)
+        first = httpx.post(
+            responses,
+            json={"model": model, "input": "hi"},
+            headers=headers,
+            timeout=PATIENCE_SECONDS,
+        )
         assert first.status_code == 200
         stall(replica, True)
         statuses: list[int] = []

@@ -36,7 +36,7 @@ from prefix_gateway.state.index import InMemoryPrefixIndex
 from prefix_gateway.state.redis import KeySpace, RedisLink, open_client
 from prefix_gateway.state.sessions import InMemorySessionStore
 from tests.redis_server import RedisServer
-from tests.support import eventually
+from tests.support import PATIENCE_SECONDS, eventually
 
 MODEL = "m"
 TENANTS = ("busy", "quiet", "thrifty", "lavish", "filler")
@@ -287,7 +287,7 @@ def test_another_gateways_requests_on_a_replica_take_its_slots_here(
     once that gateway's requests end and it says so, the request is placed."""
 
     async def scenario() -> None:
-        async with httpx.AsyncClient() as probes:
+        async with httpx.AsyncClient(timeout=PATIENCE_SECONDS) as probes:
             here, there = (
                 FleetMember(redis_server.url, probes),
                 FleetMember(redis_server.url, probes),

@@ -29,7 +29,7 @@ from prefix_gateway.emulator.replicas import EmulatedReplicas
 from prefix_gateway.processes import free_port
 from tests.conftest import MODEL
 from tests.fault_servers import FaultServer
-from tests.support import GatewayProcess, metric_value, read_to_close, wait_until
+from tests.support import PATIENCE_SECONDS, GatewayProcess, metric_value, read_to_close, wait_until
 
 MAX_HEADER_BYTES = 8192
 MAX_HEADERS = 50
@@ -248,12 +248,20 @@ def test_request_ids_must_be_short_tokens(edge: GatewayProcess, recorder: FaultS
     hostile: list[bytes] = [b"a" * 129, b"a" * 4000, "café".encode(), b"two words", b"../../etc"]
     used_ids = []
     with NormalTraffic(edge) as traffic:
-        response = httpx.post(url, content=_chat(model=RECORDED), headers={"x-request-id": kept})
+        response = httpx.post(
+            url,
+            content=_chat(model=RECORDED),
+            headers={"x-request-id": kept},
+            timeout=PATIENCE_SECONDS,
+        )
         assert response.status_code == 200
         assert response.headers["x-request-id"] == kept == recorder.seen[-1].headers["x-request-id"]
         for given in hostile:
             response = httpx.post(
-                url, content=_chat(model=RECORDED), headers={"x-request-id": given}
+                url,
+                content=_chat(model=RECORDED),
+                headers={"x-request-id": given},
+                timeout=PATIENCE_SECONDS,
             )
             assert response.status_code == 200
             used = response.headers["x-request-id"]
@@ -312,13 +320,15 @@ def test_the_responses_paths_and_model_only_endpoints_keep_the_bounds(
                 ("POST", "/tokenize"),
             )
         }
-        by_long_id = httpx.get(edge.url + "/v1/responses/" + long_id)
+        by_long_id = httpx.get(edge.url + "/v1/responses/" + long_id, timeout=PATIENCE_SECONDS)
         follow_up = {"model": MODEL, "input": "hi", "previous_response_id": long_id}
-        long_previous = httpx.post(edge.url + "/v1/responses", json=follow_up)
+        long_previous = httpx.post(
+            edge.url + "/v1/responses", json=follow_up, timeout=PATIENCE_SECONDS
+        )
         many = b'{"model":"m","input":[' + b",".join([b"{}"] * 10_001) + b"]}"
-        many_items = httpx.post(edge.url + "/v1/responses", content=many)
+        many_items = httpx.post(edge.url + "/v1/responses", content=many, timeout=PATIENCE_SECONDS)
         nested = b'{"model":"m","input":' + b"[" * 300 + b"]" * 300 + b"}"
-        deep = httpx.post(edge.url + "/v1/responses", content=nested)
+        deep = httpx.post(edge.url + "/v1/responses", content=nested, timeout=PATIENCE_SECONDS)
     assert set(too_large.values()) == {"body_too_large"}, too_large
     assert by_long_id.status_code == 400 and long_previous.status_code == 400
     assert by_long_id.json()["error"]["code"] == "invalid_response_id"
@@ -389,20 +399,33 @@ def test_beyond_loopback_the_admin_api_is_off_without_a_token(fleet: EmulatedRep
             ("POST", "/admin/explain"),
             ("DELETE", f"/admin/backends/{fleet.urls[0].removeprefix('http://')}"),
         ):
-            refused = httpx.request(method, gateway.url + path, json={"url": "http://x:1"})
+            refused = httpx.request(
+                method, gateway.url + path, json={"url": "http://x:1"}, timeout=PATIENCE_SECONDS
+            )
             assert refused.status_code == 403, (method, path)
             assert refused.json()["error"]["code"] == "admin_disabled"
         assert ask(gateway.url).status_code == 200
-        listed = httpx.get(gateway.url + "/v1/models").json()["data"]
+        listed = httpx.get(gateway.url + "/v1/models", timeout=PATIENCE_SECONDS).json()["data"]
         assert [model["id"] for model in listed] == [MODEL]
 
 
 def test_beyond_loopback_the_token_opens_it(fleet: EmulatedReplicas) -> None:
     with WideGateway(fleet.urls, "--admin-token", TOKEN) as gateway:
-        assert httpx.get(gateway.url + "/admin/backends").status_code == 401
-        wrong = httpx.get(gateway.url + "/admin/backends", headers={"authorization": "Bearer no"})
+        assert (
+            httpx.get(gateway.url + "/admin/backends", timeout=PATIENCE_SECONDS).status_code == 401
+        )
+        wrong = httpx.get(
+            gateway.url + "/admin/backends",
+            headers={"authorization": "Bearer no"},
+            timeout=PATIENCE_SECONDS,
+        )
         assert wrong.status_code == 403 and wrong.json()["error"]["code"] == "invalid_token"
-        assert httpx.get(gateway.url + "/admin/backends", headers=BEARER).status_code == 200
+        assert (
+            httpx.get(
+                gateway.url + "/admin/backends", headers=BEARER, timeout=PATIENCE_SECONDS
+            ).status_code
+            == 200
+        )
 
 
 def test_an_added_backend_url_is_checked(fleet: EmulatedReplicas) -> None:
@@ -416,10 +439,17 @@ def test_an_added_backend_url_is_checked(fleet: EmulatedReplicas) -> None:
     ]
     with GatewayProcess(fleet.urls, "--admin-token", TOKEN) as gateway:
         for url in refused:
-            added = httpx.post(gateway.url + "/admin/backends", json={"url": url}, headers=BEARER)
+            added = httpx.post(
+                gateway.url + "/admin/backends",
+                json={"url": url},
+                headers=BEARER,
+                timeout=PATIENCE_SECONDS,
+            )
             assert added.status_code == 400, url
             assert added.json()["error"]["code"] == "invalid_backend"
-        listing = httpx.get(gateway.url + "/admin/backends", headers=BEARER).json()["data"]
+        listing = httpx.get(
+            gateway.url + "/admin/backends", headers=BEARER, timeout=PATIENCE_SECONDS
+        ).json()["data"]
         assert len(listing) == len(fleet.urls)
         assert ask(gateway.url).status_code == 200
 
@@ -431,7 +461,12 @@ def test_the_gateway_cannot_be_added_to_itself(fleet: EmulatedReplicas) -> None:
             f"http://localhost:{gateway.port}",
             f"http://127.0.0.9:{gateway.port}",
         ):
-            added = httpx.post(gateway.url + "/admin/backends", json={"url": url}, headers=BEARER)
+            added = httpx.post(
+                gateway.url + "/admin/backends",
+                json={"url": url},
+                headers=BEARER,
+                timeout=PATIENCE_SECONDS,
+            )
             assert added.status_code == 400, url
         assert ask(gateway.url).status_code == 200
 
@@ -447,7 +482,9 @@ def test_a_request_that_comes_back_stops_after_one_hop(fleet: EmulatedReplicas) 
         wait_until(
             lambda: all(
                 item["healthy"]
-                for item in httpx.get(gateway.url + "/admin/backends").json()["data"]
+                for item in httpx.get(
+                    gateway.url + "/admin/backends", timeout=PATIENCE_SECONDS
+                ).json()["data"]
             ),
             "every backend healthy, the gateway itself too",
         )
@@ -479,6 +516,7 @@ def test_the_upstream_key_goes_only_to_configured_backends() -> None:
             gateway.url + "/admin/backends",
             json={"url": added.url, "model": MODEL},
             headers=BEARER,
+            timeout=PATIENCE_SECONDS,
         )
         assert response.status_code == 201
         for turn in range(8):
@@ -520,6 +558,7 @@ def test_session_keys_are_bounded_and_kept_only_as_hashes(fleet: EmulatedReplica
             gateway.url + "/admin/explain",
             json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
             headers={"x-session-id": "secret-session"},
+            timeout=PATIENCE_SECONDS,
         ).json()
         assert explained["session_key"] != "secret-session" and len(explained["session_key"]) == 16
         assert ask(gateway.url, **{"x-session-id": "k" * 512}).status_code == 200
@@ -534,10 +573,12 @@ def test_a_body_of_nested_arrays_is_refused_before_it_is_parsed(
             + (b"[" * 300 + b"]" * 300)
             + b"}"
         )
-        deep = httpx.post(gateway.url + "/v1/chat/completions", content=nested)
+        deep = httpx.post(
+            gateway.url + "/v1/chat/completions", content=nested, timeout=PATIENCE_SECONDS
+        )
         assert deep.status_code == 400 and deep.json()["error"]["code"] == "too_deep"
         many = b'{"model":"m","prompt":[' + b",".join([b"[1]"] * 300_000) + b"]}"
-        wide = httpx.post(gateway.url + "/v1/completions", content=many)
+        wide = httpx.post(gateway.url + "/v1/completions", content=many, timeout=PATIENCE_SECONDS)
         assert wide.status_code == 400 and wide.json()["error"]["code"] == "too_many_values"
         assert ask(gateway.url).status_code == 200
 
@@ -561,7 +602,12 @@ def test_removed_backends_leave_the_metrics(fleet: EmulatedReplicas) -> None:
             assert ask(gateway.url, f"warm {turn}").status_code == 200
         gone = fleet.urls[0].removeprefix("http://")
         assert f'backend="{gone}"' in gateway.metrics()
-        assert httpx.delete(gateway.url + f"/admin/backends/{gone}").status_code == 200
+        assert (
+            httpx.delete(
+                gateway.url + f"/admin/backends/{gone}", timeout=PATIENCE_SECONDS
+            ).status_code
+            == 200
+        )
         assert f'backend="{gone}"' not in gateway.metrics()
         assert ask(gateway.url).status_code == 200
 
@@ -610,9 +656,17 @@ def test_a_tenants_stored_responses_are_its_own(fleet: EmulatedReplicas) -> None
             )
         # The engines' endpoints outside /v1/ need a key as well.
         body = {"model": MODEL, "prompt": "x"}
-        assert httpx.post(gateway.url + "/tokenize", json=body).status_code == 401
+        assert (
+            httpx.post(gateway.url + "/tokenize", json=body, timeout=PATIENCE_SECONDS).status_code
+            == 401
+        )
         keyed = {"authorization": "Bearer tenant-b"}
-        assert httpx.post(gateway.url + "/tokenize", json=body, headers=keyed).status_code == 200
+        assert (
+            httpx.post(
+                gateway.url + "/tokenize", json=body, headers=keyed, timeout=PATIENCE_SECONDS
+            ).status_code
+            == 200
+        )
 
 
 def test_tenant_isolation_needs_client_keys() -> None:

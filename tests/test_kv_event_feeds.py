@@ -19,7 +19,7 @@ from engines.kv_events import load_sample
 from prefix_gateway.backends.kv_events import FeedState, KVEventFeeds, sources, subscribe_address
 from prefix_gateway.backends.pool import BackendPool
 from prefix_gateway.metrics import Metrics
-from tests.support import eventually
+from tests.support import PATIENCE_SECONDS, eventually
 
 SAMPLE = Path(__file__).parent / "data" / "vllm_kv_events.msgpack"
 
@@ -121,7 +121,7 @@ def test_a_feed_follows_the_publisher_then_falls_back_when_it_goes(
         name = pool.backends[0].name
         metrics = Metrics()
         stored: list[int] = []
-        async with httpx.AsyncClient() as client:
+        async with httpx.AsyncClient(timeout=PATIENCE_SECONDS) as client:
             feeds = KVEventFeeds(
                 pool, client, 32, metrics, lambda _, blocks: stored.extend(blocks), interval=0.1
             )
@@ -164,7 +164,7 @@ def test_a_restarted_publisher_is_followed_afresh_on_its_port_then_on_a_new_one(
         name = pool.backends[0].name
         metrics = Metrics()
         stored: list[int] = []
-        async with httpx.AsyncClient() as client:
+        async with httpx.AsyncClient(timeout=PATIENCE_SECONDS) as client:
             feeds = KVEventFeeds(
                 pool, client, 32, metrics, lambda _, blocks: stored.extend(blocks), interval=0.1
             )

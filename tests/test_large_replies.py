@@ -20,7 +20,7 @@ import pytest
 from prefix_gateway.proxy.usage import StreamObserver, usage_in_tail
 from tests.conftest import MODEL
 from tests.fault_servers import read_request
-from tests.support import GatewayProcess, metric_value, wait_until
+from tests.support import PATIENCE_SECONDS, GatewayProcess, metric_value, wait_until
 from tests.threaded_server import ThreadedServer
 
 _MIB = 1024 * 1024
@@ -250,7 +250,9 @@ def test_a_large_reply_cut_short_reaches_the_client_short_of_its_length() -> Non
         payload = {"model": MODEL, "messages": [{"role": "user", "content": "big one"}]}
         with (
             pytest.raises(httpx.RemoteProtocolError),
-            httpx.stream("POST", gateway.url + "/v1/chat/completions", json=payload) as answer,
+            httpx.stream(
+                "POST", gateway.url + "/v1/chat/completions", json=payload, timeout=PATIENCE_SECONDS
+            ) as answer,
         ):
             assert answer.status_code == 200
             for _ in answer.iter_raw():

@@ -22,7 +22,7 @@ from prefix_gateway.replay.simulator import ReplayConfig, run_replay
 from prefix_gateway.replay.synthetic import synthetic_trace
 from prefix_gateway.routing.prefix_policy import PrefixPolicy
 from prefix_gateway.routing.types import Route, RoutingState
-from tests.support import GatewayProcess, wait_until
+from tests.support import PATIENCE_SECONDS, GatewayProcess, wait_until
 
 MODEL = "emulated-model"
 OTHER_MODEL = "other-model"
@@ -264,8 +264,15 @@ def test_the_emulated_replica_swaps_loads_and_unloads_as_vllm_does(
     cards = httpx.get(replica.url + "/v1/models", timeout=10).json()["data"]
     assert {"id": "extra", "root": "/a/extra", "parent": MODEL}.items() <= cards[-1].items()
     unload = {"lora_name": "extra"}
-    assert httpx.post(replica.url + "/v1/unload_lora_adapter", json=unload).status_code == 200
-    gone = httpx.post(replica.url + "/v1/unload_lora_adapter", json=unload)
+    assert (
+        httpx.post(
+            replica.url + "/v1/unload_lora_adapter", json=unload, timeout=PATIENCE_SECONDS
+        ).status_code
+        == 200
+    )
+    gone = httpx.post(
+        replica.url + "/v1/unload_lora_adapter", json=unload, timeout=PATIENCE_SECONDS
+    )
     assert gone.status_code == 404 and gone.json()["error"]["type"] == "NotFoundError"
     # Without LoRA, as vLLM without runtime updating: no such endpoint.
     plain = httpx.post(replicas[2].url + "/v1/load_lora_adapter", json=load, timeout=10)

@@ -21,7 +21,7 @@ from prefix_gateway.backends.backend import Backend
 from prefix_gateway.config import Settings
 from prefix_gateway.config.effective import REDACTED
 from prefix_gateway.emulator.replicas import EmulatedReplicas
-from tests.support import ROOT, GatewayProcess, free_port, wait_until
+from tests.support import PATIENCE_SECONDS, ROOT, GatewayProcess, free_port, wait_until
 
 MODEL = "emulated-model"
 ADMIN_TOKEN = "admin-secret-1234"
@@ -81,7 +81,9 @@ def gateway(replica: EmulatedReplicas, closed: str) -> Iterator[GatewayProcess]:
 
 def backends(gateway: GatewayProcess) -> dict[str, dict[str, object]]:
     answer = httpx.get(
-        gateway.url + "/admin/backends", headers={"authorization": f"Bearer {ADMIN_TOKEN}"}
+        gateway.url + "/admin/backends",
+        headers={"authorization": f"Bearer {ADMIN_TOKEN}"},
+        timeout=PATIENCE_SECONDS,
     )
     assert answer.status_code == 200
     return {item["name"]: item for item in answer.json()["data"]}
@@ -106,7 +108,10 @@ def test_a_model_no_reachable_replica_has_listed_is_a_503_not_a_404(
 ) -> None:
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
     admin = {"authorization": f"Bearer {ADMIN_TOKEN}"}
-    wait_until(lambda: httpx.get(gateway.url + "/ready").status_code == 200, "a replica up")
+    wait_until(
+        lambda: httpx.get(gateway.url + "/ready", timeout=PATIENCE_SECONDS).status_code == 200,
+        "a replica up",
+    )
     assert client.completions.create(model=MODEL, prompt="hello", max_tokens=1).choices
 
     def refused(model: str) -> openai.APIStatusError:
@@ -120,17 +125,34 @@ def test_a_model_no_reachable_replica_has_listed_is_a_503_not_a_404(
     assert unreachable.response.headers["retry-after"] == "1"
     # Once every replica has listed its models, a model none lists does not exist.
     closed_name = closed.removeprefix("http://")
-    assert httpx.delete(f"{gateway.url}/admin/backends/{closed_name}", headers=admin).is_success
+    assert httpx.delete(
+        f"{gateway.url}/admin/backends/{closed_name}", headers=admin, timeout=PATIENCE_SECONDS
+    ).is_success
     unknown = refused("served-by-the-unreachable-one")
     assert (unknown.status_code, unknown.code) == (404, "model_not_found")
     # No replica reachable at all: every model is a 503.
-    added = httpx.post(gateway.url + "/admin/backends", json={"url": closed}, headers=admin)
+    added = httpx.post(
+        gateway.url + "/admin/backends",
+        json={"url": closed},
+        headers=admin,
+        timeout=PATIENCE_SECONDS,
+    )
     assert added.status_code == 201
     reachable = replica.urls[0].removeprefix("http://")
-    assert httpx.delete(f"{gateway.url}/admin/backends/{reachable}", headers=admin).is_success
+    assert httpx.delete(
+        f"{gateway.url}/admin/backends/{reachable}", headers=admin, timeout=PATIENCE_SECONDS
+    ).is_success
     alone = refused(MODEL)
     assert (alone.status_code, alone.code) == (503, "no_healthy_backend")
     assert alone.response.headers["retry-after"] == "1"
+    # Back as the module's other tests expect it.
+    restored = httpx.post(
+        gateway.url + "/admin/backends",
+        json={"url": replica.urls[0]},
+        headers=admin,
+        timeout=PATIENCE_SECONDS,
+    )
+    assert restored.status_code == 201
 
 
 def test_the_start_logs_misspelt_variables_and_the_configuration_without_secrets(

@@ -25,7 +25,7 @@ from prefix_gateway.prompt.parsing import Endpoint, parse_request, session_hash
 from prefix_gateway.proxy.usage import StreamObserver, observe_body
 from tests.conftest import MODEL
 from tests.fault_servers import FaultServer
-from tests.support import GatewayProcess, metric_value, wait_until
+from tests.support import PATIENCE_SECONDS, GatewayProcess, metric_value, wait_until
 from tests.words import words
 
 KEY = "messages-key"
@@ -200,7 +200,12 @@ def gateway() -> Iterator[GatewayProcess]:
     replicas = EmulatedReplicas(2, MODEL).start()
     try:
         with GatewayProcess(replicas.urls, "--api-key", KEY) as process:
-            wait_until(lambda: httpx.get(process.url + "/ready").status_code == 200, "ready")
+            wait_until(
+                lambda: (
+                    httpx.get(process.url + "/ready", timeout=PATIENCE_SECONDS).status_code == 200
+                ),
+                "ready",
+            )
             yield process
     finally:
         replicas.stop()
@@ -337,30 +342,42 @@ def test_keys_as_anthropic_clients_send_them_and_errors_in_their_shape(
         (messages_body(model=MODEL, messages="hi"), 400, "invalid_request_error"),
         (b"{", 400, "invalid_request_error"),
     ]:
-        answer = httpx.post(gateway.url + "/v1/messages", content=body, headers=headers)
+        answer = httpx.post(
+            gateway.url + "/v1/messages", content=body, headers=headers, timeout=PATIENCE_SECONDS
+        )
         assert answer.status_code == status
         assert answer.json()["type"] == "error" and answer.json()["error"]["type"] == kind
-    wrong_method = httpx.get(gateway.url + "/v1/messages", headers=headers)
+    wrong_method = httpx.get(
+        gateway.url + "/v1/messages", headers=headers, timeout=PATIENCE_SECONDS
+    )
     assert wrong_method.status_code == 405 and wrong_method.json()["type"] == "error"
     # The OpenAI paths keep OpenAI's shape, and take the same key in either header.
     chat = {"model": MODEL, "messages": question, "max_tokens": 2}
-    openai_path = httpx.post(gateway.url + "/v1/chat/completions", json=chat, headers=headers)
+    openai_path = httpx.post(
+        gateway.url + "/v1/chat/completions", json=chat, headers=headers, timeout=PATIENCE_SECONDS
+    )
     assert openai_path.status_code == 200
-    refused_chat = httpx.post(gateway.url + "/v1/chat/completions", json={"model": MODEL})
+    refused_chat = httpx.post(
+        gateway.url + "/v1/chat/completions", json={"model": MODEL}, timeout=PATIENCE_SECONDS
+    )
     assert refused_chat.status_code == 401 and "error" in refused_chat.json()
 
 
 def test_explain_reads_a_messages_body(gateway: GatewayProcess) -> None:
     body = orjson.loads(messages_body(model=MODEL, system=SYSTEM))
-    explained = httpx.post(gateway.url + "/admin/explain", json=body).json()
+    explained = httpx.post(
+        gateway.url + "/admin/explain", json=body, timeout=PATIENCE_SECONDS
+    ).json()
     assert explained["endpoint"] == "/v1/messages" and explained["prompt_blocks"] > 0
     del body["system"]
     as_anthropic = {"anthropic-version": "2023-06-01"}
-    headed = httpx.post(gateway.url + "/admin/explain", json=body, headers=as_anthropic).json()
+    headed = httpx.post(
+        gateway.url + "/admin/explain", json=body, headers=as_anthropic, timeout=PATIENCE_SECONDS
+    ).json()
     assert headed["endpoint"] == "/v1/messages"
-    assert httpx.post(gateway.url + "/admin/explain", json=body).json()["endpoint"] == (
-        "/v1/chat/completions"
-    )
+    assert httpx.post(gateway.url + "/admin/explain", json=body, timeout=PATIENCE_SECONDS).json()[
+        "endpoint"
+    ] == ("/v1/chat/completions")
 
 
 def test_count_tokens_is_routed_by_model(client: anthropic.Anthropic) -> None:
@@ -396,14 +413,19 @@ def test_what_a_replica_is_sent_and_a_cut_stream_ending_in_an_error_event(tmp_pa
             [f"fault-model={replica.url}"], *PASSED_ON, "--config", str(config)
         ) as gateway,
     ):
-        wait_until(lambda: httpx.get(gateway.url + "/ready").status_code == 200, "ready")
+        wait_until(
+            lambda: httpx.get(gateway.url + "/ready", timeout=PATIENCE_SECONDS).status_code == 200,
+            "ready",
+        )
         headers = {
             "x-api-key": KEY,
             "anthropic-version": "2023-06-01",
             "anthropic-beta": "prompt-caching-2024-07-31",
         }
         body = messages_body(model="fault-model")
-        answer = httpx.post(gateway.url + "/v1/messages", content=body, headers=headers)
+        answer = httpx.post(
+            gateway.url + "/v1/messages", content=body, headers=headers, timeout=PATIENCE_SECONDS
+        )
         assert answer.status_code == 200
         sent = replica.seen[-1]
         assert sent.path == "/v1/messages"
@@ -415,21 +437,35 @@ def test_what_a_replica_is_sent_and_a_cut_stream_ending_in_an_error_event(tmp_pa
         assert sent.headers["x-vllm-priority"] == "0"
         assert "x-api-key" not in sent.headers and "authorization" not in sent.headers
         counted = httpx.post(
-            gateway.url + "/v1/messages/count_tokens", content=body, headers=headers
+            gateway.url + "/v1/messages/count_tokens",
+            content=body,
+            headers=headers,
+            timeout=PATIENCE_SECONDS,
         )
         assert counted.status_code == 200 and replica.seen[-1].body == body
         large = messages_body(model="fault-model", system="x" * 9000)
-        too_large = httpx.post(gateway.url + "/v1/messages", content=large, headers=headers)
+        too_large = httpx.post(
+            gateway.url + "/v1/messages", content=large, headers=headers, timeout=PATIENCE_SECONDS
+        )
         assert too_large.status_code == 413
         assert too_large.json()["error"]["type"] == "request_too_large"
         budgeted = {**headers, "x-api-key": "once"}
-        assert httpx.post(gateway.url + "/v1/messages", content=body, headers=budgeted).is_success
-        spent = httpx.post(gateway.url + "/v1/messages", content=body, headers=budgeted)
+        assert httpx.post(
+            gateway.url + "/v1/messages", content=body, headers=budgeted, timeout=PATIENCE_SECONDS
+        ).is_success
+        spent = httpx.post(
+            gateway.url + "/v1/messages", content=body, headers=budgeted, timeout=PATIENCE_SECONDS
+        )
         assert spent.status_code == 429 and "retry-after" in spent.headers
         assert spent.json()["error"]["type"] == "rate_limit_error"
         replica.mode = "cut"
         streamed = messages_body(model="fault-model", stream=True)
-        cut = httpx.post(gateway.url + "/v1/messages", content=streamed, headers=headers)
+        cut = httpx.post(
+            gateway.url + "/v1/messages",
+            content=streamed,
+            headers=headers,
+            timeout=PATIENCE_SECONDS,
+        )
     last = cut.content.rstrip(b"\n").split(b"\n\n")[-1]
     assert last.startswith(b"event: error\ndata: ")
     error = orjson.loads(last.split(b"data: ", 1)[1])

@@ -21,7 +21,7 @@ from prefix_gateway.emulator.replicas import EmulatedReplicas
 from prefix_gateway.emulator.tokenizer import encode
 from prefix_gateway.prompt.parsing import Endpoint
 from tests.conftest import MODEL
-from tests.support import GatewayProcess
+from tests.support import PATIENCE_SECONDS, GatewayProcess
 
 OTHER = "other-model"
 KEY = "client-key"
@@ -197,7 +197,7 @@ def test_an_unknown_model_is_the_gateways_openai_404(gateway: GatewayProcess, pa
 def test_a_body_that_is_not_json_is_a_400(gateway: GatewayProcess, path: str) -> None:
     cut = b'{"model": "' + MODEL.encode() + b'", "inp'
     json_type = {"content-type": "application/json"}
-    reply = httpx.post(gateway.url + path, content=cut, headers=json_type)
+    reply = httpx.post(gateway.url + path, content=cut, headers=json_type, timeout=PATIENCE_SECONDS)
     assert reply.status_code == 400
     assert _error(reply)["code"] == "invalid_json"
     assert "x-gateway-backend" not in reply.headers
@@ -214,5 +214,6 @@ def test_a_client_key_guards_each_of_them(served: EmulatedReplicas) -> None:
                 guarded.url + path,
                 json={"model": MODEL, **body},
                 headers={"authorization": f"Bearer {KEY}"},
+                timeout=PATIENCE_SECONDS,
             )
             assert keyed.status_code == 200, (path, keyed.text)

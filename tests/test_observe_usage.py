@@ -21,7 +21,7 @@ from prefix_gateway.proxy.rewrite import request_usage, with_cache_salt
 from prefix_gateway.proxy.usage import StreamObserver
 from tests.conftest import MODEL
 from tests.fault_servers import FaultServer
-from tests.support import GatewayProcess, wait_until
+from tests.support import PATIENCE_SECONDS, GatewayProcess, wait_until
 from tests.words import words
 
 # -- the request body ------------------------------------------------------------------------
@@ -178,8 +178,9 @@ def test_something_that_is_not_sse_is_not_held_back_for_ever() -> None:
 def ready(gateway: GatewayProcess) -> GatewayProcess:
     """Wait until a backend is admitted: a probe slowed by a busy machine may fail the first."""
     wait_until(
-        lambda: httpx.get(gateway.url + "/ready?require_backend=true", timeout=5).status_code
-        == 200,
+        lambda: (
+            httpx.get(gateway.url + "/ready?require_backend=true", timeout=5).status_code == 200
+        ),
         "a backend admitted",
     )
     return gateway
@@ -277,7 +278,9 @@ def test_an_upstream_that_ignores_the_option_streams_through_unchanged(observe: 
         args = ("--observe-usage",) if observe else ()
         with GatewayProcess([f"fault-model={replica.url}"], *args) as gateway:
             ready(gateway)
-            direct = httpx.post(replica.url + "/v1/chat/completions", content=RAW_BODY).content
+            direct = httpx.post(
+                replica.url + "/v1/chat/completions", content=RAW_BODY, timeout=PATIENCE_SECONDS
+            ).content
             routed = httpx.post(
                 gateway.url + "/v1/chat/completions",
                 content=RAW_BODY,

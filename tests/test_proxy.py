@@ -11,7 +11,7 @@ import pytest
 from prefix_gateway.emulator.replicas import EmulatedReplicas
 from prefix_gateway.processes import free_port
 from tests.conftest import MODEL
-from tests.support import GatewayProcess, metric_value, stall, wait_until
+from tests.support import PATIENCE_SECONDS, GatewayProcess, metric_value, stall, wait_until
 from tests.words import words
 
 
@@ -118,6 +118,7 @@ def test_bad_input_gets_an_openai_error(
         gateway.url + "/v1/chat/completions",
         content=body,
         headers={"content-type": "application/json"},
+        timeout=PATIENCE_SECONDS,
     )
     assert response.status_code == status
     error = response.json()["error"]
@@ -131,9 +132,9 @@ def test_unknown_model_through_the_client(client: openai.OpenAI) -> None:
 
 
 def test_unknown_path_and_method_are_openai_errors(gateway: GatewayProcess) -> None:
-    missing = httpx.get(gateway.url + "/v1/nothing")
+    missing = httpx.get(gateway.url + "/v1/nothing", timeout=PATIENCE_SECONDS)
     assert missing.status_code == 404 and "error" in missing.json()
-    wrong = httpx.get(gateway.url + "/v1/chat/completions")
+    wrong = httpx.get(gateway.url + "/v1/chat/completions", timeout=PATIENCE_SECONDS)
     assert wrong.status_code == 405 and "error" in wrong.json()
 
 
@@ -154,16 +155,21 @@ def test_no_healthy_backend_is_a_503() -> None:
         response = httpx.post(
             lonely.url + "/v1/chat/completions",
             json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+            timeout=PATIENCE_SECONDS,
         )
         assert response.status_code == 503
         assert response.json()["error"]["code"] == "no_healthy_backend"
         # It can still answer (that 503), so it stays ready; only the stricter question fails.
-        ready = httpx.get(lonely.url + "/ready")
+        ready = httpx.get(lonely.url + "/ready", timeout=PATIENCE_SECONDS)
         assert ready.status_code == 200
         assert ready.json() == {"ready": True, "healthy": 0, "backends": 1}
-        strict = httpx.get(lonely.url + "/ready", params={"require_backend": "true"})
+        strict = httpx.get(
+            lonely.url + "/ready", params={"require_backend": "true"}, timeout=PATIENCE_SECONDS
+        )
         assert strict.status_code == 503 and strict.json()["ready"] is False
-        wrong = httpx.get(lonely.url + "/ready", params={"require_backend": "perhaps"})
+        wrong = httpx.get(
+            lonely.url + "/ready", params={"require_backend": "perhaps"}, timeout=PATIENCE_SECONDS
+        )
         assert wrong.status_code == 400
         assert wrong.json()["error"]["code"] == "invalid_request"
 
@@ -183,6 +189,7 @@ def test_a_dead_replica_is_failed_over_before_the_first_byte() -> None:
                     "max_tokens": 2,
                     "messages": [{"role": "user", "content": words(10, f"fo{attempt}")}],
                 },
+                timeout=PATIENCE_SECONDS,
             )
             statuses.append(response.status_code)
         assert statuses == [200] * 12

@@ -1,10 +1,10 @@
 """End to end against real vLLM: two CPU replicas of a tiny model, the gateway in front.
 
 The replicas (vLLM's CPU build from .engines/vllm, installed on first use by engines.venv) are
-started once per session, pinned to different cores; the gateway runs as a real process
-(tests.support.GatewayProcess) and is driven with the official `openai` client. Replica 0
-serves `tiny-llama` and `tiny-llama-a`, replica 1 `tiny-llama` and `tiny-llama-b`: the gateway
-must learn those pools from their `/v1/models`.
+the session's, shared with the LoRA module (tests/real_fleet.py), pinned to different cores;
+this module's gateway runs as a real process (tests.support.GatewayProcess) and is driven with
+the official `openai` client. Replica 0 serves `tiny-llama` and `tiny-llama-a`, replica 1
+`tiny-llama` and `tiny-llama-b`: the gateway must learn those pools from their `/v1/models`.
 
 Assertions are about behaviour and order, never sub-second timings: CI runs on a busy 2-core
 machine. `pytest --skip-real-vllm` (or SKIP_REAL_VLLM=1) skips this module; by default it runs.
@@ -26,10 +26,11 @@ import openai
 import pytest
 
 from engines.fleet import VLLMFleet, model_folder
-from engines.kv_events import DEFAULT_SEED, KVEventSubscriber, block_hashes, events_config
+from engines.kv_events import DEFAULT_SEED, KVEventSubscriber, block_hashes
 from engines.replica import VLLMReplica
 from engines.tiny_model import ensure_model
 from engines.venv import VLLMVenv
+from tests.real_fleet import MODEL, ONLY, RealFleet, RealReplicas
 from tests.support import GatewayProcess, metric_value, wait_until
 from tests.test_doctor import CHECKS as DOCTOR_CHECKS
 from tests.test_doctor import by_check, doctor
@@ -38,15 +39,21 @@ from tests.test_responses import WEATHER_TOOL
 
 pytestmark = pytest.mark.real_vllm
 
-MODEL = "tiny-llama"
-ONLY = (f"{MODEL}-a", f"{MODEL}-b")  # the model each replica alone serves
 BLOCK = 32
 # Long enough to fill several blocks of 32 tokens with the tiny model's tokenizer.
-SYSTEM = (
+SHOP = (
     "You are a patient assistant for a hardware shop. Answer questions about tools, "
     "paint, timber and fixings. Keep answers short, name the aisle where the item is kept, "
     "and never recommend a product the shop does not sell. "
 ) * 2
+
+
+def system_prompt(test: str) -> str:
+    """The shop's system prompt, begun with words of one test's own: no other test's requests
+    share a block of it, so what a gateway knows of where it is cached comes from that test
+    alone, whatever ran before (a replica restarted by another test leaves a gateway without
+    KV events believing it still holds what it held)."""
+    return f"At the {test} desk. {SHOP}"
 
 
 # fmt: off
@@ -66,28 +73,6 @@ def text(words: int, seed: str) -> str:
     return " ".join(rng.choice(vocabulary) for _ in range(words)) + "?"
 
 
-class RealFleet:
-    """The session's replicas, their KV-event endpoints and the gateway in front of them."""
-
-    def __init__(
-        self, replicas: list[VLLMReplica], endpoints: list[str], gateway: GatewayProcess
-    ) -> None:
-        self.replicas = replicas
-        self.endpoints = endpoints
-        self.gateway = gateway
-
-    def replica_named(self, backend: str) -> VLLMReplica:
-        """The replica an `x-gateway-backend` value names (the gateway names them host:port)."""
-        for replica in self.replicas:
-            if backend == f"{replica.host}:{replica.port}":
-                return replica
-        raise AssertionError(f"no replica is named {backend!r}: {self.urls}")
-
-    @property
-    def urls(self) -> list[str]:
-        return [replica.url for replica in self.replicas]
-
-
 def gateway_models(gateway: GatewayProcess) -> set[str]:
     try:
         listing = httpx.get(gateway.url + "/v1/models", timeout=5).json()
@@ -96,28 +81,12 @@ def gateway_models(gateway: GatewayProcess) -> set[str]:
     return {entry["id"] for entry in listing.get("data", [])}
 
 
-@pytest.fixture(scope="session")
-def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealFleet]:
-    venv = VLLMVenv().ensure()
-    model = ensure_model(venv.python, model_folder())
-    sockets = tmp_path_factory.mktemp("kv-events")
-    endpoints = [f"ipc://{sockets}/replica-{index}.sock" for index in range(2)]
-    replicas = [
-        VLLMReplica(
-            model,
-            venv=venv,
-            served_model_names=(MODEL, ONLY[index]),
-            cpu_cores=str(index),
-            extra_args=("--kv-events-config", events_config(endpoints[index])),
-            # Stored responses (vLLM ignores `store` without it): previous_response_id works.
-            env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"},
-        )
-        for index in range(2)
-    ]
-    with VLLMFleet(replicas) as fleet, GatewayProcess(fleet.urls) as gateway:
+@pytest.fixture(scope="module")
+def real(real_replicas: RealReplicas) -> Iterator[RealFleet]:
+    with GatewayProcess(real_replicas.urls) as gateway:
         wanted = {MODEL, *ONLY}
         wait_until(lambda: gateway_models(gateway) >= wanted, f"the gateway serves {wanted}", 60)
-        yield RealFleet(fleet.replicas, endpoints, gateway)
+        yield RealFleet(real_replicas, gateway)
 
 
 @pytest.fixture
@@ -191,7 +160,10 @@ def _stream_to_done(url: str, question: str) -> tuple[int, int]:
     `data: [DONE]`; the prompt and cached tokens the replica reported in its usage chunk."""
     body = {
         "model": MODEL,
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "messages": [
+            {"role": "system", "content": system_prompt("done")},
+            {"role": "user", "content": question},
+        ],
         "max_tokens": 8,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -257,7 +229,7 @@ def test_unknown_model_is_a_clean_404(client: openai.OpenAI) -> None:
 def test_six_turn_conversation_stays_on_one_replica_and_hits_its_cache(
     client: openai.OpenAI,
 ) -> None:
-    messages = [{"role": "system", "content": SYSTEM}]
+    messages = [{"role": "system", "content": system_prompt("conversation")}]
     backends: list[str] = []
     prompts: list[int] = []
     hits: list[int] = []
@@ -277,7 +249,10 @@ def test_six_turn_conversation_stays_on_one_replica_and_hits_its_cache(
 
 
 def test_cached_tokens_are_the_prompt_rounded_down_to_blocks(client: openai.OpenAI) -> None:
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "rounding"}]
+    messages = [
+        {"role": "system", "content": system_prompt("rounding")},
+        {"role": "user", "content": "rounding"},
+    ]
     _, backend = ask(client, messages)
     again, backend_again = ask(client, messages)
     assert backend_again == backend
@@ -324,7 +299,10 @@ def test_client_that_hangs_up_mid_stream_aborts_generation(real: RealFleet) -> N
 def test_gateway_metrics_count_upstream_cached_tokens(
     real: RealFleet, client: openai.OpenAI
 ) -> None:
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "metrics"}]
+    messages = [
+        {"role": "system", "content": system_prompt("metrics")},
+        {"role": "user", "content": "metrics"},
+    ]
     ask(client, messages)
     again, _ = ask(client, messages)
     assert cached(again) > 0
@@ -354,7 +332,10 @@ def test_per_model_pools_learned_from_served_model_names(
 
 
 def test_cache_salt_passes_through_and_isolates_the_prefix_cache(client: openai.OpenAI) -> None:
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "salted"}]
+    messages = [
+        {"role": "system", "content": system_prompt("salted")},
+        {"role": "user", "content": "salted"},
+    ]
     first, backend = ask(client, messages, cache_salt="tenant-one")
     same, backend_same = ask(client, messages, cache_salt="tenant-one")
     other, _ = ask(client, messages, cache_salt="tenant-two")
@@ -428,7 +409,7 @@ def test_responses_api_through_the_replica(real: RealFleet) -> None:
 def respond(client: openai.OpenAI, **fields: Any) -> tuple[Any, str, str]:
     """One response of at most 4 tokens: the object, its replica and the gateway's route."""
     raw = client.responses.with_raw_response.create(
-        model=MODEL, instructions=SYSTEM, max_output_tokens=4, **fields
+        model=MODEL, instructions=system_prompt("responses"), max_output_tokens=4, **fields
     )
     headers = raw.headers
     parsed = raw.parse()
@@ -482,19 +463,20 @@ def test_messages_plain_streamed_and_a_conversation_on_one_replica(real: RealFle
     """vLLM's Anthropic endpoints through the gateway, with the official client: a
     conversation (its second turn streamed) stays on one replica and reads its cache, in whole
     blocks; count_tokens answers."""
+    system = system_prompt("messages")
     history: list[Any] = []
     backends, hits = [], []
     with anthropic_client(real.gateway) as client:
         for turn in range(3):
             history.append({"role": "user", "content": text(25, f"messages-{turn}")})
             message, backend = converse(
-                client, turn == 1, model=MODEL, max_tokens=8, system=SYSTEM, messages=history
+                client, turn == 1, model=MODEL, max_tokens=8, system=system, messages=history
             )
             assert message.type == "message" and message.usage.output_tokens >= 1
             backends.append(backend)
             hits.append(message.usage.cache_read_input_tokens)
             history.append({"role": "assistant", "content": message.content})
-        counted = client.messages.count_tokens(model=MODEL, system=SYSTEM, messages=history[:1])
+        counted = client.messages.count_tokens(model=MODEL, system=system, messages=history[:1])
     assert len(set(backends)) == 1, backends
     assert all(hit > 0 and hit % BLOCK == 0 for hit in hits[1:]), hits
     assert counted.input_tokens > 0
@@ -515,7 +497,16 @@ def tokens_gateway(real: RealFleet) -> Iterator[GatewayProcess]:
             )
 
         wait_until(live, "both replicas' events flow into the gateway", 60)
+        # Its examination's requests (`/tokenize` among them) over before a test begins: one
+        # in flight fails at a replica a test restarts, which logs it as an error.
+        wait_until(lambda: None not in examined(gateway).values(), "both replicas examined", 120)
         yield gateway
+
+
+def examined(gateway: GatewayProcess) -> dict[str, Any]:
+    """The doctor's checks of each replica, as /admin/backends shows them (None until made)."""
+    listed = httpx.get(gateway.url + "/admin/backends", timeout=10).json()["data"]
+    return {row["name"]: row["checks"] for row in listed}
 
 
 def assert_predicted_within_5_percent(before: str, after: str, hits: list[int]) -> None:
@@ -538,7 +529,10 @@ def test_with_the_tokenizer_predicted_matched_tokens_are_the_cached_tokens(
     # From 4 KiB a body is tokenized on the gateway's tokenizing thread, below on its loop.
     url = tokens_gateway.url + "/v1"
     before = tokens_gateway.metrics()
-    messages = [{"role": "system", "content": text(system_words, "tokenizer-system")}]
+    # A seed of each length's own: the shorter text would be the longer one's beginning, cached
+    # already where the other ran (before a gateway that did not see it, in another order).
+    system = text(system_words, f"tokenizer-system-{system_words}")
+    messages = [{"role": "system", "content": system}]
     hits = []
     with openai.OpenAI(base_url=url, api_key="unused", max_retries=0) as client:
         for turn in range(5):
@@ -637,12 +631,7 @@ def test_doctor_passes_real_replicas_routed_on_their_tokens(real: RealFleet) -> 
 
 
 def test_serve_runs_the_doctors_checks_on_real_replicas(tokens_gateway: GatewayProcess) -> None:
-    def examined() -> dict[str, Any]:
-        listed = httpx.get(tokens_gateway.url + "/admin/backends", timeout=10).json()["data"]
-        return {row["name"]: row["checks"] for row in listed}
-
-    wait_until(lambda: None not in examined().values(), "both replicas examined", 120)
-    for name, checks in examined().items():
+    for name, checks in examined(tokens_gateway).items():
         results = {check: result["status"] for check, result in checks["results"].items()}
         assert results == dict.fromkeys([*DOCTOR_CHECKS, "token-agreement", "kv-events"], "pass")
         assert (
@@ -727,7 +716,8 @@ def test_doctor_on_engines_without_prefix_caching_or_with_other_blocks(real: Rea
 def test_a_restarted_replicas_events_are_followed_again(
     real: RealFleet, tokens_gateway: GatewayProcess
 ) -> None:
-    """Last in the module: it restarts replica 1, whose cache is then empty."""
+    """It restarts replica 1, whose cache is then empty: no other test relies on what that
+    cache held before it."""
     replica = real.replicas[1]
     name = f"{replica.host}:{replica.port}"
 

@@ -1,91 +1,42 @@
 """LoRA adapters through the gateway in front of two real vLLM replicas (CPU build, the tiny
-model, `--enable-lora`, runtime LoRA updating), with random-weight adapters made in the test:
-`only-a` served by the first replica alone, `only-b` by the second alone, `both` by both, and
-`lazy` declared in `lora_adapters` for the gateway to load where its policy picks.
+model, `--enable-lora`, runtime LoRA updating): the session's replicas, shared with the other
+real-vLLM module (tests/real_fleet.py), with random-weight adapters: `only-a` served by the
+first replica alone, `only-b` by the second alone, `both` by both, and `lazy` declared in
+`lora_adapters` for this module's gateway to load where its policy picks.
 
-The two engines start at once, pinned to different cores (engines.fleet.VLLMFleet), for the
-module. `pytest --skip-real-vllm` (or SKIP_REAL_VLLM=1) skips it.
+`pytest --skip-real-vllm` (or SKIP_REAL_VLLM=1) skips it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
 
-from engines.fleet import VLLMFleet, model_folder
-from engines.lora_adapter import RANK, make_adapter
-from engines.replica import VLLMReplica
-from engines.tiny_model import ensure_model
-from engines.venv import VLLMVenv
+from tests.real_fleet import MODEL, ONLY, STARTED_WITH, RealFleet, RealReplicas
 from tests.support import GatewayProcess, metric_value, wait_until
 
 pytestmark = pytest.mark.real_vllm
 
-MODEL = "tiny-llama"
 PROMPT = "the hammer and the drill are kept on the shelf by the timber and the paint " * 8
-# What each replica serves from its start, besides the base model.
-STARTED_WITH = ({"only-a", "both"}, {"only-b", "both"})
-
-
-@dataclass
-class Served:
-    replicas: list[VLLMReplica]
-    gateway: GatewayProcess
-
-    def name(self, index: int) -> str:
-        """The replica's name in the gateway (`x-gateway-backend`, /admin/backends)."""
-        replica = self.replicas[index]
-        return f"{replica.host}:{replica.port}"
-
-    def index(self, name: str) -> int:
-        """The position of the replica the gateway calls `name`."""
-        return [self.name(index) for index in range(len(self.replicas))].index(name)
-
-
-def lora_replica(model: Path, venv: VLLMVenv, core: int, modules: dict[str, Path]) -> VLLMReplica:
-    return VLLMReplica(
-        model,
-        venv=venv,
-        served_model_names=(MODEL,),
-        cpu_cores=str(core),
-        extra_args=(
-            "--enable-lora",
-            "--max-lora-rank",
-            str(RANK),
-            "--max-loras",
-            "3",
-            "--lora-modules",
-            *(f"{name}={path}" for name, path in sorted(modules.items())),
-        ),
-        env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
-    )
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    venv = VLLMVenv().ensure()
-    model = ensure_model(venv.python, model_folder())
-    folder = tmp_path_factory.mktemp("adapters")
-    adapters = {
-        name: make_adapter(folder / name, seed=seed)
-        for seed, name in enumerate(("only-a", "only-b", "both", "lazy"), start=1)
-    }
-    replicas = [
-        lora_replica(model, venv, core, {name: adapters[name] for name in names})
-        for core, names in enumerate(STARTED_WITH)
-    ]
-    config = folder / "gateway.yaml"
+def served(
+    real_replicas: RealReplicas, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RealFleet]:
+    config = tmp_path_factory.mktemp("adapters") / "gateway.yaml"
+    lazy = real_replicas.adapters["lazy"]
+    # Its base named: the replicas serve several base models' names (tests/real_fleet.py).
     config.write_text(
-        f"lora_idle_unload: 4\nlora_adapters:\n  - {{name: lazy, path: {adapters['lazy']}}}\n"
+        "lora_idle_unload: 4\nlora_adapters:\n"
+        f"  - {{name: lazy, path: {lazy}, base_model: {MODEL}}}\n"
     )
-    with VLLMFleet(replicas) as fleet, GatewayProcess(fleet.urls, "--config", str(config)) as gw:
+    with GatewayProcess(real_replicas.urls, "--config", str(config)) as gw:
         wait_until(lambda: len(served_by(gw, "both")) == 2, "both replicas listed with `both`")
-        yield Served(fleet.replicas, gw)
+        yield RealFleet(real_replicas, gw)
 
 
 def backends(gateway: GatewayProcess) -> dict[str, dict[str, str]]:
@@ -117,16 +68,17 @@ def predicted(gateway: GatewayProcess, model: str) -> float:
     return metric_value(gateway.metrics(), "gateway_matched_tokens_predicted_total", model=model)
 
 
-def loads_of_lazy(served: Served) -> list[int]:
+def loads_of_lazy(served: RealFleet) -> list[int]:
     """How many times each replica has logged loading `lazy`."""
     line = "Loaded new LoRA adapter: name 'lazy'"
     return [replica.log().count(line) for replica in served.replicas]
 
 
-def test_each_replica_is_shown_with_its_own_adapters(served: Served) -> None:
+def test_each_replica_is_shown_with_its_own_adapters(served: RealFleet) -> None:
     cards = httpx.get(served.gateway.url + "/v1/models", timeout=10).json()["data"]
     assert {card["id"]: card["parent"] for card in cards} == {
         MODEL: None,
+        **dict.fromkeys(ONLY),
         "only-a": MODEL,
         "only-b": MODEL,
         "both": MODEL,
@@ -137,7 +89,7 @@ def test_each_replica_is_shown_with_its_own_adapters(served: Served) -> None:
         assert shown[served.name(index)] == dict.fromkeys(names, MODEL)
 
 
-def test_each_request_reaches_a_replica_that_serves_its_adapter(served: Served) -> None:
+def test_each_request_reaches_a_replica_that_serves_its_adapter(served: RealFleet) -> None:
     for index, adapter in enumerate(("only-a", "only-b")):
         homes = {
             complete(
@@ -149,7 +101,7 @@ def test_each_request_reaches_a_replica_that_serves_its_adapter(served: Served) 
 
 
 def test_an_adapter_repeat_hits_the_cache_and_the_base_model_shares_nothing(
-    served: Served,
+    served: RealFleet,
 ) -> None:
     gateway = served.gateway
     first = complete(gateway, "only-b")
@@ -167,7 +119,7 @@ def test_an_adapter_repeat_hits_the_cache_and_the_base_model_shares_nothing(
     assert predicted(gateway, MODEL) == before
 
 
-def test_an_adapter_served_by_both_replicas_stays_on_one(served: Served) -> None:
+def test_an_adapter_served_by_both_replicas_stays_on_one(served: RealFleet) -> None:
     routes = [
         complete(served.gateway, "both", f"question {number} on a topic of its own, timber")
         for number in range(6)
@@ -176,7 +128,7 @@ def test_an_adapter_served_by_both_replicas_stays_on_one(served: Served) -> None
     assert {response.headers["x-gateway-route"] for response in routes} == {"adapter"}
 
 
-def test_six_first_requests_load_a_declared_adapter_once(served: Served) -> None:
+def test_six_first_requests_load_a_declared_adapter_once(served: RealFleet) -> None:
     gateway = served.gateway
     with ThreadPoolExecutor(6) as pool:
         answers = list(pool.map(lambda _: complete(gateway, "lazy"), range(6)))

@@ -3,13 +3,16 @@
 request but the running one waits in the engine's queue, and gateways with two tenants in front.
 
 The order is made by the engine, not by timing: a long request holds the one running slot while
-two short ones queue (seen in the replica's `vllm:num_requests_waiting`); when the holder is
-closed, the engine picks the next, which runs to its end before the last one may begin, so the
-order of first tokens is the engine's order.
+two others queue (seen in the replica's `vllm:num_requests_waiting`); when the holder is
+closed, the engine picks the next. The queued requests are as long as the holder and run until
+the test closes them, so the one picked streams while the other still waits: the first, and
+until it is closed the only one, to receive a token is the engine's choice, however late the
+test's threads read their sockets.
 
 The holder is not streamed: a streamed answer keeps vLLM's API server formatting a chunk per
 token, and on a busy machine its `/metrics` then answered only when the stream was over, so the
-queue could not be seen. Its context is longer than the model's own (RoPE runs past it), so the
+queue could not be seen (the queued requests are streamed, but once one of them runs the test
+reads only its sockets). Its context is longer than the model's own (RoPE runs past it), so the
 engine decodes it for a minute or more. Should the holder still end before both others queued
 (a starved machine), that attempt decides nothing: it is noticed, wound down and made again.
 
@@ -45,13 +48,9 @@ TENANTS: list[dict[str, Any]] = [
     {"name": "batch", "api_key": "batch-key"},
 ]
 CONTEXT = 16384
-# As long as the engine's context allows: the holder runs until the test closes it, or, on a
+# As long as the engine's context allows: a request runs until the test closes it, or, on a
 # machine slow to send the others, ends by itself (an attempt made again).
 LONG = CONTEXT - 100
-# The queued requests end by themselves; the engine runs one at a time, so the second one's
-# first token comes after the first one's last. Long enough that the test's two reader threads
-# do not see them out of order on a busy machine (with 16 tokens one run read them backwards).
-SHORT = 256
 # The engine takes this long to notice a hang-up while it decodes on a busy machine.
 ENGINE_PATIENCE = 300.0
 ATTEMPTS = 4
@@ -113,18 +112,29 @@ def chat(tag: str, max_tokens: int, *, stream: bool, **extra: Any) -> dict[str, 
     }
 
 
-class Holder:
-    """A long non-streamed chat completion through a gateway on a socket of the test's own, so
-    that the test can hang up while the engine is still decoding it."""
+class Held:
+    """A long chat completion through a gateway on a socket of the test's own, read on a thread
+    of its own, so that the test can hang up while the engine is still decoding it. Streamed,
+    its tag is appended to `order` when its first token arrives."""
 
-    def __init__(self, gateway: GatewayProcess) -> None:
-        self.status = 0  # known only if the answer came, that is if it `ended`
+    def __init__(
+        self,
+        gateway: GatewayProcess,
+        key: str,
+        tag: str,
+        *,
+        stream: bool,
+        order: list[str] | None = None,
+        **extra: Any,
+    ) -> None:
+        self.status = 0  # known once the head of the answer came
         self.ended = False
+        self._tag, self._order = tag, order
         host, port = gateway.host, gateway.port
-        body = json.dumps(chat("holder", LONG, stream=False)).encode()
+        body = json.dumps(chat(tag, LONG, stream=stream, **extra)).encode()
         head = (
             "POST /v1/chat/completions HTTP/1.1\r\n"
-            f"host: {host}:{port}\r\nauthorization: Bearer batch-key\r\n"
+            f"host: {host}:{port}\r\nauthorization: Bearer {key}\r\n"
             "content-type: application/json\r\nconnection: close\r\n"
             f"content-length: {len(body)}\r\n\r\n"
         )
@@ -132,14 +142,14 @@ class Holder:
         self._socket.sendall(head.encode() + body)
         self._socket.settimeout(0.2)
         self._closing = threading.Event()
-        self._thread = threading.Thread(target=self._read, name="holder", daemon=True)
+        self._thread = threading.Thread(target=self._read, name=tag, daemon=True)
         self._thread.start()
 
     def close(self) -> None:
         """Hang up: the gateway aborts the request at the engine, which frees its slot."""
         self._closing.set()
         self._thread.join(ENGINE_PATIENCE)
-        assert not self._thread.is_alive(), "the holder did not end"
+        assert not self._thread.is_alive(), f"request {self._tag} did not end"
 
     def _read(self) -> None:
         received = b""
@@ -150,40 +160,14 @@ class Holder:
                 except TimeoutError:
                     continue
                 if not chunk:
-                    self.status = int(received.split(b" ", 2)[1])
                     self.ended = True
                     return
                 received += chunk
-
-
-class Queued:
-    """A short streamed chat completion through a gateway, read to its end on a thread of its
-    own: its first token is appended to `order` as its tag."""
-
-    def __init__(
-        self, gateway: GatewayProcess, key: str, tag: str, order: list[str], **extra: Any
-    ) -> None:
-        self.status = 0
-        self._body = chat(tag, SHORT, stream=True, **extra)
-        self._url = gateway.url + "/v1/chat/completions"
-        self._headers = {"authorization": f"Bearer {key}"}
-        self._tag, self._order = tag, order
-        self._thread = threading.Thread(target=self._read, name=f"queued-{tag}", daemon=True)
-        self._thread.start()
-
-    def join(self) -> None:
-        self._thread.join(ENGINE_PATIENCE)
-        assert not self._thread.is_alive(), f"request {self._tag} did not end"
-
-    def _read(self) -> None:
-        with (
-            httpx.Client(timeout=ENGINE_PATIENCE) as http,
-            http.stream("POST", self._url, json=self._body, headers=self._headers) as reply,
-        ):
-            self.status = reply.status_code
-            for line in reply.iter_lines():
-                if line.startswith("data: {") and self._tag not in self._order:
-                    self._order.append(self._tag)
+                if not self.status and b"\r\n" in received:
+                    self.status = int(received.split(b" ", 2)[1])
+                order = self._order
+                if order is not None and self._tag not in order and b"data: {" in received:
+                    order.append(self._tag)
 
 
 def queued(replica: VLLMReplica, waiting: int, running: int = 1) -> bool:
@@ -221,38 +205,45 @@ def warm_up(gateway: GatewayProcess) -> None:
             assert answer.status_code == 200, answer.text
 
 
-def served_order(
+def served_first(
     gateway: GatewayProcess,
     replica: VLLMReplica,
     interactive_extra: dict[str, Any] | None = None,
     **batch_extra: Any,
-) -> list[str]:
+) -> str:
     """Which of two queued requests the engine serves first: `batch` queued before
     `interactive`, both behind a running request that is then closed."""
     warm_up(gateway)
     for _ in range(ATTEMPTS):
-        order = attempt_order(gateway, replica, interactive_extra, **batch_extra)
-        if order is not None:
-            return order
-    raise AssertionError(f"the holder ended before two requests queued, {ATTEMPTS} times")
+        chosen = attempt(gateway, replica, interactive_extra, **batch_extra)
+        if chosen is not None:
+            return chosen
+    raise AssertionError(f"a request ended before the engine's choice was seen, {ATTEMPTS} times")
 
 
-def attempt_order(
+def attempt(
     gateway: GatewayProcess,
     replica: VLLMReplica,
     interactive_extra: dict[str, Any] | None = None,
     **batch_extra: Any,
-) -> list[str] | None:
-    """The order of first tokens, or None when the holder ended before both others waited."""
+) -> str | None:
+    """The one request the engine serves first, or None when a request ended before the
+    engine's choice could be seen (the holder before both others waited, or the one chosen
+    before the test saw it)."""
     order: list[str] = []
-    holder = Holder(gateway)
+    holder = Held(gateway, "batch-key", "holder", stream=False)
     wait_until(lambda: queued(replica, 0) or holder.ended, "the holder running", ENGINE_PATIENCE)
-    batch = Queued(gateway, "batch-key", "batch", order, **batch_extra)
+    batch = Held(gateway, "batch-key", "batch", stream=True, order=order, **batch_extra)
     wait_until(
         lambda: queued(replica, 1) or holder.ended, "batch waiting in the engine", ENGINE_PATIENCE
     )
-    interactive = Queued(
-        gateway, "interactive-key", "interactive", order, **(interactive_extra or {})
+    interactive = Held(
+        gateway,
+        "interactive-key",
+        "interactive",
+        stream=True,
+        order=order,
+        **(interactive_extra or {}),
     )
     wait_until(
         lambda: queued(replica, 2) or holder.ended, "both waiting in the engine", ENGINE_PATIENCE
@@ -260,20 +251,31 @@ def attempt_order(
     # Once both have been seen waiting the engine's choice is made; until then it is not.
     decided = queued(replica, 2)
     holder.close()
-    batch.join()
-    interactive.join()
-    assert [batch.status, interactive.status] == [200, 200], health_seen_by(gateway, replica)
-    assert holder.status == (200 if holder.ended else 0)
+    requests = (batch, interactive)
+    wait_until(
+        lambda: order or any(request.ended for request in requests),
+        "a queued request served",
+        ENGINE_PATIENCE,
+    )
+    # The one served runs until it is closed: the other cannot begin before.
+    served = list(order)
+    decided = decided and not any(request.ended for request in requests)
+    for request in requests:
+        request.close()
+    answered = [request.status for request in (holder, *requests)]
+    assert set(answered) <= {0, 200}, (answered, health_seen_by(gateway, replica))
     wait_until(lambda: queued(replica, 0, running=0), "the engine idle", ENGINE_PATIENCE)
-    return order if decided else None
+    if not decided:
+        return None
+    assert len(served) == 1, f"served at once, one sequence at a time: {served}"
+    return served[0]
 
 
 def test_the_higher_priority_tenant_is_served_before_one_queued_earlier(
     prioritised: GatewayProcess, replica: VLLMReplica
 ) -> None:
     # The batch client asks for the front of the queue itself; the gateway sends its tenant's 0.
-    order = served_order(prioritised, replica, priority=-1000)
-    assert order == ["interactive", "batch"]
+    assert served_first(prioritised, replica, priority=-1000) == "interactive"
 
 
 def test_without_the_flag_the_engine_serves_them_as_they_came(
@@ -281,7 +283,7 @@ def test_without_the_flag_the_engine_serves_them_as_they_came(
 ) -> None:
     # The later client asks for the front of the queue: its priority does not reach the engine.
     with GatewayProcess([replica.url], "--config", str(config), *NOT_STALLS) as plain:
-        assert served_order(plain, replica, {"priority": -1000}) == ["batch", "interactive"]
+        assert served_first(plain, replica, {"priority": -1000}) == "batch"
 
 
 def test_a_tenant_given_a_range_orders_its_own_requests_within_it(
@@ -291,7 +293,7 @@ def test_a_tenant_given_a_range_orders_its_own_requests_within_it(
     config = tmp_path / "gateway.yaml"
     config.write_text(yaml.safe_dump({"tenants": ranged}))
     with GatewayProcess([replica.url], "--config", str(config), *NOT_STALLS) as plain:
-        assert served_order(plain, replica, {"priority": -5}) == ["interactive", "batch"]
+        assert served_first(plain, replica, {"priority": -5}) == "interactive"
 
 
 def test_the_engine_takes_the_rewritten_priority_on_every_generating_endpoint(

@@ -31,7 +31,14 @@ from prefix_gateway.state.index import InMemoryPrefixIndex
 from prefix_gateway.state.sessions import InMemorySessionStore
 from tests.conftest import MODEL
 from tests.redis_server import PATIENT, RedisServer
-from tests.support import GatewayProcess, eventually, metric_value, start_together, wait_until
+from tests.support import (
+    PATIENCE_SECONDS,
+    GatewayProcess,
+    eventually,
+    metric_value,
+    start_together,
+    wait_until,
+)
 from tests.words import words
 
 pytestmark = pytest.mark.fleet
@@ -136,7 +143,7 @@ def test_turns_spread_over_gateways_stay_on_the_first_turns_replica(shared: Flee
 def test_a_session_bound_on_one_gateway_sticks_on_the_others(shared: Fleet) -> None:
     known = sessions_in(shared.redis)
     seen: list[tuple[str, str]] = []
-    with httpx.Client() as client:
+    with httpx.Client(timeout=PATIENCE_SECONDS) as client:
         for attempt in range(6):
             gateway = shared.gateways[attempt % GATEWAYS]
             response = ask(gateway, client, f"rs{attempt}", **{"x-session-id": "fleet-7"})
@@ -155,7 +162,7 @@ def test_a_session_binding_in_redis_expires(shared: Fleet) -> None:
         return set(shared.redis.cli("--scan", "--pattern", "pgw:s:*").split())
 
     known = bindings()
-    with httpx.Client() as client:
+    with httpx.Client(timeout=PATIENCE_SECONDS) as client:
         ask(shared.gateways[0], client, "ttl", **{"x-session-id": "expiring"})
     wait_until(lambda: bindings() - known, "the binding in Redis")
     (key,) = bindings() - known
@@ -165,7 +172,7 @@ def test_a_session_binding_in_redis_expires(shared: Fleet) -> None:
 
 def test_the_cookie_is_issued_once_and_then_acts_as_the_session_key(shared: Fleet) -> None:
     known = sessions_in(shared.redis)
-    with httpx.Client() as browser:
+    with httpx.Client(timeout=PATIENCE_SECONDS) as browser:
         first = ask(shared.cookie_gateways[0], browser, "ck0")
         assert "HttpOnly" in first.headers["set-cookie"]
         issued = browser.cookies.get(COOKIE)
@@ -176,7 +183,7 @@ def test_the_cookie_is_issued_once_and_then_acts_as_the_session_key(shared: Flee
             assert "set-cookie" not in again.headers
             assert again.headers["x-gateway-backend"] == first.headers["x-gateway-backend"]
             assert again.headers["x-gateway-route"] == "session"
-    with httpx.Client() as stranger:
+    with httpx.Client(timeout=PATIENCE_SECONDS) as stranger:
         other = ask(shared.cookie_gateways[1], stranger, "ck9")
         assert other.cookies.get(COOKIE) not in (None, issued)
 
@@ -189,7 +196,7 @@ def test_a_session_whose_backend_dies_moves_once_and_sticks_again(shared: Fleet)
         return gateways[1].metric("gateway_session_moves_total", **cause)
 
     moves_before, unhealthy_before = moves(), moves(cause="unhealthy")
-    with httpx.Client() as browser:
+    with httpx.Client(timeout=PATIENCE_SECONDS) as browser:
         bound = ask(gateways[0], browser, "mv0").headers["x-gateway-backend"]
         wait_until(lambda: sessions_in(shared.redis) > known, "the binding in Redis")
         doomed = next(

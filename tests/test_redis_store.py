@@ -34,7 +34,7 @@ from prefix_gateway.state.redis.index import pack_hashes
 from prefix_gateway.state.redis.keys import HASH_BYTES
 from prefix_gateway.state.sessions import InMemorySessionStore
 from tests.redis_server import RedisServer
-from tests.support import eventually, free_port, metric_value
+from tests.support import PATIENCE_SECONDS, eventually, free_port, metric_value
 
 # Redis's deadline: far above a loopback round trip on a busy machine, far below the pause.
 TIMEOUT = 0.5
@@ -343,7 +343,7 @@ STALE_MS = 5_000
 
 def test_gateways_see_each_others_requests_in_flight(server: RedisServer) -> None:
     async def scenario() -> None:
-        probes = httpx.AsyncClient()
+        probes = httpx.AsyncClient(timeout=PATIENCE_SECONDS)
         gateways = []
         for _ in range(3):
             gateway = Gateway(server.url, "ns")

@@ -17,7 +17,7 @@ import pytest
 
 from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
-from tests.support import GatewayProcess, wait_until
+from tests.support import PATIENCE_SECONDS, GatewayProcess, wait_until
 
 TOKEN = "responses-admin-token"
 INSTRUCTIONS = "You answer questions about the hardware shop in one short sentence. " * 4
@@ -89,6 +89,7 @@ def test_a_chain_of_five_follow_ups_each_reaches_its_predecessors_replica(
         direct = httpx.post(
             other + "/v1/responses",
             json={"model": MODEL, "previous_response_id": response.id, "input": "again"},
+            timeout=PATIENCE_SECONDS,
         )
         assert direct.status_code == 404
         assert direct.json()["error"]["message"] == f"Response with id '{response.id}' not found."
@@ -155,7 +156,7 @@ def test_stored_responses_are_read_cancelled_and_deleted_at_their_replica(
     url = f"{gateway.url}/v1/responses/{response.id}"
     counted = stored_requests(gateway)
     # One keep-alive connection for all of them: each answer leaves it open for the next.
-    with httpx.Client(headers={"x-request-id": "stored-1"}) as session:
+    with httpx.Client(headers={"x-request-id": "stored-1"}, timeout=PATIENCE_SECONDS) as session:
         read = session.get(url)
         assert read.status_code == 200 and read.headers["x-gateway-backend"] == backend
         assert read.json()["id"] == response.id
@@ -191,19 +192,26 @@ def stored_requests(gateway: GatewayProcess, status: str | None = None) -> Any:
 
 
 def test_ids_the_gateway_never_saw_or_cannot_take(gateway: GatewayProcess) -> None:
-    unknown = httpx.get(gateway.url + "/v1/responses/resp_0123456789abcdef")
+    unknown = httpx.get(
+        gateway.url + "/v1/responses/resp_0123456789abcdef", timeout=PATIENCE_SECONDS
+    )
     assert unknown.status_code == 404 and "x-gateway-backend" not in unknown.headers
     assert unknown.json()["error"]["code"] == "response_not_found"
     for bad in ("x" * 129, "resp%20id", "resp$1"):
-        refused = httpx.get(gateway.url + "/v1/responses/" + bad)
+        refused = httpx.get(gateway.url + "/v1/responses/" + bad, timeout=PATIENCE_SECONDS)
         assert refused.status_code == 400, bad
         assert refused.json()["error"]["code"] == "invalid_response_id"
     body = {"model": MODEL, "input": "hi", "previous_response_id": "y" * 200}
-    refused = httpx.post(gateway.url + "/v1/responses", json=body)
+    refused = httpx.post(gateway.url + "/v1/responses", json=body, timeout=PATIENCE_SECONDS)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "previous_response_id"
-    wrong = httpx.put(gateway.url + "/v1/responses/resp_1")
+    wrong = httpx.put(gateway.url + "/v1/responses/resp_1", timeout=PATIENCE_SECONDS)
     assert wrong.status_code == 405 and wrong.headers["allow"] == "GET, DELETE"
-    assert httpx.get(gateway.url + "/v1/responses/resp_1/input_items").status_code == 404
+    assert (
+        httpx.get(
+            gateway.url + "/v1/responses/resp_1/input_items", timeout=PATIENCE_SECONDS
+        ).status_code
+        == 404
+    )
 
 
 def test_a_follow_up_naming_a_response_no_gateway_saw_gets_vllms_404_from_the_gateway(
@@ -231,6 +239,7 @@ def test_a_follow_up_whose_replica_was_removed_gets_an_openai_404(
     removed = httpx.delete(
         f"{removable.url}/admin/backends/{backend}",
         headers={"authorization": f"Bearer {TOKEN}"},
+        timeout=PATIENCE_SECONDS,
     )
     assert removed.status_code == 200
     with pytest.raises(openai.NotFoundError) as gone:
@@ -238,7 +247,7 @@ def test_a_follow_up_whose_replica_was_removed_gets_an_openai_404(
     error = gone.value.body
     assert isinstance(error, dict) and error["code"] == "response_replica_gone"
     assert error["param"] == "previous_response_id"
-    read = httpx.get(f"{removable.url}/v1/responses/{response.id}")
+    read = httpx.get(f"{removable.url}/v1/responses/{response.id}", timeout=PATIENCE_SECONDS)
     assert read.status_code == 404 and read.json()["error"]["code"] == "response_replica_gone"
     # A new conversation is served by the replicas left.
     _, other, _ = create(client, input="is there a saw for metal?")
@@ -250,18 +259,31 @@ def test_model_only_endpoints_spread_and_reach_the_replicas(
 ) -> None:
     answered = []
     for _ in range(len(fleet.urls)):
-        reply = httpx.post(gateway.url + "/tokenize", json={"model": MODEL, "prompt": "a b c"})
+        reply = httpx.post(
+            gateway.url + "/tokenize",
+            json={"model": MODEL, "prompt": "a b c"},
+            timeout=PATIENCE_SECONDS,
+        )
         assert reply.status_code == 200 and reply.json()["count"] == 3
         assert reply.headers["x-gateway-route"] == "least_loaded"
         answered.append(reply.headers["x-gateway-backend"])
     assert len(set(answered)) == len(fleet.urls)
     # A generative replica has no reranker: its own 404 comes back through the gateway.
     rerank = httpx.post(
-        gateway.url + "/v1/rerank", json={"model": MODEL, "query": "q", "documents": ["d"]}
+        gateway.url + "/v1/rerank",
+        json={"model": MODEL, "query": "q", "documents": ["d"]},
+        timeout=PATIENCE_SECONDS,
     )
     assert rerank.status_code == 404 and rerank.headers["x-gateway-backend"]
-    unknown_model = httpx.post(gateway.url + "/tokenize", json={"model": "nope", "prompt": "a"})
+    unknown_model = httpx.post(
+        gateway.url + "/tokenize", json={"model": "nope", "prompt": "a"}, timeout=PATIENCE_SECONDS
+    )
     assert unknown_model.status_code == 404
     assert unknown_model.json()["error"]["code"] == "model_not_found"
-    assert httpx.post(gateway.url + "/v1/unknown", json={"model": MODEL}).status_code == 404
-    assert httpx.get(gateway.url + "/tokenize").status_code == 405
+    assert (
+        httpx.post(
+            gateway.url + "/v1/unknown", json={"model": MODEL}, timeout=PATIENCE_SECONDS
+        ).status_code
+        == 404
+    )
+    assert httpx.get(gateway.url + "/tokenize", timeout=PATIENCE_SECONDS).status_code == 405

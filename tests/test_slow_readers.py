@@ -14,7 +14,7 @@ import httpx
 
 from loadtest.slow_readers import blocked_reader
 from prefix_gateway.emulator.replicas import EmulatedReplicas
-from tests.support import GatewayProcess, metric_value, wait_until
+from tests.support import PATIENCE_SECONDS, GatewayProcess, metric_value, wait_until
 
 MODEL = "emulated-model"
 READERS = 4
@@ -87,7 +87,11 @@ def test_clients_that_stop_reading_eject_no_replica_and_are_cut_off() -> None:
         # Every replica's request for a blocked reader was aborted, none generated to its end.
         wait_until(
             lambda: all(
-                metric_value(httpx.get(url + "/metrics").text, "vllm:num_requests_running") == 0
+                metric_value(
+                    httpx.get(url + "/metrics", timeout=PATIENCE_SECONDS).text,
+                    "vllm:num_requests_running",
+                )
+                == 0
                 for url in fleet.urls
             ),
             "no request left running on the replicas",

@@ -17,7 +17,7 @@ from prefix_gateway.backends.prefill_speed import PrefillSpeed
 from prefix_gateway.backends.stalls import StallRule, StallWatch
 from prefix_gateway.emulator.replicas import EmulatedReplicas
 from prefix_gateway.metrics import Metrics
-from tests.support import GatewayProcess, metric_value, wait_until
+from tests.support import PATIENCE_SECONDS, GatewayProcess, metric_value, wait_until
 
 MODEL = "emulated-model"
 RULE = StallRule(min_seconds=3.0, factor=4.0)
@@ -129,7 +129,9 @@ def chat(
 
 
 def stall(replica_url: str, stalled: bool) -> None:
-    answer = httpx.post(replica_url + "/emulator/stall", json={"stalled": stalled})
+    answer = httpx.post(
+        replica_url + "/emulator/stall", json={"stalled": stalled}, timeout=PATIENCE_SECONDS
+    )
     assert answer.status_code == 200
 
 
@@ -140,7 +142,7 @@ def replicas() -> Iterator[EmulatedReplicas]:
 
 
 def backends(gateway: GatewayProcess) -> dict[str, dict[str, object]]:
-    listing = httpx.get(gateway.url + "/admin/backends").json()["data"]
+    listing = httpx.get(gateway.url + "/admin/backends", timeout=PATIENCE_SECONDS).json()["data"]
     return {item["name"]: item for item in listing}
 
 

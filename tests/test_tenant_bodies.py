@@ -15,7 +15,7 @@ import pytest
 from prefix_gateway.emulator.replicas import EmulatedReplicas
 from tests.conftest import MODEL
 from tests.fault_servers import FaultServer
-from tests.support import GatewayProcess
+from tests.support import PATIENCE_SECONDS, GatewayProcess
 
 KEY = "tenant-key-one"
 TENANTS = ("--api-key", KEY, "--isolate-tenants")
@@ -86,7 +86,12 @@ def test_the_tenant_salt_goes_to_every_endpoint_whose_cache_vllm_salts() -> None
             "/tokenize": {"prompt": "hi", "cache_salt": "my-own"},
         }
         for path, body in bodies.items():
-            answer = httpx.post(gw.url + path, headers=headers, json={"model": MODEL, **body})
+            answer = httpx.post(
+                gw.url + path,
+                headers=headers,
+                json={"model": MODEL, **body},
+                timeout=PATIENCE_SECONDS,
+            )
             assert answer.status_code == 200, path
         salts = {
             request.path: json.loads(request.body).get("cache_salt") for request in replica.seen

@@ -28,7 +28,7 @@ from prefix_gateway.emulator.replicas import EmulatedReplicas
 from prefix_gateway.server import WORKER_HEADER
 from tests.conftest import MODEL
 from tests.holding_replica import HoldingReplica
-from tests.support import GatewayProcess, metric_value, wait_until
+from tests.support import PATIENCE_SECONDS, GatewayProcess, metric_value, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +240,7 @@ def test_sigterm_to_the_supervisor_stops_every_worker_gracefully(
         wait_until(lambda: not gateway.running, "the supervisor's exit")
         assert gateway.stop() == 0
         with pytest.raises(httpx.ConnectError):
-            httpx.get(gateway.url + "/health")
+            httpx.get(gateway.url + "/health", timeout=PATIENCE_SECONDS)
     wait_until(lambda: not any(exists(pid) for pid in family), "no process left")
 
 

@@ -20,6 +20,7 @@ class ThreadedServer:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._connections: set[asyncio.Task[None]] = set()
 
     @property
     def url(self) -> str:
@@ -68,13 +69,23 @@ class ThreadedServer:
         self._server.close()
         for writer in list(self._writers):
             writer.transport.abort()
+        # Ended on the running loop: left pending, they were destroyed with it, and their
+        # sockets reported unclosed during whichever test the garbage collector ran in.
+        for connection in self._connections:
+            connection.cancel()
+        await asyncio.gather(*self._connections, return_exceptions=True)
         await self._server.wait_closed()
 
     async def _connected(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
+        connection = asyncio.current_task()
+        assert connection is not None
         self._writers.add(writer)
+        self._connections.add(connection)
         try:
             await self._handle(reader, writer)
         finally:
             self._writers.discard(writer)
+            self._connections.discard(connection)
+            writer.close()
