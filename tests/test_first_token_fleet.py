@@ -18,6 +18,8 @@ from tests.redis_server import PATIENT, RedisServer
 from tests.support import PATIENCE_SECONDS, GatewayProcess, wait_until
 from tests.words import words
 
+pytestmark = pytest.mark.fleet
+
 MODEL = "emulated-model"
 AUTH = {"authorization": "Bearer t"}
 

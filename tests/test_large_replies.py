@@ -260,7 +260,10 @@ def test_a_large_reply_cut_short_reaches_the_client_short_of_its_length() -> Non
         text = gateway.metrics()
         assert metric_value(text, "gateway_upstream_errors_total", cause="stream_broken") == 1
         # Counted as a stream broken after its first byte is: 502.
-        assert '"stream":false' in gateway.log() and '"status":502' in gateway.log()
+        wait_until(
+            lambda: '"stream":false' in gateway.log() and '"status":502' in gateway.log(),
+            "the access line of a 502",
+        )
         again = httpx.post(
             gateway.url + "/v1/chat/completions",
             json={"model": MODEL, "messages": [{"role": "user", "content": "warm-up"}]},
