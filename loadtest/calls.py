@@ -1,7 +1,7 @@
 """What the request path calls, per request, counted by Python's deterministic profiler: every
 function with its calls per request, grouped by module, and the modules of the features that are
 switched off by default (tenants, flow control, LoRA adapters, Redis, KV events, routing by the
-learned time to first token, the doctor), each of which should be called no time at all.
+learned time to first token), each of which should be called no time at all.
 
 The gateway runs under cProfile in front of one emulated replica without delay, twice: sent
 `--requests` / 4 requests, then `--requests`; the difference between the two profiles, divided by
@@ -49,7 +49,6 @@ SWITCHED_OFF = {
     "KV events": ("prefix_gateway/backends/kv_events.py", "prefix_gateway/state/engine_blocks.py"),
     "time to first token routing": ("prefix_gateway/routing/first_token.py",
                                     "prefix_gateway/metrics/first_token.py"),
-    "doctor": ("prefix_gateway/doctor/",),
 }  # fmt: skip
 """Each feature off by default, and the files only it runs."""
 

@@ -51,13 +51,15 @@ class ReverseProxy(ThreadedServer):
         head = f"{request.method} {request.path} HTTP/1.1\r\n" + "".join(
             f"{name}: {value}\r\n" for name, value in headers.items()
         )
-        upstream.write(head.encode() + b"\r\n" + request.body)
-        await upstream.drain()
-        while data := await upstream_reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-        upstream.close()
-        writer.close()
+        try:  # both closed whatever happens, or a later test finds them unclosed
+            upstream.write(head.encode() + b"\r\n" + request.body)
+            await upstream.drain()
+            while data := await upstream_reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        finally:
+            upstream.close()
+            writer.close()
 
 
 @pytest.fixture(scope="module")
