@@ -189,9 +189,15 @@ def talk(client: openai.OpenAI, tag: str) -> None:
             reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
             messages.append({"role": "assistant", "content": reply.choices[0].message.content})
             messages.append({"role": "user", "content": words(20, f"{tag}n{len(messages)}")})
-    # One streamed answer: the time to first token's series.
+    # One streamed answer: the time to first token's series. Pinned by a session, the answers
+    # of two calls with one tag grow one replica's series (a rate needs a series that grows;
+    # another test's traffic could otherwise send the second elsewhere).
     for _ in client.chat.completions.create(
-        model=MODEL, messages=[system, *messages[:2]], max_tokens=2, stream=True
+        model=MODEL,
+        messages=[system, *messages[:2]],
+        max_tokens=2,
+        stream=True,
+        extra_headers={"x-session-id": f"{tag}-streamed"},
     ):
         pass
     client.chat.completions.create(model=MODEL, messages=[system, *messages[3:]], max_tokens=2)
@@ -224,7 +230,9 @@ def test_a_real_prometheus_renders_every_panel_from_a_live_gateway(
 
     observed = panel_expr("Predicted vs observed prefix hit rate", "observed")
     wait_until(lambda: prometheus.value(observed) > 0, "the observed hit rate")
-    assert 0 < prometheus.value(observed) < 1
+    # A ratio of two rates: `rate()` extrapolates each young series on its own, so the ratio
+    # of cached to prompt tokens may pass 1 a little while the series are minutes old.
+    assert 0 < prometheus.value(observed) < 1.5
     by_route = prometheus.query(panel_expr("Requests / s by route reason", "{{route}}"))
     assert {series["metric"]["route"] for series in by_route} & {"prefix", "hash"}
 
