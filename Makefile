@@ -14,7 +14,8 @@ STAMP := $(VENV)/.installed
 
 # The suite's modules on several workers, one per core: more starve the processes the tests
 # start (deadlines of Redis calls, health probes) on a busy machine. The real engines run
-# after them, alone: an engine decoding takes a core, and beside it the others' deadlines fail.
+# after them, alone: an engine decoding takes a core, and beside it the others' deadlines fail;
+# so do the tests marked `alone`, which learn from the replicas' timing.
 TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadscope
 
@@ -50,8 +51,8 @@ lint: $(STAMP)
 test: lint
 	scripts/test-tools
 	@if [ "$${SKIP_REAL_VLLM:-0}" != "1" ]; then $(MAKE) --no-print-directory engines; fi
-	$(BIN)/pytest $(PARALLEL) -m "not real_vllm"
-	$(BIN)/pytest -m real_vllm
+	$(BIN)/pytest $(PARALLEL) -m "not real_vllm and not alone"
+	$(BIN)/pytest -m "real_vllm or alone"
 
 test-fast: $(STAMP)
 	scripts/test-tools

@@ -81,7 +81,8 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip the tests against real vLLM replicas only when asked to; otherwise put them first,
-    so that on several workers the one that takes them starts at once."""
+    so that on several workers the one that takes them starts at once (after the `alone`
+    ones, which run with them)."""
     asked = config.getoption("--skip-real-vllm") or os.environ.get(SKIP_REAL_VLLM) == "1"
     if asked:
         skip = pytest.mark.skip(reason=SKIP_REAL_VLLM_REASON)
@@ -89,7 +90,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if "real_vllm" in item.keywords:
                 item.add_marker(skip)
         return
-    items.sort(key=lambda item: "real_vllm" not in item.keywords)
+    # Those that learn from timing before any engine starts (an engine left running is load).
+    items.sort(key=lambda item: ("alone" not in item.keywords, "real_vllm" not in item.keywords))
 
 
 class ModuleScopes(LoadScopeScheduling):

@@ -18,7 +18,8 @@ from tests.redis_server import PATIENT, RedisServer
 from tests.support import PATIENCE_SECONDS, GatewayProcess, wait_until
 from tests.words import words
 
-pytestmark = pytest.mark.fleet
+# Beside another worker's tests, its gateways' time to first token is mostly that load's.
+pytestmark = [pytest.mark.fleet, pytest.mark.alone]
 
 MODEL = "emulated-model"
 AUTH = {"authorization": "Bearer t"}
