@@ -18,24 +18,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import pstats
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loadtest.overhead import MODEL, hammer
+from loadtest.under_tool import gateway_under
 from prefix_gateway.emulator import EmulatorProcess
-from prefix_gateway.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 _WARM_UP = 200
@@ -68,29 +62,9 @@ def profiled_run(replica: str, requests: int, stream: bool, extra: list[str]) ->
     `requests` requests."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "gateway.prof"
-        port = free_port()
-        command = [
-            sys.executable,
-            *("-m", "cProfile", "-o", str(out)),
-            *("-m", "prefix_gateway", "serve"),
-            *("--backend", replica, "--port", str(port), "--health-interval", "3600"),
-            *("--log-level", "warning", *extra),
-        ]
-        env = {**os.environ, "GATEWAY_DOCTOR_INTERVAL": "0"}
-        process = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 120
-            while not _healthy(url):
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise RuntimeError("the gateway did not start under the profiler")
-                time.sleep(0.3)
+        tool = (sys.executable, "-m", "cProfile", "-o", str(out))
+        with gateway_under(tool, ROOT, replica, *extra) as url:
             asyncio.run(hammer(url, 16, _WARM_UP + requests, stream))
-        finally:
-            process.send_signal(signal.SIGTERM)
-            process.wait(120)
         return pstats.Stats(str(out))
 
 
@@ -122,13 +96,6 @@ def module_of(where: str) -> str:
     if file.startswith("prefix_gateway/"):
         return file
     return file.split("/", 1)[0]
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def main() -> None:

@@ -16,22 +16,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loadtest.overhead import MODEL, hammer
+from loadtest.under_tool import gateway_under
 from prefix_gateway.emulator.replicas import EmulatedReplicas
-from prefix_gateway.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 _TOTAL = re.compile(r"^(?:summary|totals): (\d+)", re.MULTILINE)
@@ -43,46 +38,16 @@ def counted_run(checkout: Path, replica: str, requests: int) -> int:
     been sent `_WARM_UP` + `requests` requests."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "callgrind.out"
-        port = free_port()
-        command = [
-            "valgrind",
-            "--tool=callgrind",
-            f"--callgrind-out-file={out}",
-            sys.executable,
-            "-m",
-            "prefix_gateway",
-            "serve",
-            *("--backend", replica, "--port", str(port), "--health-interval", "3600"),
-            *("--log-level", "warning"),
-        ]
+        tool = ("valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable)
         # The system allocator, which callgrind sees into, in place of pymalloc's arenas.
-        env = {**os.environ, "GATEWAY_DOCTOR_INTERVAL": "0", "PYTHONMALLOC": "malloc"}
-        process = subprocess.Popen(
-            command, cwd=checkout, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 600
-            while not _healthy(url):
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise RuntimeError(f"the gateway of {checkout} did not start under callgrind")
-                time.sleep(0.5)
+        env = {"PYTHONMALLOC": "malloc"}
+        with gateway_under(tool, checkout, replica, env=env, patience=600) as url:
             asyncio.run(hammer(url, 16, _WARM_UP, False))
             asyncio.run(hammer(url, 16, requests, False))
-        finally:
-            process.send_signal(signal.SIGTERM)
-            process.wait(600)
         found = _TOTAL.search(out.read_text())
         if found is None:
             raise RuntimeError("callgrind wrote no total")
         return int(found.group(1))
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _commit(checkout: Path) -> str:
