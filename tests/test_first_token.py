@@ -99,6 +99,22 @@ def test_a_replica_no_longer_observed_drifts_back_to_the_fleets_line() -> None:
     assert slow - fleet < 0.2 * (before - fleet)  # most of the way back
 
 
+def test_a_fast_replica_no_longer_observed_is_not_forgotten_into_a_slow_fleets_line() -> None:
+    # Another gateway's placements, or the rule's, may leave this gateway sending only to the
+    # slow replica: its fleet line becomes the slow one's. The fast replica, unobserved, must
+    # still look fast, or it is never tried again.
+    clock = ManualClock()
+    model = taught(clock)
+    for step in range(100):  # 20 s in which only the slow replica answers
+        work = 100 + 50 * (step % 7)
+        model.observe(SLOW, work, 0.005 + 0.003 * work)
+        clock.advance(0.2)
+    fast, slow = model.seconds(FAST, 500), model.seconds(SLOW, 500)
+    assert fast is not None and slow is not None
+    assert slow > 2.0 * fast
+    assert model.slowness().keys() == {SLOW}
+
+
 def _state(model: FirstTokenModel, **given: Any) -> RoutingState:
     base: dict[str, Any] = {
         "candidates": (FAST, SLOW),

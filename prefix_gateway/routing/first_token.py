@@ -15,8 +15,11 @@ much every `half_life` seconds, so that a replica that slows down or recovers is
 a few half-lives. Until a replica has observations of its own, and while it has few, its fit
 leans on the fleet's (every replica's observations together, remembered ten times longer): as
 if one more observation lay on the fleet's line. A replica none of whose recent requests was
-observed predicts the fleet's line: nothing says it is slower, so it gets requests again and is
-measured again.
+observed predicts the fleet's line, or its own past where that was faster: nothing says it is
+slower, so it gets requests again and is measured again. Forgetting only ever hopes: the
+fleet's line is made of the replicas this gateway sent to, and when other gateways' choices
+leave it sending mostly to a slow one, a fast replica forgotten into that line would never be
+tried again.
 
 Cost: O(1) an observation (the decayed sums of the replica and of the fleet) and O(1) a
 prediction (a 2×2 solve, cached until the next observation or an eighth of a half-life).
@@ -182,9 +185,10 @@ class FirstTokenModel:
             # The prior weighs against the replica's own weight decayed to now.
             keep = sums.weight_at(now, self._half_life) / sums.weight if sums.weight else 0.0
             mean, var = self._work_moments()
+            prior = _hopeful(fleet, sums.line(), mean)
             own = _decayed(sums, keep)
-            line = own.line(fleet, _RIDGE, mean, var) if keep > 1e-9 else None
-            fit.line = line or fleet
+            line = own.line(prior, _RIDGE, mean, var) if keep > 1e-9 else None
+            fit.line = line or prior
             fit.spread = own.spread(line) if line is not None else self._fleet.spread
             fit.lined_at = now
         return fit.line
@@ -260,6 +264,16 @@ class FirstTokenModel:
             return 0.0, 0.0
         mean = sums.xs / sums.weight
         return mean, max(sums.xx / sums.weight - mean * mean, 0.0)
+
+
+def _hopeful(fleet: Line, past: Line | None, mean: float) -> Line:
+    """What a replica's fit forgets toward: the fleet's line, or the replica's own past where
+    that answered sooner. The fleet's line is made of what this gateway sent, which may be
+    mostly a slow replica's answers; a fast replica it has stopped sending to would be
+    forgotten into them, and never tried again."""
+    if past is not None and past.seconds(mean) < fleet.seconds(mean):
+        return past
+    return fleet
 
 
 def _decayed(sums: _Sums, keep: float) -> _Sums:
