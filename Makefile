@@ -47,10 +47,13 @@ lint: $(STAMP)
 	$(BIN)/mypy --strict engines scripts
 	$(BIN)/lint-imports
 
-# vLLM's CPU build is installed unless SKIP_REAL_VLLM=1, which also skips its tests.
-test: lint
+# vLLM's CPU build is installed unless SKIP_REAL_VLLM=1, which also skips its tests; the
+# checks run while it installs (one mostly waits on the disk, the other on a core).
+SKIP_REAL_VLLM ?= 0
+BEFORE_TESTS := lint $(if $(filter 1,$(SKIP_REAL_VLLM)),,engines)
+test: $(STAMP)
 	scripts/test-tools
-	@if [ "$${SKIP_REAL_VLLM:-0}" != "1" ]; then $(MAKE) --no-print-directory engines; fi
+	@$(MAKE) --no-print-directory -j2 $(BEFORE_TESTS)
 	$(BIN)/pytest $(PARALLEL) -m "not real_vllm and not alone"
 	$(BIN)/pytest -m "real_vllm or alone"
 

@@ -40,7 +40,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loadtest.peers import PEERS, peer_versions, start_peer
-from prefix_gateway.emulator import block_hashes
+from prefix_gateway.emulator.prefix_cache import block_hashes
 from prefix_gateway.emulator.prompts import chat_prompt_ids
 from prefix_gateway.emulator.replicas import EmulatedReplicas
 from prefix_gateway.routing.policies import POLICIES

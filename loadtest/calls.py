@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loadtest.overhead import MODEL, hammer
 from loadtest.under_tool import gateway_under
-from prefix_gateway.emulator import EmulatorProcess
+from prefix_gateway.emulator.process import EmulatorProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 _WARM_UP = 200

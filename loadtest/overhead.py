@@ -43,7 +43,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loadtest.peers import PEERS, Router, peer_versions, start_peer
-from prefix_gateway.emulator import EmulatorProcess
+from prefix_gateway.emulator.process import EmulatorProcess
 from tests.support import GatewayProcess
 
 MODEL = "overhead-model"

@@ -118,7 +118,8 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _emulate(args: argparse.Namespace) -> int:
-    from prefix_gateway.emulator import config_from_args, serve
+    from prefix_gateway.emulator.config import config_from_args
+    from prefix_gateway.emulator.server import serve
 
     serve(config_from_args(args))
     return 0
@@ -144,7 +145,7 @@ _SETTINGS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from prefix_gateway.emulator import add_arguments as add_emulator_arguments
+    from prefix_gateway.emulator.config import add_arguments as add_emulator_arguments
     from prefix_gateway.replay.command import add_arguments as add_replay_arguments
 
     parser = argparse.ArgumentParser(

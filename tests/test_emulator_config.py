@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from prefix_gateway.emulator import EmulatorConfig, add_arguments, config_from_args
+from prefix_gateway.emulator.config import EmulatorConfig, add_arguments, config_from_args
 
 
 def parse(*flags: str) -> EmulatorConfig:

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefix_gateway.emulator import EmulatorProcess
+from prefix_gateway.emulator.process import EmulatorProcess
 from tests.support import PATIENCE_SECONDS
 
 MODEL = "emulated-model"

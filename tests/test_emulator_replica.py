@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from prefix_gateway.emulator import EmulatorProcess
+from prefix_gateway.emulator.process import EmulatorProcess
 from tests.support import PATIENCE_SECONDS, wait_until
 
 MODEL = "emulated-model"

@@ -13,7 +13,7 @@ from prefix_gateway.backends.engine_load import (
     parse_engine_load,
 )
 from prefix_gateway.backends.pool import BackendPool
-from prefix_gateway.emulator import EmulatorProcess
+from prefix_gateway.emulator.process import EmulatorProcess
 from tests.support import PATIENCE_SECONDS, eventually, stall
 
 VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 import orjson
 import pytest
 
-from prefix_gateway.emulator import EmulatorProcess
+from prefix_gateway.emulator.process import EmulatorProcess
 from prefix_gateway.processes import free_port
 from prefix_gateway.proxy.http1 import ConnectionPool, HTTPClientError
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import os
 import typing
 from collections.abc import Mapping, Sequence
@@ -23,9 +24,14 @@ def _env_name(f: dataclasses.Field[Any]) -> str:
     return "GATEWAY_" + str(f.metadata.get("env", f.name.upper()))
 
 
+@functools.cache
+def _settings_types() -> dict[str, Any]:
+    # Evaluating every annotation costs milliseconds; a start-up asks once per flag.
+    return typing.get_type_hints(Settings)
+
+
 def _field_type(f: dataclasses.Field[Any]) -> Any:
-    hints = typing.get_type_hints(Settings)
-    return hints[f.name]
+    return _settings_types()[f.name]
 
 
 def _coerce(f: dataclasses.Field[Any], raw: Any) -> Any:
