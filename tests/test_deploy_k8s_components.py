@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
+from engines.venv import VLLMVenv
 from tests.k8s_builds import ROOT, built, combination_text, k8s_copy, operator_overlay
 from tests.kustomize_render import Manifest, render
 from tests.test_deploy_k8s import (
@@ -232,7 +233,8 @@ def prefix_gateway_config(environment: dict[str, str]) -> subprocess.CompletedPr
 
 
 def installed_vllm_version() -> str | None:
-    found = sorted((ROOT / ".engines" / "vllm").glob("lib/python3*/site-packages/vllm-*.dist-info"))
+    venv = VLLMVenv().location
+    found = sorted(venv.glob("lib/python3*/site-packages/vllm-*.dist-info"))
     return found[0].name.removeprefix("vllm-").removesuffix(".dist-info") if found else None
 
 

@@ -1,6 +1,6 @@
 """End to end against real vLLM: two CPU replicas of a tiny model, the gateway in front.
 
-The replicas (vLLM's CPU build from .engines/vllm, installed on first use by engines.venv) are
+The replicas (vLLM's CPU build, installed on first use by engines.venv) are
 the session's, shared with the LoRA module (tests/real_fleet.py), pinned to different cores;
 this module's gateway runs as a real process (tests.support.GatewayProcess) and is driven with
 the official `openai` client. Replica 0 serves `tiny-llama` and `tiny-llama-a`, replica 1
@@ -25,11 +25,9 @@ import httpx
 import openai
 import pytest
 
-from engines.fleet import VLLMFleet, model_folder
+from engines.fleet import model_folder
 from engines.kv_events import DEFAULT_SEED, KVEventSubscriber, block_hashes
 from engines.replica import VLLMReplica
-from engines.tiny_model import ensure_model
-from engines.venv import VLLMVenv
 from tests.real_fleet import MODEL, ONLY, RealFleet, RealReplicas
 from tests.support import GatewayProcess, metric_value, wait_until
 from tests.test_doctor import CHECKS as DOCTOR_CHECKS
@@ -675,42 +673,6 @@ def test_doctor_tells_a_chat_template_from_a_tokenizer(
         verdict, detail = by_check(rows, named(replica))["token-agreement"]
         assert verdict == "FAIL" and detail.split(": ", 1)[1].startswith(differs), detail
         assert status == 1
-
-
-def test_doctor_on_engines_without_prefix_caching_or_with_other_blocks(real: RealFleet) -> None:
-    """Two more engines, started together: one with prefix caching off, one caching blocks
-    of 64 tokens; the doctor routes as for the fleet's blocks of 32."""
-    venv = VLLMVenv().ensure()
-    model = ensure_model(venv.python, model_folder())
-    names = (MODEL,)
-    engines = [
-        VLLMReplica(
-            model,
-            venv=venv,
-            served_model_names=names,
-            cpu_cores="0",
-            extra_args=("--no-enable-prefix-caching",),
-        ),
-        VLLMReplica(model, venv=venv, served_model_names=names, cpu_cores="1", block_size=64),
-    ]
-    flags = ("--tokenizer", str(model_folder()), "--engine-block-size", str(BLOCK))
-    with VLLMFleet(engines) as started:
-        off, other_blocks = started.replicas
-        status, rows = doctor("--backend", off.url, "--backend", other_blocks.url, *flags)
-    assert status == 1
-    without = by_check(rows, named(off))
-    assert without["prefix-caching"][0] == "FAIL"
-    assert "--enable-prefix-caching" in without["prefix-caching"][1]
-    assert without["cached-tokens-reported"][0] == "PASS"
-    assert without["token-agreement"] == (
-        "FAIL",
-        "nothing was served from cache to compare (see prefix-caching)",
-    )
-    blocks = by_check(rows, named(other_blocks))
-    assert blocks["prefix-caching"][0] == "PASS"
-    verdict, detail = blocks["token-agreement"]
-    assert verdict == "FAIL"
-    assert "as blocks of 64 tokens would; the gateway hashes blocks of 32" in detail, detail
 
 
 def test_a_restarted_replicas_events_are_followed_again(
