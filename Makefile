@@ -56,8 +56,11 @@ lint: $(STAMP)
 # checks run while it installs (one mostly waits on the disk, the other on a core).
 SKIP_REAL_VLLM ?= 0
 BEFORE_TESTS := lint $(if $(filter 1,$(SKIP_REAL_VLLM)),,engines)
+# The package's bytecode written once before the tests: where PYTHONDONTWRITEBYTECODE is set,
+# every process a test starts would otherwise compile what the test process never imported.
 test: $(STAMP)
 	scripts/test-tools
+	$(BIN)/python -m compileall -q prefix_gateway
 	@$(MAKE) --no-print-directory -j2 $(BEFORE_TESTS)
 	$(BIN)/pytest $(PARALLEL) -m "not real_vllm and not alone"
 	$(BIN)/pytest -m alone
@@ -65,4 +68,5 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	scripts/test-tools
+	$(BIN)/python -m compileall -q prefix_gateway
 	$(BIN)/pytest $(PARALLEL) -m "not real_vllm and not fleet and not slow"
