@@ -7,6 +7,7 @@ every load, a tenant with budgets, the gateway as a real process.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,6 +15,7 @@ import httpx
 import pytest
 import yaml
 
+from prefix_gateway.backends.adapters import FIRST_BACKOFF
 from tests.fault_servers import FaultServer
 from tests.support import GatewayProcess, wait_until
 
@@ -74,17 +76,21 @@ def loads(replicas: list[FaultServer]) -> list[int]:
 def test_a_burst_makes_one_load_per_replica_and_is_told_adapter_unavailable(
     gateway: GatewayProcess, replicas: list[FaultServer]
 ) -> None:
+    started = time.monotonic()
     with ThreadPoolExecutor(BURST) as pool:
         answers = list(pool.map(lambda _: ask(gateway), range(BURST)))
     answers += [ask(gateway) for _ in range(BURST)]
-    assert loads(replicas) == [1, 1]
+    # One load per replica, then none before its pause is over: on a machine slow enough for
+    # the requests to outlast a pause, one more each time one ends.
+    most = 1 + int((time.monotonic() - started) // FIRST_BACKOFF)
+    assert all(1 <= made <= most for made in loads(replicas)), (loads(replicas), most)
     for answer in answers:
         assert answer.status_code == 503, answer.text
         error = answer.json()["error"]
         assert error["code"] == "adapter_unavailable"
         assert error["message"].startswith("adapter unavailable")
         assert "replica failed" not in answer.text and "/srv/secret" not in answer.text
-        assert 1 <= int(answer.headers["retry-after"]) <= 5
+        assert 1 <= int(answer.headers["retry-after"]) <= FIRST_BACKOFF * 2 ** (most - 1)
     # Charged as a refusal by the gateway is: nothing used, the reservations given back.
     (view,) = httpx.get(gateway.url + "/admin/tenants", timeout=10).json()["data"]
     assert view["requests"] == {"503": 2 * BURST}

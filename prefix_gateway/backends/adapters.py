@@ -38,7 +38,9 @@ _LOAD_SECONDS = 120.0
 is for answers that read nothing)."""
 _ALREADY_LOADED = "has already been loaded"
 """vLLM's 400 for a load of an adapter it holds (loaded meanwhile by another gateway)."""
-_FIRST_BACKOFF = 5.0
+FIRST_BACKOFF = 5.0
+"""Seconds an adapter is not tried again on a replica after its first failed load there;
+doubled after each further failure."""
 _LONGEST_BACKOFF = 300.0
 
 
@@ -154,7 +156,7 @@ class AdapterLoader:
     def _remember_failure(self, backend: Backend, spec: AdapterSpec) -> _Failure:
         key = (backend.name, spec.name)
         earlier = self._failed.get(key)
-        pause = _FIRST_BACKOFF if earlier is None else min(earlier.pause * 2, _LONGEST_BACKOFF)
+        pause = FIRST_BACKOFF if earlier is None else min(earlier.pause * 2, _LONGEST_BACKOFF)
         failure = self._failed[key] = _Failure(self._clock() + pause, pause)
         return failure
 
