@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 RUNTIME_STAMP := $(VENV)/.installed-runtime
 STAMP := $(VENV)/.installed
 
-.PHONY: run run-real test test-fast lint install engines
+.PHONY: run run-real test test-fast lint install engines bytecode
 
 # The suite's modules on several workers, one per core: more starve the processes the tests
 # start (deadlines of Redis calls, health probes) on a busy machine. The tests marked `alone`,
@@ -38,7 +38,8 @@ run: $(RUNTIME_STAMP)
 run-real: $(RUNTIME_STAMP)
 	$(BIN)/python -m engines.fleet --port 8080
 
-# vLLM's CPU build in ~/.cache/prefix-gateway (one for every checkout), for run-real and the real_vllm tests (stamped: once).
+# vLLM's CPU build in ~/.cache/prefix-gateway (one for every checkout), for run-real and the
+# real_vllm tests (stamped: once).
 engines: $(RUNTIME_STAMP)
 	$(BIN)/python -m engines.venv
 
@@ -58,15 +59,16 @@ SKIP_REAL_VLLM ?= 0
 BEFORE_TESTS := lint $(if $(filter 1,$(SKIP_REAL_VLLM)),,engines)
 # The package's bytecode written once before the tests: where PYTHONDONTWRITEBYTECODE is set,
 # every process a test starts would otherwise compile what the test process never imported.
-test: $(STAMP)
-	scripts/test-tools
+bytecode: $(STAMP)
 	$(BIN)/python -m compileall -q prefix_gateway
+
+test: $(STAMP) bytecode
+	scripts/test-tools
 	@$(MAKE) --no-print-directory -j2 $(BEFORE_TESTS)
 	$(BIN)/pytest $(PARALLEL) -m "not real_vllm and not alone"
 	$(BIN)/pytest -m alone
 	$(BIN)/pytest $(PARALLEL) -m real_vllm
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) bytecode
 	scripts/test-tools
-	$(BIN)/python -m compileall -q prefix_gateway
 	$(BIN)/pytest $(PARALLEL) -m "not real_vllm and not fleet and not slow"

@@ -101,7 +101,6 @@ def metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
     return found
 
 
-
 def cores_of(spec: str) -> set[int]:
     """The cores `spec` names: numbers and ranges joined by commas ("0", "0-1", "0,2")."""
     cores: set[int] = set()
@@ -109,6 +108,7 @@ def cores_of(spec: str) -> set[int]:
         first, _, last = part.strip().partition("-")
         cores.update(range(int(first), int(last or first) + 1))
     return cores
+
 
 class VLLMReplica:
     """A vLLM server for the model in `model`, on `host:port` (a free port when 0)."""
@@ -158,6 +158,11 @@ class VLLMReplica:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def address(self) -> str:
+        """`host:port`: the replica's name in a gateway (`x-gateway-backend`, the doctor)."""
+        return f"{self.host}:{self.port}"
 
     @property
     def pid(self) -> int:

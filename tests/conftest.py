@@ -84,7 +84,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip the tests against real vLLM replicas only when asked to; otherwise put them first,
     so that on several workers the one that takes them starts at once (after the `alone`
-    ones, which run with them)."""
+    ones, where one run selects both)."""
     asked = config.getoption("--skip-real-vllm") or os.environ.get(SKIP_REAL_VLLM) == "1"
     if asked:
         skip = pytest.mark.skip(reason=SKIP_REAL_VLLM_REASON)

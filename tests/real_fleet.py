@@ -29,6 +29,8 @@ from engines.venv import VLLMVenv
 from tests.support import GatewayProcess
 
 MODEL = "tiny-llama"
+BLOCK = 32
+"""The tokens a block of the pair's engines holds (VLLMReplica's default)."""
 ONLY = (f"{MODEL}-a", f"{MODEL}-b")  # the model each replica alone serves
 ADAPTERS = ("only-a", "only-b", "both", "lazy")
 # The adapters each replica serves from its start.
@@ -49,8 +51,7 @@ class RealReplicas:
 
     def name(self, index: int) -> str:
         """The replica's name in a gateway (`x-gateway-backend`, /admin/backends)."""
-        replica = self.replicas[index]
-        return f"{replica.host}:{replica.port}"
+        return self.replicas[index].address
 
     def index(self, name: str) -> int:
         """The position of the replica a gateway calls `name`."""

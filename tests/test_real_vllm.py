@@ -27,8 +27,7 @@ import pytest
 
 from engines.fleet import model_folder
 from engines.kv_events import DEFAULT_SEED, KVEventSubscriber, block_hashes
-from engines.replica import VLLMReplica
-from tests.real_fleet import MODEL, ONLY, RealFleet, RealReplicas
+from tests.real_fleet import BLOCK, MODEL, ONLY, RealFleet, RealReplicas
 from tests.support import GatewayProcess, metric_value, wait_until
 from tests.test_doctor import CHECKS as DOCTOR_CHECKS
 from tests.test_doctor import by_check, doctor
@@ -37,7 +36,6 @@ from tests.test_responses import WEATHER_TOOL
 
 pytestmark = pytest.mark.real_vllm
 
-BLOCK = 32
 # Long enough to fill several blocks of 32 tokens with the tiny model's tokenizer.
 SHOP = (
     "You are a patient assistant for a hardware shop. Answer questions about tools, "
@@ -326,7 +324,7 @@ def test_per_model_pools_learned_from_served_model_names(
             client, [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]
         )
         seen.add(backend)
-    assert seen == {f"{r.host}:{r.port}" for r in real.replicas}
+    assert seen == {r.address for r in real.replicas}
 
 
 def test_cache_salt_passes_through_and_isolates_the_prefix_cache(client: openai.OpenAI) -> None:
@@ -486,7 +484,7 @@ def tokens_gateway(real: RealFleet) -> Iterator[GatewayProcess]:
     their KV-cache events (learned from their /kv_event_sources)."""
     args = ("--tokenizer", str(model_folder()), "--engine-block-size", str(BLOCK), "--kv-events")
     with GatewayProcess(real.urls, *args, "--doctor-interval", "600") as gateway:
-        backends = [f"{replica.host}:{replica.port}" for replica in real.replicas]
+        backends = [replica.address for replica in real.replicas]
 
         def live() -> bool:
             text = gateway.metrics()
@@ -603,7 +601,7 @@ def test_kv_events_show_blocks_the_gateway_never_sent(
     reply = httpx.post(replica.url + "/v1/chat/completions", json=body, timeout=60).json()
     full_blocks = reply["usage"]["prompt_tokens"] // BLOCK
     assert full_blocks >= 4
-    name = f"{replica.host}:{replica.port}"
+    name = replica.address
 
     def matched() -> dict[str, int]:
         explained = httpx.post(tokens_gateway.url + "/admin/explain", json=body, timeout=10)
@@ -613,15 +611,11 @@ def test_kv_events_show_blocks_the_gateway_never_sent(
     assert sum(matched().values()) == full_blocks  # the other replica holds none of it
 
 
-def named(replica: VLLMReplica) -> str:
-    return f"{replica.host}:{replica.port}"
-
-
 def test_doctor_passes_real_replicas_routed_on_their_tokens(real: RealFleet) -> None:
     flags = ("--tokenizer", str(model_folder()), "--engine-block-size", str(BLOCK), "--kv-events")
     status, rows = doctor(*(part for url in real.urls for part in ("--backend", url)), *flags)
     for replica in real.replicas:
-        checks = by_check(rows, named(replica))
+        checks = by_check(rows, replica.address)
         assert list(checks) == [*DOCTOR_CHECKS, "token-agreement", "kv-events"]
         assert {verdict for verdict, _ in checks.values()} == {"PASS"}, rows
         assert "tokens counted with --tokenizer, blocks of 32" in checks["token-agreement"][1]
@@ -644,7 +638,7 @@ def test_doctor_names_the_block_size_the_engine_caches_in(real: RealFleet) -> No
     replica = real.replicas[0]
     flags = ("--tokenizer", str(model_folder()), "--engine-block-size", "64")
     status, rows = doctor("--backend", replica.url, *flags)
-    verdict, detail = by_check(rows, named(replica))["token-agreement"]
+    verdict, detail = by_check(rows, replica.address)["token-agreement"]
     assert verdict == "FAIL"
     assert "as blocks of 32 tokens would; the gateway hashes blocks of 64" in detail, detail
     assert status == 1
@@ -670,7 +664,7 @@ def test_doctor_tells_a_chat_template_from_a_tokenizer(
     replica = real.replicas[0]
     for folder, differs in ((template, "chat template differs"), (tokenizer, "tokenizer differs")):
         status, rows = doctor("--backend", replica.url, "--tokenizer", str(folder))
-        verdict, detail = by_check(rows, named(replica))["token-agreement"]
+        verdict, detail = by_check(rows, replica.address)["token-agreement"]
         assert verdict == "FAIL" and detail.split(": ", 1)[1].startswith(differs), detail
         assert status == 1
 
@@ -681,7 +675,7 @@ def test_a_restarted_replicas_events_are_followed_again(
     """It restarts replica 1, whose cache is then empty: no other test relies on what that
     cache held before it."""
     replica = real.replicas[1]
-    name = f"{replica.host}:{replica.port}"
+    name = replica.address
 
     def feed() -> dict[str, Any]:
         listed = httpx.get(tokens_gateway.url + "/admin/backends", timeout=10).json()["data"]

@@ -11,17 +11,10 @@ from engines.fleet import VLLMFleet, model_folder
 from engines.replica import VLLMReplica
 from engines.tiny_model import ensure_model
 from engines.venv import VLLMVenv
-from tests.real_fleet import MODEL
+from tests.real_fleet import BLOCK, MODEL
 from tests.test_doctor import by_check, doctor
 
 pytestmark = pytest.mark.real_vllm
-
-BLOCK = 32
-"""The fleet's block size, which the doctor is told."""
-
-
-def named(replica: VLLMReplica) -> str:
-    return f"{replica.host}:{replica.port}"
 
 
 def test_doctor_on_engines_without_prefix_caching_or_with_other_blocks() -> None:
@@ -45,7 +38,7 @@ def test_doctor_on_engines_without_prefix_caching_or_with_other_blocks() -> None
         off, other_blocks = started.replicas
         status, rows = doctor("--backend", off.url, "--backend", other_blocks.url, *flags)
     assert status == 1
-    without = by_check(rows, named(off))
+    without = by_check(rows, off.address)
     assert without["prefix-caching"][0] == "FAIL"
     assert "--enable-prefix-caching" in without["prefix-caching"][1]
     assert without["cached-tokens-reported"][0] == "PASS"
@@ -53,7 +46,7 @@ def test_doctor_on_engines_without_prefix_caching_or_with_other_blocks() -> None
         "FAIL",
         "nothing was served from cache to compare (see prefix-caching)",
     )
-    blocks = by_check(rows, named(other_blocks))
+    blocks = by_check(rows, other_blocks.address)
     assert blocks["prefix-caching"][0] == "PASS"
     verdict, detail = blocks["token-agreement"]
     assert verdict == "FAIL"
